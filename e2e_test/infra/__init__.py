@@ -1,0 +1,1 @@
+"""The harness library: usable from a Python prompt, without pytest."""

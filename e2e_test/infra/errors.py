@@ -1,0 +1,32 @@
+"""Error types. The first line of every message is a sentence a user can act on."""
+
+
+class HarnessError(Exception):
+    """Base class: bad input, a failed precondition, or a failed run."""
+
+    def __init__(self, summary: str, details: str = ""):
+        super().__init__(summary + (("\n" + details) if details else ""))
+        self.summary = summary
+        self.details = details
+
+
+class ConfigError(HarnessError):
+    """Invalid registry entry, topology string, device list, dataset folder or option.
+
+    Raised before any process starts."""
+
+
+class StartupError(HarnessError):
+    """A worker or the gateway failed to become ready."""
+
+
+class StallError(HarnessError):
+    """In-flight requests made no progress for the watchdog window."""
+
+
+class TeardownError(HarnessError):
+    """Something survived teardown: a process, a port, GPU memory or a /dev/shm segment."""
+
+
+class WorkerDied(HarnessError):
+    """A worker or the gateway exited while requests were running."""
