@@ -1,0 +1,185 @@
+"""The device planner: topology x model spec x devices -> one PlanEntry per worker process.
+
+Order (documented contract): roles are assigned in the topology's role order (encode, prefill,
+decode; attention before FFN; the AFD native baseline on the first devices), workers of a role
+in index order, each taking the next devices of the ordered device list. The list comes from
+`--devices`/E2E_DEVICES, for AFD topologies AFD_E2E_DEVICES, else CUDA_VISIBLE_DEVICES, else
+the NVML inventory. When there are fewer devices than workers need, workers are packed onto a
+device as long as their memory fractions add up to at most 1.0, each worker on the devices with
+the most room left (the earlier ones on a tie), spreading them over the listed devices.
+
+On CPU each worker gets its own cores (E2E_CPU_CORES or this process's affinity), split evenly.
+Pure: no process is started, nothing but the inventory is read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from .errors import ConfigError
+from .model_specs import ModelSpec
+from .topology import Topology
+
+CAPACITY = 1.0 + 1e-9
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    name: str                  # "prefill-0"
+    role: str                  # worker | encode | prefill | decode | attention | ffn
+    index: int
+    tp: int
+    dp: int
+    gpus: tuple[int, ...] = ()  # physical GPU ids (empty on CPU)
+    cores: tuple[int, ...] = ()  # CPU cores (empty on GPU)
+    mem_fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    topology: str
+    backend: str               # "cpu" | "cuda"
+    entries: tuple[PlanEntry, ...]
+    devices: tuple[int, ...] = ()
+    packed: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def by_role(self, role: str) -> list[PlanEntry]:
+        return [e for e in self.entries if e.role == role]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        lines = [f"plan {self.topology} on {self.backend}"
+                 + (f" devices {','.join(map(str, self.devices))}" if self.devices else "")
+                 + (" (packed)" if self.packed else "")]
+        for e in self.entries:
+            where = (f"gpu {','.join(map(str, e.gpus))} mem {e.mem_fraction:.2f}" if e.gpus
+                     else f"cores {','.join(map(str, e.cores))}")
+            lines.append(f"  {e.name:<12} tp={e.tp} dp={e.dp} {where}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def parse_device_list(text: str, source: str) -> tuple[int, ...]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"{source}: empty device list")
+    try:
+        devs = tuple(int(t) for t in items)
+    except ValueError:
+        raise ConfigError(f"{source}={text!r}: device ids must be integers") from None
+    if any(d < 0 for d in devs):
+        raise ConfigError(f"{source}={text!r}: device ids must be >= 0")
+    dup = sorted({d for d in devs if devs.count(d) > 1})
+    if dup:
+        raise ConfigError(f"{source}={text!r}: duplicate device(s) {dup}")
+    return devs
+
+
+def nvml_inventory() -> tuple[int, ...]:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            return tuple(range(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return ()
+
+
+def resolve_devices(topology: Topology, explicit: str | None = None,
+                    environ: dict | None = None, inventory=nvml_inventory) -> tuple[int, ...]:
+    env = os.environ if environ is None else environ
+    if explicit:
+        return parse_device_list(explicit, "--devices")
+    if env.get("E2E_DEVICES"):
+        return parse_device_list(env["E2E_DEVICES"], "E2E_DEVICES")
+    if topology.kind == "afd" and env.get("AFD_E2E_DEVICES"):
+        return parse_device_list(env["AFD_E2E_DEVICES"], "AFD_E2E_DEVICES")
+    if env.get("CUDA_VISIBLE_DEVICES"):
+        return parse_device_list(env["CUDA_VISIBLE_DEVICES"], "CUDA_VISIBLE_DEVICES")
+    return tuple(inventory())
+
+
+def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
+    env = os.environ if environ is None else environ
+    if env.get("E2E_CPU_CORES"):
+        return parse_device_list(env["E2E_CPU_CORES"], "E2E_CPU_CORES")
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def _workers(topology: Topology):
+    for g in topology.roles:
+        for i in range(g.count):
+            yield g, i
+
+
+def plan_cpu(topology: Topology, cores: tuple[int, ...]) -> Plan:
+    n = topology.num_workers
+    if n > len(cores):
+        raise ConfigError(f"topology {topology.name!r} needs {n} workers with their own cores; "
+                          f"only {len(cores)} core(s) available ({','.join(map(str, cores))})")
+    share, extra = divmod(len(cores), n)
+    entries, pos = [], 0
+    for k, (g, i) in enumerate(_workers(topology)):
+        take = share + (1 if k < extra else 0)
+        entries.append(PlanEntry(f"{g.role}-{i}", g.role, i, g.tp, g.dp,
+                                 cores=tuple(cores[pos:pos + take])))
+        pos += take
+    return Plan(topology.name, "cpu", tuple(entries), devices=())
+
+
+def plan_gpu(topology: Topology, spec: ModelSpec, devices: tuple[int, ...]) -> Plan:
+    if not devices:
+        raise ConfigError(f"topology {topology.name!r} needs GPUs but none were found "
+                          "(set E2E_DEVICES or CUDA_VISIBLE_DEVICES)")
+    dup = sorted({d for d in devices if devices.count(d) > 1})
+    if dup:
+        raise ConfigError(f"device list {','.join(map(str, devices))}: duplicate device(s) {dup}")
+    frac = spec.gpu_memory_fraction
+    need = topology.num_devices * spec.tp
+    workers = list(_workers(topology))
+    entries: list[PlanEntry] = []
+    if need <= len(devices):
+        pos = 0
+        for g, i in workers:
+            k = g.devices_per_worker * spec.tp
+            entries.append(PlanEntry(f"{g.role}-{i}", g.role, i, g.tp * spec.tp, g.dp,
+                                     gpus=tuple(devices[pos:pos + k]), mem_fraction=frac))
+            pos += k
+        return Plan(topology.name, "cuda", tuple(entries), devices=tuple(devices))
+    # Pack: each worker takes the run of k consecutive devices with room for `frac` that has
+    # the most memory left (the earliest on a tie), so every listed device gets used.
+    free = [1.0] * len(devices)
+    for g, i in workers:
+        k = g.devices_per_worker * spec.tp
+        fits = [range(start, start + k) for start in range(len(devices) - k + 1)
+                if all(free[j] + 1e-9 >= frac for j in range(start, start + k))]
+        if not fits:
+            raise ConfigError(
+                f"topology {topology.name!r} with model {spec.id!r} needs {need} device(s) at "
+                f"memory fraction {frac}; {len(devices)} device(s) "
+                f"({','.join(map(str, devices))}) cannot hold it even packed")
+        window = max(fits, key=lambda w: (round(min(free[j] for j in w), 6), -w.start))
+        for j in window:
+            free[j] -= frac
+        entries.append(PlanEntry(f"{g.role}-{i}", g.role, i, g.tp * spec.tp, g.dp,
+                                 gpus=tuple(devices[j] for j in window), mem_fraction=frac))
+    return Plan(topology.name, "cuda", tuple(entries), devices=tuple(devices), packed=True,
+                notes=(f"{need} device(s) wanted, {len(devices)} available: packed by "
+                       f"memory fraction {frac}",))
+
+
+def make_plan(topology: Topology, spec: ModelSpec, backend: str,
+              devices: tuple[int, ...] | None = None,
+              cores: tuple[int, ...] | None = None) -> Plan:
+    if backend == "cpu":
+        return plan_cpu(topology, cores if cores is not None else cpu_cores())
+    if backend == "cuda":
+        return plan_gpu(topology, spec,
+                        devices if devices is not None else resolve_devices(topology))
+    raise ConfigError(f"unknown backend {backend!r} (cpu or cuda)")

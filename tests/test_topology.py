@@ -1,0 +1,126 @@
+"""Topology strings -> Topology data, and one-line ConfigErrors for bad strings."""
+
+import pytest
+
+from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.topology import RoleGroup, parse
+
+R = RoleGroup
+
+
+def roles(text: str):
+    return parse(text).roles
+
+
+def one_line_error(text: str) -> str:
+    with pytest.raises(ConfigError) as ei:
+        parse(text)
+    msg = str(ei.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("text,kind,expected", [
+    ("1", "regular", (R("worker", 1),)),
+    ("dp2", "dp", (R("worker", 2),)),
+    ("dp2-engine", "dp", (R("worker", 1, dp=2),)),
+    ("1p1d", "pd", (R("prefill", 1), R("decode", 1))),
+    ("2p1d", "pd", (R("prefill", 2), R("decode", 1))),
+    ("1e1p1d", "epd", (R("encode", 1), R("prefill", 1), R("decode", 1))),
+    ("1e2p1d", "epd", (R("encode", 1), R("prefill", 2), R("decode", 1))),
+    ("2e1p1d", "epd", (R("encode", 2), R("prefill", 1), R("decode", 1))),
+    ("1e1p2d", "epd", (R("encode", 1), R("prefill", 1), R("decode", 2))),
+    ("1a1f", "afd", (R("attention", 1, dp=1), R("ffn", 1, dp=1))),
+    ("2a2f", "afd", (R("attention", 1, dp=2), R("ffn", 1, dp=2))),
+    ("4a4f", "afd", (R("attention", 1, dp=4), R("ffn", 1, dp=4))),
+    ("native-dp4", "afd", (R("worker", 1, dp=4),)),
+])
+def test_parse(text, kind, expected):
+    t = parse(text)
+    assert t.kind == kind
+    assert t.roles == expected
+    assert t.name == text and str(t) == text
+
+
+def test_counts_and_flags():
+    t = parse("dp2")
+    assert (t.num_workers, t.num_devices, t.engine_dp, t.native_baseline) == (2, 2, False, False)
+    t = parse("dp2-engine")
+    assert (t.num_workers, t.num_devices, t.engine_dp) == (1, 2, True)
+    t = parse("1e2p1d")
+    assert (t.num_workers, t.num_devices) == (4, 4)
+    t = parse("4a4f")
+    assert (t.num_workers, t.num_devices) == (2, 8)
+    t = parse("native-dp4")
+    assert (t.num_workers, t.num_devices, t.native_baseline) == (1, 4, True)
+    assert parse("1p1d").group("decode") == R("decode", 1)
+    assert parse("1p1d").group("encode") is None
+
+
+def test_parse_normalises_and_accepts_topology():
+    t = parse(" 1P1D ")
+    assert t.name == "1p1d" and t.kind == "pd"
+    assert parse(t) is t
+
+
+def test_options_every_role():
+    t = parse("1p1d,tp=2")
+    assert t.roles == (R("prefill", 1, tp=2), R("decode", 1, tp=2))
+    assert t.num_devices == 4
+    assert t.name == "1p1d,tp=2"
+
+
+def test_options_one_role():
+    assert roles("1p1d,p.tp=2") == (R("prefill", 1, tp=2), R("decode", 1))
+    assert roles("1p1d,d.dp=2") == (R("prefill", 1), R("decode", 1, dp=2))
+    assert roles("1p1d,prefill.tp=2,decode.tp=4") == (R("prefill", 1, tp=2),
+                                                      R("decode", 1, tp=4))
+    assert roles("1,w.tp=2") == (R("worker", 1, tp=2),)
+    assert parse("1p1d,d.dp=2").num_devices == 3
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("garbage", "bad topology 'garbage': expected 1, dpN"),
+    ("", "topology must be a non-empty string"),
+    ("2", "bad topology '2'"),
+    ("1p", "bad topology '1p'"),
+    ("0p1d", "topology '0p1d': prefill count 0 must be 1..64"),
+    ("1p0d", "topology '1p0d': decode count 0 must be 1..64"),
+    ("0e1p1d", "encode count 0"),
+    ("65p1d", "prefill count 65 must be 1..64"),
+    ("dp1", "topology 'dp1': dp needs at least 2 (use `1` for one worker)"),
+    ("dp0", "dp count 0 must be 1..64"),
+    ("3a2f", "topology '3a2f': AFD needs attention ranks (3) to be a multiple of FFN ranks (2)"),
+    ("1a2f", "AFD needs attention ranks (1) to be a multiple of FFN ranks (2)"),
+    ("1p1d,tp2", "topology '1p1d,tp2': bad option 'tp2' (use tp=K or ROLE.tp=K)"),
+    ("1p1d,pp=2", "bad option 'pp=2'"),
+    ("1p1d,tp=3", "tp=3 must be 1, 2, 4, 8 or 16"),
+    ("1p1d,tp=0", "tp=0 must be 1, 2, 4, 8 or 16"),
+    ("1p1d,x.tp=2", ("topology '1p1d,x.tp=2': unknown role 'x' (roles: worker, encode, "
+                     "prefill, decode, attention, ffn)")),
+    ("1p1d,e.tp=2", "topology '1p1d,e.tp=2': no 'encode' role in pd"),
+    ("1,a.tp=2", "no 'attention' role in regular"),
+])
+def test_errors_are_one_line(text, expected):
+    assert expected in one_line_error(text)
+
+
+def test_non_string():
+    with pytest.raises(ConfigError, match="non-empty string"):
+        parse(None)
+
+
+def test_check_engine():
+    parse("1e1p1d").check_engine("tokenspeed")
+    parse("2a2f").check_engine("vllm")
+    parse("1p1d").check_engine("vllm")
+    parse("1p1d").check_engine("tokenspeed")
+    with pytest.raises(ConfigError) as ei:
+        parse("1e1p1d").check_engine("vllm")
+    assert str(ei.value) == ("topology '1e1p1d' (epd) cannot run on engine 'vllm': "
+                             "only tokenspeed")
+    with pytest.raises(ConfigError) as ei:
+        parse("2a2f").check_engine("tokenspeed")
+    assert str(ei.value) == "topology '2a2f' (afd) cannot run on engine 'tokenspeed': only vllm"
+    with pytest.raises(ConfigError, match="only vllm"):
+        parse("native-dp4").check_engine("tokenspeed")
