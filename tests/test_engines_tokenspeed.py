@@ -1,0 +1,144 @@
+"""TokenSpeed command builder: exact argv and env per role (no process is started)."""
+
+import sys
+
+import pytest
+
+from e2e_test.infra.engines import EngineOptions, Ports, tokenspeed
+from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.model_specs import get_spec, parse_spec
+from e2e_test.infra.plan import plan_gpu
+from e2e_test.infra.topology import parse
+
+SPEC = get_spec("Qwen/Qwen3.5-9B")          # max_model_len 8192, memory fraction 0.85
+CUDA = EngineOptions(backend="cuda")
+DEVICES = (4, 5, 6)
+
+
+def entries(topo: str, spec=SPEC):
+    t = parse(topo)
+    return t, {e.role: e for e in plan_gpu(t, spec, DEVICES).entries}
+
+
+def head(port: int, tp: int = 1) -> list[str]:
+    return [sys.executable, "-m", "smg_grpc_servicer.tokenspeed",
+            "--model", "/models/q", "--served-model-name", "Qwen/Qwen3.5-9B",
+            "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp),
+            "--log-level", "warning", "--grammar-backend", "xgrammar",
+            "--enable-output-logprobs", "--gpu-memory-utilization", "0.85",
+            "--max-model-len", "8192"]
+
+
+DISAGG_ENV = {"MC_INTRANODE_NVLINK": "1", "TOKENSPEED_SKIP_GRPC_WARMUP": "1",
+              "NO_PROXY": "*", "no_proxy": "*"}
+
+
+def test_regular():
+    t, e = entries("1")
+    assert tokenspeed.aux_ports(t, e["worker"], CUDA) == []
+    cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000), "/models/q", CUDA)
+    assert cmd.argv == head(30000)
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4"}
+    assert (cmd.protocol, cmd.worker_type, cmd.bootstrap_port) == ("grpc", "regular", None)
+
+
+def test_regular_small_window_eager_and_extra_args():
+    t, e = entries("1")
+    opts = EngineOptions(backend="cuda", max_num_seqs=4, enforce_eager=True,
+                         extra_args=("--attention-backend", "fa3"))
+    cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000), "/models/q", opts)
+    assert cmd.argv == head(30000) + ["--max-num-seqs", "4", "--enforce-eager",
+                                      "--attention-backend", "fa3"]
+
+
+def test_engine_dp_needs_dist_init():
+    t, e = entries("dp2-engine")
+    w = e["worker"]
+    assert tokenspeed.aux_ports(t, w, CUDA) == ["dist_init"]
+    cmd = tokenspeed.build(SPEC, t, w, Ports(api=30000, aux={"dist_init": 30001}), "/models/q",
+                           CUDA)
+    assert cmd.argv == head(30000) + ["--data-parallel-size", "2",
+                                      "--dist-init-addr", "127.0.0.1:30001"]
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+
+
+def test_prefill():
+    t, e = entries("1p1d")
+    p = e["prefill"]
+    assert tokenspeed.aux_ports(t, p, CUDA) == ["bootstrap", "dist_init"]
+    cmd = tokenspeed.build(SPEC, t, p, Ports(api=31000, aux={"bootstrap": 31001,
+                                                             "dist_init": 31002}),
+                           "/models/q", CUDA)
+    assert cmd.argv == head(31000) + [
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "31001",
+        "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:31002",
+        "--enable-prefix-caching", "--enforce-eager", "--skip-server-warmup"]
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", **DISAGG_ENV}
+    assert (cmd.protocol, cmd.worker_type, cmd.bootstrap_port) == ("grpc", "prefill", 31001)
+
+
+def test_decode():
+    t, e = entries("1p1d")
+    d = e["decode"]
+    assert tokenspeed.aux_ports(t, d, CUDA) == ["dist_init"]
+    # enforce_eager from the options is added once, after the role flags.
+    opts = EngineOptions(backend="cuda", enforce_eager=True)
+    cmd = tokenspeed.build(SPEC, t, d, Ports(api=32000, aux={"dist_init": 32001}), "/models/q",
+                           opts)
+    assert cmd.argv == head(32000) + [
+        "--disaggregation-mode", "decode",
+        "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:32001",
+        "--enable-prefix-caching", "--skip-server-warmup", "--enforce-eager"]
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "5", **DISAGG_ENV}
+    assert (cmd.worker_type, cmd.bootstrap_port) == ("decode", None)
+
+
+def test_prefill_enforce_eager_not_repeated():
+    t, e = entries("1p1d")
+    cmd = tokenspeed.build(SPEC, t, e["prefill"],
+                           Ports(api=1, aux={"bootstrap": 2, "dist_init": 3}), "/m",
+                           EngineOptions(backend="cuda", enforce_eager=True))
+    assert cmd.argv.count("--enforce-eager") == 1
+
+
+def test_epd_encode_prefill_decode():
+    t, e = entries("1e1p1d")
+    enc = e["encode"]
+    assert tokenspeed.aux_ports(t, enc, CUDA) == ["bootstrap", "dist_init"]
+    cmd = tokenspeed.build(SPEC, t, enc, Ports(api=33000, aux={"bootstrap": 33001,
+                                                               "dist_init": 33002}),
+                           "/models/q", CUDA)
+    assert cmd.argv == head(33000) + [
+        "--disaggregation-mode", "encode", "--disaggregation-bootstrap-port", "33001",
+        "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:33002",
+        "--skip-server-warmup"]
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", **DISAGG_ENV}
+    assert (cmd.protocol, cmd.worker_type, cmd.bootstrap_port) == ("grpc", "encode", 33001)
+    p = tokenspeed.build(SPEC, t, e["prefill"], Ports(api=1, aux={"bootstrap": 2,
+                                                                  "dist_init": 3}), "/m", CUDA)
+    d = tokenspeed.build(SPEC, t, e["decode"], Ports(api=4, aux={"dist_init": 5}), "/m", CUDA)
+    assert (p.worker_type, p.bootstrap_port, p.env["CUDA_VISIBLE_DEVICES"]) == ("prefill", 2, "5")
+    assert (d.worker_type, d.bootstrap_port, d.env["CUDA_VISIBLE_DEVICES"]) == ("decode", None, "6")
+
+
+def test_spec_args_and_tp():
+    spec = parse_spec("m", {"weights": {"source": "path", "path": "/m"}, "tp": 2,
+                            "engines": ["tokenspeed"], "gpu_memory_fraction": 0.5,
+                            "tokenspeed_args": ["--disaggregation-layerwise-interval", "0"]})
+    t = parse("1")
+    w = plan_gpu(t, spec, (0, 1)).entries[0]
+    cmd = tokenspeed.build(spec, t, w, Ports(api=7), "/m", CUDA)
+    assert cmd.argv[cmd.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.5"
+    assert cmd.argv[-2:] == ["--disaggregation-layerwise-interval", "0"]
+    assert "--max-model-len" not in cmd.argv
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_refuses_cpu_and_afd():
+    t, e = entries("1")
+    with pytest.raises(ConfigError, match="CUDA only"):
+        tokenspeed.build(SPEC, t, e["worker"], Ports(api=1), "/m", EngineOptions())
+    ta = parse("2a1f")
+    with pytest.raises(ConfigError, match="not 'afd'"):
+        tokenspeed.build(SPEC, ta, e["worker"], Ports(api=1), "/m", CUDA)

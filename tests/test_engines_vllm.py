@@ -1,0 +1,217 @@
+"""vLLM command builder: exact argv and env per role (no process is started)."""
+
+import json
+import sys
+
+import pytest
+
+from e2e_test.infra.engines import EngineOptions, Ports, core_list, vllm
+from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.model_specs import get_spec
+from e2e_test.infra.plan import plan_cpu, plan_gpu
+from e2e_test.infra.topology import parse
+
+SMOL = get_spec("SmolLM2-135M-Instruct")              # max_model_len 4096, --dtype bfloat16
+LLAMA = get_spec("meta-llama/Llama-3.1-8B-Instruct")  # max_model_len 8192, fraction 0.85
+CPU = EngineOptions()
+CUDA = EngineOptions(backend="cuda")
+UCX = {"UCX_TLS": "sm,tcp,self", "UCX_NET_DEVICES": "lo"}
+
+
+def head(port: int, model_path: str = "/models/smol", spec=SMOL) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model_path, "--served-model-name", spec.id,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(spec.max_model_len)]
+
+
+def cpu_entries(topo: str, cores=(0, 1, 2, 3)):
+    t = parse(topo)
+    return t, {e.name: e for e in plan_cpu(t, cores).entries}
+
+
+def gpu_entries(topo: str, spec, devices=(0, 1)):
+    t = parse(topo)
+    return t, {e.name: e for e in plan_gpu(t, spec, devices).entries}
+
+
+def kv_config(cmd) -> dict:
+    return json.loads(cmd.argv[cmd.argv.index("--kv-transfer-config") + 1])
+
+
+# -- regular and DP ---------------------------------------------------------------------------
+
+def test_regular_cpu_worker():
+    t, e = cpu_entries("1", cores=(0, 1))
+    w = e["worker-0"]
+    assert vllm.aux_ports(t, w, CPU) == []
+    cmd = vllm.build(SMOL, t, w, Ports(api=20100), "/models/smol", CPU)
+    assert cmd.argv == head(20100) + ["--dtype", "bfloat16"]
+    assert cmd.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert (cmd.protocol, cmd.health_path, cmd.worker_type, cmd.kv_connector) == (
+        "http", "/health", "regular", None)
+    assert cmd.bootstrap_port is None
+    assert cmd.metadata == {"engine": "vllm"}
+
+
+def test_dp2_cpu_workers_get_their_own_cores():
+    t, e = cpu_entries("dp2", cores=(0, 1, 2, 3))
+    opts = EngineOptions(cpu_kv_cache_gib=4)
+    c0 = vllm.build(SMOL, t, e["worker-0"], Ports(api=20100), "/m", opts)
+    c1 = vllm.build(SMOL, t, e["worker-1"], Ports(api=20101), "/m", opts)
+    assert c0.env == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert c1.env == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "2-3"}
+    assert "--data-parallel-size" not in c0.argv
+
+
+def test_dp2_engine_gpu_worker():
+    t, e = gpu_entries("dp2-engine", LLAMA, devices=(2, 3))
+    w = e["worker-0"]
+    assert vllm.aux_ports(t, w, CUDA) == ["dp_rpc"]
+    cmd = vllm.build(LLAMA, t, w, Ports(api=20200, aux={"dp_rpc": 20201}), "/models/llama",
+                     CUDA)
+    assert cmd.argv == head(20200, "/models/llama", LLAMA) + [
+        "--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
+        "--data-parallel-rpc-port", "20201", "--gpu-memory-utilization", "0.85"]
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert (cmd.worker_type, cmd.kv_connector) == ("regular", None)
+
+
+def test_gpu_tp_and_packed_fraction():
+    t, e = gpu_entries("1,tp=2", LLAMA, devices=(4, 5))
+    cmd = vllm.build(LLAMA, t, e["worker-0"], Ports(api=1), "/m", CUDA)
+    assert cmd.argv[cmd.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    t, e = gpu_entries("dp2", SMOL, devices=(0,))
+    cmd = vllm.build(SMOL, t, e["worker-1"], Ports(api=1), "/m", CUDA)
+    assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.2"
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_max_num_seqs_enforce_eager_and_extra_args():
+    t, e = cpu_entries("1", cores=(3,))
+    opts = EngineOptions(enforce_eager=True, max_num_seqs=4, extra_args=("--seed", "7"))
+    cmd = vllm.build(SMOL, t, e["worker-0"], Ports(api=20300), "/models/smol", opts)
+    assert cmd.argv == head(20300) + ["--enforce-eager", "--max-num-seqs", "4",
+                                      "--dtype", "bfloat16", "--seed", "7"]
+    assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+
+
+# -- PD ---------------------------------------------------------------------------------------
+
+NIXL_CPU = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
+NIXL_GPU = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+
+
+def test_pd_nixl_cpu_prefill_and_decode():
+    t, e = cpu_entries("1p1d", cores=(0, 1, 2, 3))
+    p, d = e["prefill-0"], e["decode-0"]
+    assert vllm.aux_ports(t, p, CPU) == ["nixl"]
+    assert vllm.aux_ports(t, d, CPU) == ["nixl"]
+    pc = vllm.build(SMOL, t, p, Ports(api=21000, aux={"nixl": 21001}), "/models/smol", CPU)
+    dc = vllm.build(SMOL, t, d, Ports(api=21002, aux={"nixl": 21003}), "/models/smol", CPU)
+    assert pc.argv == head(21000) + ["--kv-transfer-config", NIXL_CPU, "--dtype", "bfloat16"]
+    assert dc.argv == head(21002) + ["--kv-transfer-config", NIXL_CPU, "--dtype", "bfloat16"]
+    assert pc.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                      "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                      "VLLM_NIXL_SIDE_CHANNEL_PORT": "21001", **UCX}
+    assert dc.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "2-3",
+                      "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                      "VLLM_NIXL_SIDE_CHANNEL_PORT": "21003", **UCX}
+    assert (pc.worker_type, pc.kv_connector, pc.bootstrap_port) == (
+        "prefill", "NixlConnector", None)
+    assert (dc.worker_type, dc.kv_connector) == ("decode", "NixlConnector")
+
+
+def test_pd_nixl_gpu_has_no_kv_buffer_device_and_no_ucx():
+    t, e = gpu_entries("1p1d", LLAMA, devices=(0, 1))
+    pc = vllm.build(LLAMA, t, e["prefill-0"], Ports(api=22000, aux={"nixl": 22001}),
+                    "/models/llama", CUDA)
+    dc = vllm.build(LLAMA, t, e["decode-0"], Ports(api=22002, aux={"nixl": 22003}),
+                    "/models/llama", CUDA)
+    assert pc.argv == head(22000, "/models/llama", LLAMA) + [
+        "--gpu-memory-utilization", "0.85", "--kv-transfer-config", NIXL_GPU]
+    assert pc.env == {"CUDA_VISIBLE_DEVICES": "0", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                      "VLLM_NIXL_SIDE_CHANNEL_PORT": "22001"}
+    assert dc.env == {"CUDA_VISIBLE_DEVICES": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                      "VLLM_NIXL_SIDE_CHANNEL_PORT": "22003"}
+    assert "kv_buffer_device" not in kv_config(dc)
+    assert (pc.worker_type, dc.worker_type, dc.kv_connector) == (
+        "prefill", "decode", "NixlConnector")
+
+
+def test_pd_example_connector_producer_consumer():
+    t, e = cpu_entries("1p1d", cores=(0, 1))
+    opts = EngineOptions(kv_connector="example", kv_shared_path="/tmp/kv")
+    assert vllm.aux_ports(t, e["prefill-0"], opts) == []
+    pc = vllm.build(SMOL, t, e["prefill-0"], Ports(api=23000), "/models/smol", opts)
+    dc = vllm.build(SMOL, t, e["decode-0"], Ports(api=23001), "/models/smol", opts)
+    extra = {"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}
+    assert kv_config(pc) == {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+                             **extra}
+    assert kv_config(dc) == {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer",
+                             **extra}
+    assert pc.argv == head(23000) + [
+        "--kv-transfer-config",
+        ('{"kv_connector":"ExampleConnector","kv_role":"kv_producer",'
+         '"kv_connector_extra_config":{"shared_storage_path":"/tmp/kv"}}'),
+        "--dtype", "bfloat16"]
+    assert pc.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    # Not a NIXL worker: smg gets it statically, not through POST /workers.
+    assert (pc.worker_type, pc.kv_connector, dc.worker_type, dc.kv_connector) == (
+        "prefill", None, "decode", None)
+
+
+def test_pd_example_connector_needs_a_folder():
+    t, e = cpu_entries("1p1d", cores=(0, 1))
+    with pytest.raises(ConfigError, match="kv_shared_path"):
+        vllm.build(SMOL, t, e["prefill-0"], Ports(api=1), "/m",
+                   EngineOptions(kv_connector="example"))
+
+
+def test_pd_mooncake():
+    t, e = gpu_entries("1p1d", LLAMA)
+    opts = EngineOptions(backend="cuda", kv_connector="mooncake")
+    assert vllm.aux_ports(t, e["decode-0"], opts) == []
+    dc = vllm.build(LLAMA, t, e["decode-0"], Ports(api=1), "/m", opts)
+    assert kv_config(dc) == {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}
+    assert (dc.kv_connector, dc.env) == ("MooncakeConnector", {"CUDA_VISIBLE_DEVICES": "1"})
+
+
+def test_unknown_connector():
+    t, e = cpu_entries("1p1d", cores=(0, 1))
+    opts = EngineOptions(kv_connector="lmcache")
+    assert vllm.aux_ports(t, e["prefill-0"], opts) == []
+    with pytest.raises(ConfigError) as ei:
+        vllm.build(SMOL, t, e["prefill-0"], Ports(api=1), "/m", opts)
+    assert str(ei.value) == "unknown kv connector 'lmcache' (known: nixl, example, mooncake)"
+
+
+def test_regular_ignores_kv_connector():
+    t, e = cpu_entries("1", cores=(0,))
+    cmd = vllm.build(SMOL, t, e["worker-0"], Ports(api=1), "/m",
+                     EngineOptions(kv_connector="lmcache"))
+    assert "--kv-transfer-config" not in cmd.argv and cmd.kv_connector is None
+
+
+def test_refuses_epd_and_afd():
+    t, e = cpu_entries("1e1p1d", cores=(0, 1, 2))
+    with pytest.raises(ConfigError, match="not 'epd'"):
+        vllm.build(SMOL, t, e["encode-0"], Ports(api=1), "/m", CPU)
+    t, e = cpu_entries("1a1f", cores=(0, 1))
+    with pytest.raises(ConfigError, match="not 'afd'"):
+        vllm.build(SMOL, t, e["attention-0"], Ports(api=1), "/m", CPU)
+
+
+# -- core_list --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cores,expected", [
+    ((0, 1, 2, 5), "0-2,5"),
+    ((0,), "0"),
+    ((), ""),
+    ((3, 1, 2), "1-3"),
+    ((0, 2, 4), "0,2,4"),
+    ((0, 1, 4, 5, 6, 9), "0-1,4-6,9"),
+])
+def test_core_list(cores, expected):
+    assert core_list(cores) == expected
