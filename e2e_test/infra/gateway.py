@@ -1,0 +1,147 @@
+"""The smg gateway: a pure argv builder plus readiness and worker registration.
+
+Regular/DP: `--worker-urls`. PD: `--pd-disaggregation`; vLLM+NIXL workers are registered
+through `POST /workers` with their `kv_connector` (with static --prefill/--decode smg runs in
+passthrough and the decode worker silently recomputes the prompt). EPD: `--epd-disaggregation`
+with gRPC TokenSpeed workers. AFD: the attention endpoint is the only worker.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from .errors import ConfigError, StartupError
+
+
+@dataclass(frozen=True)
+class Admission:
+    """smg admission control: excess requests get 429 admission_queue_full or
+    503 admission_queue_timeout with retry-after."""
+    max_concurrent_requests: int
+    queue_size: int = 0
+    queue_timeout_secs: float = 5.0
+
+    def __post_init__(self):
+        # smg parses --queue-timeout-secs as an integer: 0.5 would kill it at startup.
+        if self.queue_timeout_secs != int(self.queue_timeout_secs):
+            raise ConfigError(f"admission queue_timeout_secs={self.queue_timeout_secs}: smg "
+                              "takes a whole number of seconds")
+
+    def args(self) -> list[str]:
+        return ["--max-concurrent-requests", str(self.max_concurrent_requests),
+                "--queue-size", str(self.queue_size),
+                "--queue-timeout-secs", str(int(self.queue_timeout_secs))]
+
+
+@dataclass(frozen=True)
+class GatewayWorker:
+    url: str                        # http://127.0.0.1:P or grpc://127.0.0.1:P
+    worker_type: str = "regular"    # regular | prefill | decode | encode
+    bootstrap_port: int | None = None
+    kv_connector: str | None = None
+    runtime_type: str = "vllm"
+
+    @property
+    def register_dynamically(self) -> bool:
+        return self.kv_connector is not None
+
+    def registration(self) -> dict:
+        body = {"url": self.url, "worker_type": self.worker_type,
+                "runtime_type": self.runtime_type}
+        if self.kv_connector:
+            body["kv_connector"] = self.kv_connector
+        if self.bootstrap_port is not None:
+            body["bootstrap_port"] = self.bootstrap_port
+        return body
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    kind: str                       # regular | dp | pd | epd | afd
+    workers: tuple[GatewayWorker, ...]
+    port: int
+    prometheus_port: int
+    policy: str = "round_robin"
+    dp_aware: bool = False
+    admission: Admission | None = None
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def build_argv(cfg: GatewayConfig) -> list[str]:
+    argv = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(cfg.port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(cfg.prometheus_port),
+            "--log-level", "info"]
+    static = [w for w in cfg.workers if not w.register_dynamically]
+    if cfg.kind in ("pd", "epd"):
+        argv.append("--pd-disaggregation" if cfg.kind == "pd" else "--epd-disaggregation")
+        for w in static:
+            if w.worker_type == "decode":
+                argv += ["--decode", w.url]
+            else:
+                flag = "--prefill" if w.worker_type == "prefill" else "--encode"
+                argv += [flag, w.url] + ([str(w.bootstrap_port)] if w.bootstrap_port else [])
+        argv += ["--prefill-policy", cfg.policy, "--decode-policy", cfg.policy]
+    else:
+        if static:
+            argv += ["--worker-urls", *[w.url for w in static]]
+        argv += ["--policy", cfg.policy]
+    if cfg.dp_aware:
+        argv.append("--dp-aware")
+    if cfg.admission:
+        argv += cfg.admission.args()
+    argv += list(cfg.extra_args)
+    return argv
+
+
+def register_workers(base_url: str, workers: list[GatewayWorker], timeout: float,
+                     alive=lambda: True) -> None:
+    """POST each dynamic worker, then wait until smg reports all of them healthy."""
+    with httpx.Client(timeout=10) as c:
+        for w in workers:
+            r = c.post(f"{base_url}/workers", json=w.registration())
+            if r.status_code >= 300:
+                raise StartupError(f"gateway refused worker {w.url}: HTTP {r.status_code} "
+                                   f"{r.text[:200]}")
+        wanted = {w.url for w in workers}
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            if not alive():
+                raise StartupError("gateway exited while registering workers")
+            try:
+                listed = c.get(f"{base_url}/workers").json().get("workers", [])
+                ok = {w["url"] for w in listed if w.get("is_healthy")
+                      and w.get("status", "ready") == "ready"}
+                if wanted <= ok:
+                    return
+                last = str([(w["url"], w.get("status")) for w in listed])
+            except (httpx.HTTPError, ValueError) as e:
+                last = repr(e)
+            time.sleep(0.5)
+    raise StartupError(f"gateway did not report workers {sorted(wanted)} healthy within "
+                       f"{timeout:.0f} s (last: {last[:300]})")
+
+
+def probe_ready(base_url: str, model: str, client: httpx.Client) -> tuple[bool, str]:
+    """Ready = /v1/models lists the model AND one real chat completion succeeds."""
+    try:
+        r = client.get(f"{base_url}/v1/models")
+        if r.status_code != 200:
+            return False, f"/v1/models HTTP {r.status_code}"
+        ids = [m.get("id") for m in r.json().get("data", [])]
+        if model not in ids:
+            return False, f"/v1/models lists {ids}, not {model!r}"
+        r = client.post(f"{base_url}/v1/chat/completions", json={
+            "model": model, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say OK."}]})
+        if r.status_code != 200:
+            return False, f"probe chat completion HTTP {r.status_code}: {r.text[:200]}"
+        if not r.json().get("choices"):
+            return False, "probe chat completion had no choices"
+        return True, ""
+    except (httpx.HTTPError, ValueError) as e:
+        return False, repr(e)

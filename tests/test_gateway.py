@@ -1,0 +1,150 @@
+"""smg gateway argv builder and worker registration bodies (no gateway is started).
+
+Each argv is also fed to smg's own argument parser (pure Python, nothing is launched) to check
+that smg reads it the way the harness means it.
+"""
+
+import sys
+
+import pytest
+
+from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.gateway import Admission, GatewayConfig, GatewayWorker, build_argv
+
+HEAD = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", "30000",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", "30001", "--log-level", "info"]
+
+
+def cfg(kind, *workers, **kw):
+    return GatewayConfig(kind=kind, workers=tuple(workers), port=30000, prometheus_port=30001,
+                         **kw)
+
+
+def smg_reads(argv: list[str]):
+    """What smg makes of our argv (its parser only; nothing starts)."""
+    launch_router = pytest.importorskip("smg.launch_router")
+    assert argv[:4] == [sys.executable, "-m", "smg", "launch"]
+    return launch_router.parse_router_args(argv[4:])
+
+
+def test_regular():
+    argv = build_argv(cfg("regular", GatewayWorker("http://127.0.0.1:20001"),
+                          GatewayWorker("http://127.0.0.1:20002")))
+    assert argv == HEAD + ["--worker-urls", "http://127.0.0.1:20001", "http://127.0.0.1:20002",
+                           "--policy", "round_robin"]
+    a = smg_reads(argv)
+    assert (a.host, a.port, a.prometheus_host, a.prometheus_port) == (
+        "127.0.0.1", 30000, "127.0.0.1", 30001)
+    assert a.worker_urls == ["http://127.0.0.1:20001", "http://127.0.0.1:20002"]
+    assert (a.policy, a.pd_disaggregation, a.dp_aware) == ("round_robin", False, False)
+
+
+def test_dp_aware_with_policy():
+    argv = build_argv(cfg("dp", GatewayWorker("http://127.0.0.1:20001"), dp_aware=True,
+                          policy="cache_aware"))
+    assert argv == HEAD + ["--worker-urls", "http://127.0.0.1:20001", "--policy", "cache_aware",
+                           "--dp-aware"]
+    a = smg_reads(argv)
+    assert (a.worker_urls, a.policy, a.dp_aware) == (["http://127.0.0.1:20001"], "cache_aware",
+                                                     True)
+
+
+def test_pd_dynamic_nixl_workers():
+    p = GatewayWorker("http://127.0.0.1:21000", "prefill", kv_connector="NixlConnector")
+    d = GatewayWorker("http://127.0.0.1:21002", "decode", kv_connector="NixlConnector")
+    assert p.register_dynamically and d.register_dynamically
+    argv = build_argv(cfg("pd", p, d))
+    # NIXL workers come through POST /workers: static --prefill/--decode would make smg run
+    # them in passthrough.
+    assert argv == HEAD + ["--pd-disaggregation", "--prefill-policy", "round_robin",
+                           "--decode-policy", "round_robin"]
+    assert "--prefill" not in argv and "--decode" not in argv and "--worker-urls" not in argv
+    a = smg_reads(argv)
+    assert a.pd_disaggregation and a.prefill_urls == [] and a.decode_urls == []
+
+
+def test_pd_static_workers_with_bootstrap_port():
+    workers = (GatewayWorker("grpc://127.0.0.1:31000", "prefill", bootstrap_port=31001,
+                             runtime_type="tokenspeed"),
+               GatewayWorker("grpc://127.0.0.1:31010", "prefill", bootstrap_port=31011,
+                             runtime_type="tokenspeed"),
+               GatewayWorker("grpc://127.0.0.1:32000", "decode", runtime_type="tokenspeed"))
+    assert not any(w.register_dynamically for w in workers)
+    argv = build_argv(cfg("pd", *workers))
+    assert argv == HEAD + ["--pd-disaggregation",
+                           "--prefill", "grpc://127.0.0.1:31000", "31001",
+                           "--prefill", "grpc://127.0.0.1:31010", "31011",
+                           "--decode", "grpc://127.0.0.1:32000",
+                           "--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
+    a = smg_reads(argv)
+    assert a.prefill_urls == [("grpc://127.0.0.1:31000", 31001),
+                              ("grpc://127.0.0.1:31010", 31011)]
+    assert a.decode_urls == ["grpc://127.0.0.1:32000"]
+
+
+def test_pd_static_prefill_without_bootstrap_port():
+    argv = build_argv(cfg("pd", GatewayWorker("http://127.0.0.1:1", "prefill"),
+                          GatewayWorker("http://127.0.0.1:2", "decode")))
+    assert argv[len(HEAD):] == ["--pd-disaggregation", "--prefill", "http://127.0.0.1:1",
+                                "--decode", "http://127.0.0.1:2",
+                                "--prefill-policy", "round_robin",
+                                "--decode-policy", "round_robin"]
+    assert smg_reads(argv).prefill_urls == [("http://127.0.0.1:1", None)]
+
+
+def test_epd():
+    argv = build_argv(cfg("epd",
+                          GatewayWorker("grpc://127.0.0.1:33000", "encode", bootstrap_port=33001),
+                          GatewayWorker("grpc://127.0.0.1:33010", "prefill", bootstrap_port=33011),
+                          GatewayWorker("grpc://127.0.0.1:33020", "decode")))
+    assert argv == HEAD + ["--epd-disaggregation",
+                           "--encode", "grpc://127.0.0.1:33000", "33001",
+                           "--prefill", "grpc://127.0.0.1:33010", "33011",
+                           "--decode", "grpc://127.0.0.1:33020",
+                           "--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
+    assert "--pd-disaggregation" not in argv
+    a = smg_reads(argv)
+    assert a.epd_disaggregation and not a.pd_disaggregation
+    assert a.encode_urls == [("grpc://127.0.0.1:33000", 33001)]
+    assert a.prefill_urls == [("grpc://127.0.0.1:33010", 33011)]
+    assert a.decode_urls == ["grpc://127.0.0.1:33020"]
+
+
+def test_afd_attention_is_the_only_worker():
+    argv = build_argv(cfg("afd", GatewayWorker("http://127.0.0.1:22000")))
+    assert argv == HEAD + ["--worker-urls", "http://127.0.0.1:22000", "--policy", "round_robin"]
+
+
+def test_admission_and_extra_args():
+    adm = Admission(max_concurrent_requests=4, queue_size=8, queue_timeout_secs=5.0)
+    assert adm.args() == ["--max-concurrent-requests", "4", "--queue-size", "8",
+                          "--queue-timeout-secs", "5"]
+    argv = build_argv(cfg("regular", GatewayWorker("http://127.0.0.1:1"), admission=adm,
+                          extra_args=("--request-timeout-secs", "60")))
+    assert argv == HEAD + ["--worker-urls", "http://127.0.0.1:1", "--policy", "round_robin",
+                           "--max-concurrent-requests", "4", "--queue-size", "8",
+                           "--queue-timeout-secs", "5", "--request-timeout-secs", "60"]
+    a = smg_reads(argv)
+    assert (a.max_concurrent_requests, a.queue_size, a.queue_timeout_secs) == (4, 8, 5)
+    assert Admission(2).args() == ["--max-concurrent-requests", "2", "--queue-size", "0",
+                                   "--queue-timeout-secs", "5"]
+
+
+def test_admission_timeout_must_be_whole_seconds():
+    # smg parses --queue-timeout-secs as an int; "0.5" would make it exit at startup.
+    with pytest.raises(ConfigError, match="whole number of seconds"):
+        Admission(4, queue_timeout_secs=0.5)
+    assert Admission(4, queue_timeout_secs=2).args()[-1] == "2"
+
+
+def test_registration_body():
+    nixl = GatewayWorker("http://127.0.0.1:21000", "prefill", kv_connector="NixlConnector")
+    assert nixl.registration() == {"url": "http://127.0.0.1:21000", "worker_type": "prefill",
+                                   "runtime_type": "vllm", "kv_connector": "NixlConnector"}
+    ts = GatewayWorker("grpc://127.0.0.1:31000", "prefill", bootstrap_port=31001,
+                       runtime_type="tokenspeed")
+    assert ts.registration() == {"url": "grpc://127.0.0.1:31000", "worker_type": "prefill",
+                                 "runtime_type": "tokenspeed", "bootstrap_port": 31001}
+    assert GatewayWorker("http://127.0.0.1:1").registration() == {
+        "url": "http://127.0.0.1:1", "worker_type": "regular", "runtime_type": "vllm"}
+    assert not GatewayWorker("http://127.0.0.1:1").register_dynamically

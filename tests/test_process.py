@@ -1,0 +1,255 @@
+"""Log classification, and ManagedProcess with real short-lived children (python -c ...)."""
+
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+
+from e2e_test.infra.process import ManagedProcess, classify_log, last_traceback
+
+# -- classify_log / last_traceback ------------------------------------------------------------
+
+CUDA_OOM = """\
+INFO 05-01 10:00:01 [gpu_model_runner.py:1800] Loading model weights took 14.99 GiB
+ERROR 05-01 10:00:05 [core.py:586] EngineCore failed to start.
+Traceback (most recent call last):
+  File "/venv/lib/python3.12/site-packages/vllm/v1/worker/gpu_model_runner.py", line 2010, in profile_run
+    hidden_states = self._dummy_run(self.max_num_tokens)
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free.
+RuntimeError: Engine core initialization failed. See root cause above.
+"""
+
+NCCL = """\
+INFO 05-01 10:00:01 [parallel_state.py:1064] rank 0 in world size 2 is assigned as DP rank 0
+Traceback (most recent call last):
+  File "/venv/lib/python3.12/site-packages/torch/distributed/c10d_logger.py", line 81, in wrapper
+torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5
+"""
+
+ADDRESS_IN_USE = """\
+INFO:     Started server process [4242]
+INFO:     Waiting for application startup.
+INFO:     Application startup complete.
+ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 20001): address already in use
+INFO:     Waiting for application shutdown.
+"""
+
+IMPORT = """\
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/lib/python3.12/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py", line 42, in <module>
+    from nixl._api import nixl_agent as NixlWrapper
+ModuleNotFoundError: No module named 'nixl'
+"""
+
+PLAIN = """\
+INFO 05-01 10:00:01 [api_server.py:1000] vLLM API server version 0.11.0
+Traceback (most recent call last):
+  File "/venv/lib/python3.12/site-packages/vllm/engine/arg_utils.py", line 1200, in create_engine_config
+    raise ValueError(f"bad value")
+ValueError: x
+"""
+
+
+@pytest.mark.parametrize("text,kind,line", [
+    (CUDA_OOM, "cuda_oom", CUDA_OOM.splitlines()[5]),
+    (NCCL, "nccl", NCCL.splitlines()[3]),
+    (ADDRESS_IN_USE, "address_in_use", ADDRESS_IN_USE.splitlines()[3]),
+    (IMPORT, "import", "ModuleNotFoundError: No module named 'nixl'"),
+    ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+     + "ImportError: cannot import name 'foo' from 'bar'\n",
+     "import", "ImportError: cannot import name 'foo' from 'bar'"),
+    (PLAIN, "error", "ValueError: x"),
+    ("OSError: [Errno 98] Address already in use\n", "address_in_use",
+     "OSError: [Errno 98] Address already in use"),
+    ("worker died\nKilled\n", "oom", "Killed"),
+])
+def test_classify_log(text, kind, line):
+    assert classify_log(text) == (kind, line)
+
+
+def test_classify_log_prefers_the_root_cause():
+    # The OOM line beats the later generic RuntimeError line.
+    kind, line = classify_log(CUDA_OOM)
+    assert kind == "cuda_oom"
+    assert line.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")
+    assert classify_log(PLAIN + NCCL)[0] == "nccl"
+
+
+def test_classify_log_nothing():
+    assert classify_log("INFO all good\n  indented ValueError: not at line start\n") is None
+    assert classify_log("") is None
+
+
+def test_classify_log_truncates_long_lines():
+    kind, line = classify_log("ValueError: " + "x" * 1000)
+    assert kind == "error" and len(line) == 300
+
+
+def test_last_traceback():
+    assert last_traceback("no traceback here") == ""
+    tb = last_traceback(IMPORT + "\nnoise\n" + PLAIN)
+    assert tb.startswith("Traceback (most recent call last)")
+    assert tb.splitlines()[-1] == "ValueError: x"
+    assert "nixl" not in tb
+    assert len(last_traceback(PLAIN, max_lines=2).splitlines()) == 2
+
+
+# -- ManagedProcess with real children --------------------------------------------------------
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """Start `python -c code` as a ManagedProcess; whatever a failed test left is stopped."""
+    started = []
+
+    def start(name: str, code: str, env: dict | None = None) -> ManagedProcess:
+        p = ManagedProcess(name, py(code), env or {}, tmp_path / f"{name}.log").start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop(grace=0.5)
+
+
+def logged(p: ManagedProcess, line: str) -> bool:
+    """The child printed `line` (the log's first line is the argv, which may contain it)."""
+    return line in p.log_text().splitlines()[1:]
+
+
+def wait_for(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_exit_code_and_log(tmp_path):
+    log = tmp_path / "logs" / "w.log"       # the folder is created on start
+    p = ManagedProcess("w", py("import sys; print('hello from child'); sys.exit(3)"), {},
+                       log).start()
+    wait_for(lambda: not p.alive())
+    assert p.exit_code == 3
+    report = p.stop(grace=1)
+    assert (report.name, report.exit_code, report.escalated, report.survivors) == (
+        "w", 3, False, [])
+    text = log.read_text()
+    assert text.startswith(f"# w: {sys.executable} -c ")
+    assert "hello from child" in text
+    assert p.log_tail(1) == "hello from child"
+
+
+def test_env_overrides_are_added_to_the_inherited_env(spawn, monkeypatch):
+    monkeypatch.setenv("E2E_TEST_INHERITED", "yes")
+    p = spawn("env", "import os; print(os.environ['E2E_TEST_INHERITED'], "
+                     "os.environ['E2E_TEST_MARKER'])", {"E2E_TEST_MARKER": "abc"})
+    wait_for(lambda: not p.alive())
+    p.stop(grace=1)
+    assert p.exit_code == 0
+    assert "yes abc" in p.log_text()
+
+
+def test_failure_summary(spawn, tmp_path):
+    p = spawn("prefill-0", "print('loading', flush=True); raise ValueError('boom')")
+    wait_for(lambda: not p.alive())
+    summary = p.failure_summary()
+    head, *rest = summary.splitlines()
+    assert head == "prefill-0 exited while starting (exit code 1): [error] ValueError: boom"
+    assert rest[0] == f"argv: {sys.executable} -c print('loading', flush=True); " \
+                      "raise ValueError('boom')"
+    assert rest[1] == f"log: {tmp_path / 'prefill-0.log'}"
+    assert "last traceback:" in summary and "log tail:" in summary
+    p.stop(grace=1)
+
+
+def test_failure_summary_names_the_signal(spawn):
+    p = spawn("w", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    wait_for(lambda: not p.alive())
+    assert p.failure_summary().splitlines()[0] == "w exited while starting " \
+                                                  "(exit code -9 (signal 9))"
+    p.stop(grace=1)
+
+
+def test_stop_running_child(spawn):
+    p = spawn("w", "import time; print('up', flush=True); time.sleep(60)")
+    wait_for(lambda: logged(p, "up"))
+    assert p.alive() and p.pid > 0
+    report = p.stop(grace=5)
+    assert not p.alive()
+    assert report.exit_code == -signal.SIGTERM
+    assert (report.escalated, report.survivors) == (False, [])
+    assert report.seconds < 5
+
+
+def test_sigterm_ignored_escalates_to_sigkill(spawn):
+    p = spawn("stubborn", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "print('ready', flush=True); time.sleep(60)")
+    wait_for(lambda: logged(p, "ready"))
+    t0 = time.monotonic()
+    report = p.stop(grace=1)
+    assert time.monotonic() - t0 < 6
+    assert report.escalated is True
+    assert report.survivors == []
+    assert report.exit_code == -signal.SIGKILL
+    assert not p.alive()
+
+
+# The grandchild ignores SIGTERM, then prints its pid (to the same log) and sleeps.
+GRANDCHILD = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c",
+    "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('grandchild', os.getpid(), flush=True); time.sleep(60)"])
+{tail}
+"""
+
+
+def grandchild_pid(p: ManagedProcess) -> int:
+    line = wait_for(lambda: next((x for x in p.log_text().splitlines()
+                                  if x.startswith("grandchild ")), None))
+    return int(line.split()[1])
+
+
+def test_grandchild_in_the_session_is_killed(spawn):
+    p = spawn("tree", GRANDCHILD.format(tail="time.sleep(60)"))
+    gpid = grandchild_pid(p)
+    assert gpid in {q.pid for q in p.tree()}
+    report = p.stop(grace=1)
+    assert report.survivors == []
+    assert report.escalated is True          # the grandchild ignores SIGTERM
+    wait_for(lambda: gone(gpid), timeout=5)
+
+
+def test_grandchild_outliving_its_parent_is_killed(spawn):
+    # The leader exits at once; its child stays in the session and must still be found.
+    p = spawn("orphan", GRANDCHILD.format(tail=""))
+    gpid = grandchild_pid(p)
+    wait_for(lambda: not p.alive())
+    assert p.exit_code == 0
+    assert [q.pid for q in p.tree()] == [gpid]
+    report = p.stop(grace=1)
+    assert report.survivors == [] and report.escalated is True
+    wait_for(lambda: gone(gpid), timeout=5)
+    assert p.tree() == []
+
+
+def test_unstarted_process():
+    p = ManagedProcess("never", ["true"], {}, "/nonexistent/never.log")
+    assert (p.pid, p.alive(), p.exit_code) == (-1, False, None)
+    assert p.log_text() == ""
