@@ -1,0 +1,173 @@
+"""Bursts through the gateway and what they must show.
+
+`burst()` fires N requests at once (fixed output length with ignore_eos, so token counts are
+exact). `check_within_capacity()` wants every one 200 with the expected count.
+`check_admission()` is the seed case: with smg admission configured, every refusal must come
+from the gateway (429 admission_queue_full or 503 admission_queue_timeout, with retry-after),
+fast, nothing may hang past the queue timeout, admitted requests complete, and smg's
+`smg_admission_queue_rejected_total` must match what the client counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from . import load, metrics
+from .errors import HarnessError
+from .gateway import Admission
+
+ADMISSION_CODES = {429: "admission_queue_full", 503: "admission_queue_timeout"}
+REJECTED = "smg_admission_queue_rejected_total"
+
+
+def burst_requests(model: str, n: int, max_tokens: int = 32, prompt_words: int = 40,
+                   chat: bool = False) -> list[load.Request]:
+    reqs = []
+    for i in range(n):
+        text = f"Request {i}. Write a short story about a lighthouse keeper. " + \
+               "The sea was calm. " * max(0, prompt_words // 4 - 10)
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+            reqs.append(load.Request("/v1/chat/completions", body, tag=i))
+        else:
+            body["prompt"] = text
+            reqs.append(load.Request("/v1/completions", body, tag=i))
+    return reqs
+
+
+@dataclass
+class BurstResult:
+    name: str
+    report: load.RunReport
+    expected_tokens: int
+    rejected_metric_delta: float | None = None
+    effective_window: dict = field(default_factory=dict)
+    admission: dict | None = None
+
+    def summary(self) -> dict:
+        s = self.report.summary()
+        refused = [r for r in self.report.results if r.status in ADMISSION_CODES]
+        s.update(name=self.name, expected_tokens=self.expected_tokens,
+                 refusal_latency_s=load.percentiles([r.latency_s for r in refused]),
+                 rejected_metric_delta=self.rejected_metric_delta,
+                 effective_window=self.effective_window, admission=self.admission)
+        return s
+
+
+def burst(base_url: str, model: str, n: int, max_tokens: int = 32, stream: bool = False,
+          name: str = "burst", metrics_url: str | None = None, watchdog=None,
+          timeout: float = 300.0) -> BurstResult:
+    before = metrics.scrape(metrics_url) if metrics_url else None
+    rep = load.run(base_url, burst_requests(model, n, max_tokens), concurrency=n,
+                   stream=stream, timeout=timeout, watchdog=watchdog)
+    res = BurstResult(name, rep, max_tokens)
+    if metrics_url:
+        res.rejected_metric_delta = metrics.delta(before, metrics.scrape(metrics_url), REJECTED)
+    return res
+
+
+def check_within_capacity(res: BurstResult) -> None:
+    bad = [r for r in res.report.results if not r.ok or r.output_tokens != res.expected_tokens]
+    if bad:
+        r = bad[0]
+        raise HarnessError(f"{res.name}: {len(bad)}/{len(res.report.results)} requests not 200 "
+                           f"with {res.expected_tokens} tokens; first: status {r.status}, "
+                           f"{r.output_tokens} tokens, {r.error[:160]}")
+
+
+def check_admission(res: BurstResult, admission: Admission, fast_s: float = 1.0,
+                    slack_s: float = 60.0) -> dict:
+    results = res.report.results
+    problems = []
+    refused = [r for r in results if r.status in ADMISSION_CODES]
+    other = [r for r in results if not r.ok and r.status not in ADMISSION_CODES]
+    if other:
+        problems.append(f"{len(other)} request(s) failed other than by admission: "
+                        f"{other[0].status} {other[0].error[:160]}")
+    for r in refused:
+        if r.error_code != ADMISSION_CODES[r.status]:
+            problems.append(f"HTTP {r.status} with code {r.error_code!r}, expected "
+                            f"{ADMISSION_CODES[r.status]!r}")
+            break
+        if not r.retry_after:
+            problems.append(f"HTTP {r.status} {r.error_code} without a retry-after header")
+            break
+    full = [r.latency_s for r in refused if r.status == 429]
+    if full and max(full) > fast_s:
+        problems.append(f"429 refusals not fast: slowest {max(full):.2f} s > {fast_s} s")
+    timeouts = [r.latency_s for r in refused if r.status == 503]
+    if timeouts and max(timeouts) > admission.queue_timeout_secs + 2.0:
+        problems.append(f"503 after {max(timeouts):.1f} s, queue timeout is "
+                        f"{admission.queue_timeout_secs} s")
+    for r in results:
+        if r.ok and r.output_tokens != res.expected_tokens:
+            problems.append(f"admitted request {r.index} returned {r.output_tokens} tokens, "
+                            f"expected {res.expected_tokens}")
+            break
+    longest = max((r.latency_s for r in results), default=0)
+    if longest > admission.queue_timeout_secs + slack_s:
+        problems.append(f"a request took {longest:.1f} s (queue timeout "
+                        f"{admission.queue_timeout_secs} s + {slack_s} s slack)")
+    admitted_cap = admission.max_concurrent_requests + admission.queue_size
+    if len(results) > admitted_cap and not refused:
+        problems.append(f"{len(results)} requests against a capacity of {admitted_cap} and "
+                        "none was refused")
+    if res.rejected_metric_delta is not None and res.rejected_metric_delta != len(refused):
+        problems.append(f"{REJECTED} grew by {res.rejected_metric_delta:.0f}, client counted "
+                        f"{len(refused)} refusals")
+    if problems:
+        raise HarnessError(f"{res.name}: " + "; ".join(problems))
+    return {"refused": len(refused), "ok": len(res.report.ok),
+            "p99_refusal_s": load.percentiles([r.latency_s for r in refused]).get("p99")}
+
+
+def effective_window(worker_url: str, log_text: str = "") -> dict:
+    """The engine's resolved running window (vLLM max_num_seqs), read from the worker itself:
+    /server_info (vLLM dev mode) when it answers, else the startup log."""
+    try:
+        r = httpx.get(f"{worker_url}/server_info", params={"config_format": "json"}, timeout=5)
+        if r.status_code == 200:
+            cfg = r.json().get("vllm_config", {})
+            if isinstance(cfg, str):
+                cfg = json.loads(cfg)
+            sched = cfg.get("scheduler_config", {})
+            return {"max_num_seqs": sched.get("max_num_seqs"),
+                    "max_num_batched_tokens": sched.get("max_num_batched_tokens"),
+                    "source": "/server_info"}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    import re
+    m = re.search(r"max_num_seqs['\"]?[:=]\s*(\d+)", log_text)
+    if m:
+        return {"max_num_seqs": int(m.group(1)), "source": "log"}
+    return {"max_num_seqs": None, "source": "unknown"}
+
+
+def histogram(res: BurstResult, path: Path) -> Path | None:
+    """Latency histogram by status, as a PNG (matplotlib, headless)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups: dict[str, list[float]] = {}
+    for r in res.report.results:
+        key = str(r.status) + (f" {r.error_code}" if r.error_code else "")
+        groups.setdefault(key, []).append(r.latency_s)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(list(groups.values()), bins=30, label=list(groups.keys()), stacked=True)
+    ax.set_xlabel("end-to-end latency (s)")
+    ax.set_ylabel("requests")
+    ax.set_title(f"{res.name}: {len(res.report.results)} requests")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
