@@ -448,7 +448,22 @@ class Cluster:
         window = window_s if window_s is not None else float(
             os.environ.get("E2E_WATCHDOG_S", "60"))
         return Watchdog(window_s=window, what=f"{what} on {self.topology.name}",
-                        diagnose=lambda: diagnose_stall(self), check=self.dead_processes)
+                        diagnose=lambda: diagnose_stall(self), check=self.dead_processes,
+                        engine_progress=self.engine_work)
+
+    def engine_work(self) -> float | None:
+        """Prompt + generated tokens all workers have processed (vLLM counters); None when
+        no worker answered. A worker that does not answer contributes nothing."""
+        total, answered = 0.0, False
+        for w in self.workers:
+            try:
+                s = metrics.scrape(f"{w.http_url}/metrics", timeout=2.0)
+            except Exception:
+                continue
+            answered = True
+            total += metrics.total(s, "vllm:prompt_tokens_total")
+            total += metrics.total(s, "vllm:generation_tokens_total")
+        return total if answered else None
 
     def gateway_metrics(self) -> dict:
         return metrics.scrape(self.gateway_metrics_url)

@@ -84,6 +84,11 @@ class Watchdog:
     diagnose: Callable[[], str] | None = None
     # Polled every second: returns a message when the run must stop at once (a worker died).
     check: Callable[[], str | None] | None = None
+    # Polled every `engine_poll_s` in a thread: a counter of work the engines did (prompt and
+    # generated tokens). A rise counts as progress even before the client sees a token (a
+    # long prefill queue in PD), so only a real stop of the engines trips the window.
+    engine_progress: Callable[[], float | None] | None = None
+    engine_poll_s: float = 5.0
     fired_at: float | None = None
 
 
@@ -267,11 +272,23 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
         if watchdog is None:
             results = await done_all
         else:
+            engine_seen, engine_poll = None, None
             while True:
                 finished, _ = await asyncio.wait({done_all}, timeout=1.0)
                 if finished:
                     results = done_all.result()
                     break
+                if watchdog.engine_progress:
+                    if engine_poll is not None and engine_poll.done():
+                        value = engine_poll.result()
+                        if value is not None and engine_seen is not None and value > engine_seen:
+                            progress.tick()
+                        engine_seen = value if value is not None else engine_seen
+                        engine_poll = None
+                    if engine_poll is None and (time.monotonic() - progress.last
+                                                >= watchdog.engine_poll_s or engine_seen is None):
+                        engine_poll = asyncio.ensure_future(
+                            asyncio.to_thread(_safe_call, watchdog.engine_progress))
                 dead = watchdog.check() if watchdog.check else None
                 if dead:
                     watchdog.fired_at = time.monotonic() - t_run
@@ -304,6 +321,13 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
     # latencies to see that the client is not the bottleneck.
     per_request = (time.process_time() - cpu0) / max(1, len(requests))
     return RunReport(list(results), wall, per_request)
+
+
+def _safe_call(fn):
+    try:
+        return fn()
+    except Exception:
+        return None
 
 
 def _arrivals(n: int, rate: float, seed: int) -> list[float]:
