@@ -47,7 +47,7 @@ def test_regular_cpu_worker():
     assert vllm.aux_ports(t, w, CPU) == []
     cmd = vllm.build(SMOL, t, w, Ports(api=20100), "/models/smol", CPU)
     assert cmd.argv == head(20100) + ["--dtype", "bfloat16"]
-    assert cmd.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     assert (cmd.protocol, cmd.health_path, cmd.worker_type, cmd.kv_connector) == (
         "http", "/health", "regular", None)
     assert cmd.bootstrap_port is None
@@ -59,8 +59,8 @@ def test_dp2_cpu_workers_get_their_own_cores():
     opts = EngineOptions(cpu_kv_cache_gib=4)
     c0 = vllm.build(SMOL, t, e["worker-0"], Ports(api=20100), "/m", opts)
     c1 = vllm.build(SMOL, t, e["worker-1"], Ports(api=20101), "/m", opts)
-    assert c0.env == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    assert c1.env == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "2-3"}
+    assert c0.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert c1.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "2-3"}
     assert "--data-parallel-size" not in c0.argv
 
 
@@ -73,7 +73,7 @@ def test_dp2_engine_gpu_worker():
     assert cmd.argv == head(20200, "/models/llama", LLAMA) + [
         "--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
         "--data-parallel-rpc-port", "20201", "--gpu-memory-utilization", "0.85"]
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "2,3"}
     assert (cmd.worker_type, cmd.kv_connector) == ("regular", None)
 
 
@@ -81,11 +81,11 @@ def test_gpu_tp_and_packed_fraction():
     t, e = gpu_entries("1,tp=2", LLAMA, devices=(4, 5))
     cmd = vllm.build(LLAMA, t, e["worker-0"], Ports(api=1), "/m", CUDA)
     assert cmd.argv[cmd.argv.index("--tensor-parallel-size") + 1] == "2"
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "4,5"}
     t, e = gpu_entries("dp2", SMOL, devices=(0,))
     cmd = vllm.build(SMOL, t, e["worker-1"], Ports(api=1), "/m", CUDA)
     assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.2"
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0"}
 
 
 def test_max_num_seqs_enforce_eager_and_extra_args():
@@ -112,10 +112,10 @@ def test_pd_nixl_cpu_prefill_and_decode():
     dc = vllm.build(SMOL, t, d, Ports(api=21002, aux={"nixl": 21003}), "/models/smol", CPU)
     assert pc.argv == head(21000) + ["--kv-transfer-config", NIXL_CPU, "--dtype", "bfloat16"]
     assert dc.argv == head(21002) + ["--kv-transfer-config", NIXL_CPU, "--dtype", "bfloat16"]
-    assert pc.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    assert pc.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                       "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                       "VLLM_NIXL_SIDE_CHANNEL_PORT": "21001", **UCX}
-    assert dc.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "2-3",
+    assert dc.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "2-3",
                       "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                       "VLLM_NIXL_SIDE_CHANNEL_PORT": "21003", **UCX}
     assert (pc.worker_type, pc.kv_connector, pc.bootstrap_port) == (
@@ -131,9 +131,9 @@ def test_pd_nixl_gpu_has_no_kv_buffer_device_and_no_ucx():
                     "/models/llama", CUDA)
     assert pc.argv == head(22000, "/models/llama", LLAMA) + [
         "--gpu-memory-utilization", "0.85", "--kv-transfer-config", NIXL_GPU]
-    assert pc.env == {"CUDA_VISIBLE_DEVICES": "0", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    assert pc.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                       "VLLM_NIXL_SIDE_CHANNEL_PORT": "22001"}
-    assert dc.env == {"CUDA_VISIBLE_DEVICES": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    assert dc.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                       "VLLM_NIXL_SIDE_CHANNEL_PORT": "22003"}
     assert "kv_buffer_device" not in kv_config(dc)
     assert (pc.worker_type, dc.worker_type, dc.kv_connector) == (
@@ -156,7 +156,7 @@ def test_pd_example_connector_producer_consumer():
         ('{"kv_connector":"ExampleConnector","kv_role":"kv_producer",'
          '"kv_connector_extra_config":{"shared_storage_path":"/tmp/kv"}}'),
         "--dtype", "bfloat16"]
-    assert pc.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert pc.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     # Not a NIXL worker: smg gets it statically, not through POST /workers.
     assert (pc.worker_type, pc.kv_connector, dc.worker_type, dc.kv_connector) == (
         "prefill", None, "decode", None)
@@ -175,7 +175,7 @@ def test_pd_mooncake():
     assert vllm.aux_ports(t, e["decode-0"], opts) == []
     dc = vllm.build(LLAMA, t, e["decode-0"], Ports(api=1), "/m", opts)
     assert kv_config(dc) == {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}
-    assert (dc.kv_connector, dc.env) == ("MooncakeConnector", {"CUDA_VISIBLE_DEVICES": "1"})
+    assert (dc.kv_connector, dc.env) == ("MooncakeConnector", {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "1"})
 
 
 def test_unknown_connector():

@@ -316,6 +316,13 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
                         f"{inflight} request(s) in flight (watchdog window "
                         f"{watchdog.window_s:.0f} s)" + (f"; {diag.splitlines()[0]}" if diag else ""),
                         diag)
+    if watchdog is not None and watchdog.check is not None:
+        # Requests that failed fast because a worker died are errors of a dead topology:
+        # say so, rather than return a report of transport errors.
+        dead = watchdog.check()
+        if dead:
+            watchdog.fired_at = time.monotonic() - t_run
+            raise WorkerDied(f"{watchdog.what}: {dead}")
     wall = time.monotonic() - t_run
     # The driver's own CPU time per request (this process, all threads): compare it with the
     # latencies to see that the client is not the bottleneck.

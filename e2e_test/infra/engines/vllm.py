@@ -54,7 +54,9 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_path), "--served-model-name", spec.id,
             "--host", "127.0.0.1", "--port", str(ports.api)]
-    env: dict[str, str] = {}
+    # Dev mode adds /server_info, from which the harness reads the resolved engine config
+    # (e.g. the default running window max_num_seqs). Every server binds 127.0.0.1 only.
+    env: dict[str, str] = {"VLLM_SERVER_DEV_MODE": "1"}
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
     if entry.tp > 1:
