@@ -1,0 +1,69 @@
+"""Bursts through the gateway: within capacity everything answers; against a small engine
+window with admission configured, the gateway sheds the excess and nothing times out."""
+
+import os
+
+import pytest
+
+from e2e_test.infra import bursts
+from e2e_test.infra.cluster import results_root
+from e2e_test.infra.engines import EngineOptions
+from e2e_test.infra.gateway import Admission
+
+pytestmark = pytest.mark.e2e
+BURST_N = int(os.environ.get("E2E_BURST_N", "16"))
+WINDOW = int(os.environ.get("E2E_BURST_WINDOW", "2"))
+
+
+def _save(record, res: bursts.BurstResult, cluster):
+    png = bursts.histogram(res, results_root() / "bursts" / f"{cluster.name}-{res.name}.png")
+    summary = res.summary()
+    summary["histogram"] = str(png) if png else None
+    record.setdefault("bursts", {})[res.name] = summary
+    print(f"{res.name} on {cluster.topology.name}: {summary['status_counts']} "
+          f"latency {summary['latency_s']} refusals {summary['refusal_latency_s']} "
+          f"window {summary['effective_window']} client {summary['client_overhead_ms']} ms/req")
+    return summary
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_burst_within_capacity(cluster, record, stream):
+    res = bursts.burst(cluster.gateway_url, cluster.model_name, n=BURST_N, max_tokens=32,
+                       stream=stream, name=f"within-capacity-{'stream' if stream else 'plain'}",
+                       watchdog=cluster.watchdog("burst"))
+    w = cluster.workers[0]
+    res.effective_window = bursts.effective_window(w.http_url, w.process.log_text())
+    _save(record, res, cluster)
+    bursts.check_within_capacity(res)
+
+
+def _window_case(own_cluster, record, engine_name, topology):
+    admission = Admission(max_concurrent_requests=WINDOW, queue_size=WINDOW,
+                          queue_timeout_secs=float(os.environ.get("E2E_QUEUE_TIMEOUT_S", "5")))
+    c = own_cluster(topology, engine=engine_name, admission=admission,
+                    options=EngineOptions(max_num_seqs=WINDOW))
+    with c:
+        res = bursts.burst(c.gateway_url, c.model_name, n=max(BURST_N, 4 * WINDOW),
+                           max_tokens=64, name=f"versus-window-{topology}",
+                           metrics_url=c.gateway_metrics_url, watchdog=c.watchdog("burst"))
+        w = c.workers[-1]
+        res.effective_window = bursts.effective_window(w.http_url, w.process.log_text())
+        res.admission = vars(admission)
+        record.update({"engine": c.engine, "topology": c.topology.name, "cluster": c.name,
+                       "ready_s": dict(c.timing.workers)})
+        _save(record, res, c)
+        verdict = bursts.check_admission(res, admission)
+        record["bursts"][res.name]["verdict"] = verdict
+        assert res.effective_window.get("max_num_seqs") in (None, WINDOW)
+
+
+def test_burst_versus_window(own_cluster, record, engine_name):
+    """The seed case on one worker: the gateway says no, quickly and legibly."""
+    _window_case(own_cluster, record, engine_name, "1")
+
+
+@pytest.mark.pd
+def test_pd_burst_versus_window(own_cluster, record, engine_name):
+    """On 1p1d a burst larger than the decode window is shed or queued by the gateway and
+    every admitted request completes: never an engine-side (bootstrap) timeout."""
+    _window_case(own_cluster, record, engine_name, "1p1d")

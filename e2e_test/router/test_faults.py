@@ -1,0 +1,127 @@
+"""Fault injection on CPU topologies: each fault must fail fast, say what happened, and
+leave nothing behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from e2e_test.infra import bursts
+from e2e_test.infra.engines import EngineOptions
+from e2e_test.infra.errors import StallError, WorkerDied
+
+pytestmark = [pytest.mark.e2e, pytest.mark.fault, pytest.mark.engines("vllm")]
+STALL_WINDOW_S = float(os.environ.get("E2E_FAULT_STALL_WINDOW_S", "20"))
+# Faults do not need fast decoding: eager workers boot in about half the time on CPU.
+EAGER = EngineOptions(enforce_eager=True)
+
+
+def _kill_later(proc_tree_pids, sig, delay, stamp):
+    def go():
+        time.sleep(delay)
+        stamp["t"] = time.monotonic()
+        for pid in proc_tree_pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def test_worker_killed_mid_burst(own_cluster, record, engine_name):
+    c = own_cluster("1", engine=engine_name, options=EAGER)
+    with c:
+        w = c.workers[0]
+        stamp = {}
+        # kill -9 the API server process only: its engine children become orphans that
+        # teardown must still find and stop.
+        _kill_later(lambda: [w.process.pid], signal.SIGKILL, 3.0, stamp)
+        with pytest.raises(WorkerDied) as exc:
+            bursts.burst(c.gateway_url, c.model_name, n=16, max_tokens=256, stream=True,
+                         name="kill-9", watchdog=c.watchdog("burst"))
+        detected_s = time.monotonic() - stamp["t"]
+        msg = str(exc.value)
+        assert "worker-0" in msg and "signal 9" in msg, msg
+        assert detected_s <= 5.0, f"worker death noticed after {detected_s:.1f} s"
+    rep = c.teardown_report
+    record.update(fault="kill -9 worker mid-burst", message=msg.splitlines()[0],
+                  detected_s=round(detected_s, 2), teardown=rep.to_dict())
+    print(f"kill -9: failed after {detected_s:.2f} s: {msg.splitlines()[0]}; "
+          f"teardown {rep.verdict()}; shm removed {len(rep.shm_removed)}")
+    assert rep.ok, rep.verdict()
+
+
+def test_decode_stalled(own_cluster, record, engine_name):
+    c = own_cluster("1p1d", engine=engine_name, options=EAGER)
+    with c:
+        d = c.role("decode")[0]
+        stamp = {}
+        _kill_later(lambda: [p.pid for p in d.process.tree()], signal.SIGSTOP, 3.0, stamp)
+        with pytest.raises(StallError) as exc:
+            bursts.burst(c.gateway_url, c.model_name, n=8, max_tokens=256, stream=True,
+                         name="sigstop-decode",
+                         watchdog=c.watchdog("burst", window_s=STALL_WINDOW_S))
+        detected_s = time.monotonic() - stamp["t"]
+        msg = str(exc.value)
+        assert "decode-0" in msg.splitlines()[0], msg
+        assert detected_s <= STALL_WINDOW_S + 15, f"stall noticed after {detected_s:.1f} s"
+    rep = c.teardown_report
+    record.update(fault="SIGSTOP decode", message=msg.splitlines()[0],
+                  detected_s=round(detected_s, 2), window_s=STALL_WINDOW_S,
+                  teardown=rep.to_dict())
+    print(f"SIGSTOP decode: failed after {detected_s:.2f} s (window {STALL_WINDOW_S:.0f} s): "
+          f"{msg.splitlines()[0]}; teardown {rep.verdict()}")
+    assert rep.ok, rep.verdict()
+
+
+CHILD_TEST = textwrap.dedent("""
+    def test_boot(cluster):
+        pass
+""")
+
+
+def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name):
+    """SIGTERM to a pytest that is starting a topology: all gone within 30 s."""
+    (tmp_path / "test_child.py").write_text(CHILD_TEST)
+    env = {**os.environ, "E2E_RESULTS_DIR": str(tmp_path / "results"), "CI": ""}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "e2e_test.pytest_plugin", "-q", "-s",
+         "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_child.py"),
+         "--topology", "1", "--engine", engine_name],
+        cwd=root, env={**env, "PYTHONPATH": root}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    # Wait until its worker has spawned its engine process (a tree of at least 2), remember
+    # the whole tree, then SIGTERM the pytest while the topology is still starting.
+    deadline = time.monotonic() + 90
+    tree = []
+    while time.monotonic() < deadline:
+        try:
+            tree = [p for p in psutil.Process(child.pid).children(recursive=True)
+                    if p.is_running()]
+        except psutil.Error:
+            break
+        if len(tree) >= 2 and any("api_server" in " ".join(p.cmdline()) for p in tree):
+            break
+        time.sleep(0.5)
+    assert len(tree) >= 2, f"child pytest did not get as far as starting a worker: {tree}"
+    t0 = time.monotonic()
+    child.send_signal(signal.SIGTERM)
+    out, _ = child.communicate(timeout=60)
+    took = time.monotonic() - t0
+    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    record.update(fault="SIGTERM to pytest while starting", teardown_s=round(took, 2),
+                  processes_before=len(tree), processes_left=len(alive))
+    print(f"SIGTERM while starting: {len(tree)} processes, all gone in {took:.1f} s "
+          f"(exit {child.returncode})")
+    assert not alive, f"left behind: {[p.pid for p in alive]}\n{out[-2000:]}"
+    assert took <= 30, f"teardown took {took:.1f} s\n{out[-2000:]}"
+    assert "tearing down" in out, out[-2000:]

@@ -1,0 +1,28 @@
+"""Fixtures shared by the harness's own unit tests."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _real_dataset_dir() -> Path | None:
+    """The offline dataset copies: $E2E_DATASET_DIR, else ../shared/datasets (CI layout)."""
+    candidates = [os.environ.get("E2E_DATASET_DIR"), REPO.parent / "shared" / "datasets",
+                  REPO / "shared" / "datasets", "/work/shared/datasets"]
+    for c in candidates:
+        if c and (Path(c) / "gsm8k" / "test.jsonl").is_file():
+            return Path(c)
+    return None
+
+
+@pytest.fixture
+def real_datasets(monkeypatch) -> Path:
+    """Point the loaders at the real GSM8K/MMLU copies (skips where there are none)."""
+    d = _real_dataset_dir()
+    if d is None:
+        pytest.skip("no offline dataset copies (set E2E_DATASET_DIR)")
+    monkeypatch.setenv("E2E_DATASET_DIR", str(d))
+    return d

@@ -1,0 +1,118 @@
+"""Result files: the markdown table and the session files, from plain record dicts."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from e2e_test.infra import results
+from e2e_test.infra.evals import EvalResult
+from e2e_test.infra.teardown import TeardownReport
+
+GSM8K = EvalResult("gsm8k", n=32, correct=12, errors=2).summary()   # accuracy 12/30
+
+
+def rec(**kw) -> dict:
+    r = {"test": "e2e_test/router/test_evals.py::test_gsm8k[vllm-1p1d]", "outcome": "passed",
+         "engine": "vllm", "topology": "1p1d", "cluster": "vllm-1p1d",
+         "ready_s": {"prefill-0": 12.34, "decode-0": 14.56},
+         "evals": {"gsm8k": GSM8K},
+         "teardown": {"verdict": "clean in 1.0 s"}}
+    r.update(kw)
+    return r
+
+
+@pytest.fixture(autouse=True)
+def _no_step_summary(monkeypatch):
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+
+
+def test_table():
+    bursts = {"b1": {"name": "over-window", "status_counts": {"200": 8, "429 "
+                                                            "admission_queue_full": 4}}}
+    t = results.table([rec(bursts=bursts),
+                       {"test": "tests/x.py::test_bare", "outcome": "failed"}])
+    lines = t.splitlines()
+    assert lines[0] == ("| test | outcome | engine | topology | ready s (max role) | results | "
+                        "teardown |")
+    assert lines[1] == "|---|---|---|---|---|---|---|"
+    assert lines[2] == ("| test_gsm8k[vllm-1p1d] | passed | vllm | 1p1d | 14.6 | "
+                        "gsm8k 0.400 (n=30, err=2); burst over-window: "
+                        "{'200': 8, '429 admission_queue_full': 4} | clean in 1.0 s |")
+    assert lines[3] == "| test_bare | failed |  |  |  |  |  |"
+    assert len(lines) == 4
+
+
+def test_table_without_records():
+    assert results.table([]).splitlines() == [
+        "| test | outcome | engine | topology | ready s (max role) | results | teardown |",
+        "|---|---|---|---|---|---|---|"]
+
+
+def test_write_session(tmp_path):
+    records = [rec(), rec(test="e2e_test/router/test_chat.py::test_chat[tokenspeed-1]",
+                          engine="tokenspeed", topology="1", evals={}, ready_s={"worker-0": 3})]
+    out = results.write_session(records, clusters={}, wall_s=12.345, root=tmp_path)
+    assert out["dir"] == str(tmp_path)
+    assert out["table"] == results.table(records)
+    files = sorted(p.name for p in (tmp_path / "tests").iterdir())
+    assert files == ["e2e_test_router_test_chat.py_test_chat_tokenspeed-1_.json",
+                     "e2e_test_router_test_evals.py_test_gsm8k_vllm-1p1d_.json"]
+    one = json.loads((tmp_path / "tests" / files[1]).read_text())
+    assert one["evals"]["gsm8k"]["accuracy"] == 0.4 and one["ready_s"]["decode-0"] == 14.56
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["wall_s"], summary["tests"], summary["clusters"]) == (12.3, 2, {})
+    assert summary["versions"]["python"]
+    assert summary["finished"].endswith("Z")
+    md = (tmp_path / "summary.md").read_text()
+    assert md == f"## e2e results\n\n{out['table']}\n"
+
+
+def test_write_session_without_records(tmp_path):
+    out = results.write_session([], clusters={}, wall_s=0.0, root=tmp_path / "r")
+    assert out == {"dir": str(tmp_path / "r"), "table": ""}
+    assert (tmp_path / "r" / "summary.md").read_text() == "## e2e results\n\n(no records)\n"
+    assert list((tmp_path / "r" / "tests").iterdir()) == []
+
+
+def test_write_session_appends_to_github_step_summary(tmp_path, monkeypatch):
+    step = tmp_path / "step.md"
+    step.write_text("earlier\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step))
+    results.write_session([rec()], clusters={}, wall_s=1.0, root=tmp_path / "r")
+    text = step.read_text()
+    assert text.startswith("earlier\n## e2e results\n\n| test |")
+    assert "test_gsm8k[vllm-1p1d]" in text
+
+
+def test_write_session_default_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("E2E_RESULTS_DIR", str(tmp_path / "res"))
+    out = results.write_session([rec()], clusters={}, wall_s=1.0)
+    assert out["dir"] == str(tmp_path / "res")
+    assert (tmp_path / "res" / "summary.json").is_file()
+
+
+def test_write_session_takes_teardown_from_the_cluster(tmp_path):
+    # A stand-in with just the two attributes write_session reads from a cluster.
+    cluster = SimpleNamespace(teardown_report=TeardownReport(seconds=2.0, busy_ports=[20001]),
+                              timing=SimpleNamespace(workers={"prefill-0": 1.0},
+                                                     gateway_ready_s=2.5))
+    r = rec()
+    results.write_session([r], clusters={"vllm-1p1d": cluster}, wall_s=1.0, root=tmp_path)
+    assert r["teardown"]["verdict"] == "NOT clean: ports still listening: [20001]"
+    assert r["teardown"]["ok"] is False
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["clusters"]["vllm-1p1d"]["timing"] == {"workers": {"prefill-0": 1.0},
+                                                          "gateway_ready_s": 2.5}
+    assert summary["clusters"]["vllm-1p1d"]["teardown"]["busy_ports"] == [20001]
+    assert "NOT clean" in (tmp_path / "summary.md").read_text()
+
+
+def test_safe_names():
+    assert results._safe("a/b.py::t[x y|z]") == "a_b.py_t_x_y_z_"
+    assert len(results._safe("x" * 500)) == 150
+
+
+def test_versions():
+    v = results.versions()
+    assert "python" in v and "smg" in v
