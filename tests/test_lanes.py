@@ -1,0 +1,392 @@
+"""Lanes from one source: the table, the generated workflow, marker selection, the opt-in
+profile, --e2e-min-tests / --e2e-no-skips and the device-shortfall skip. The subprocess tests
+only collect (--collect-only): no engine is ever started here."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e_test import lanes
+from e2e_test.infra.errors import ConfigError
+from e2e_test.pytest_plugin import device_shortfall, require_devices
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIRED = ("e2e-cpu", "e2e-1gpu-chat", "e2e-2gpu-pd", "e2e-4gpu-epd", "e2e-4gpu-afd",
+            "e2e-8gpu-afd-large")
+
+
+def clean_env(tmp_path, **extra) -> dict:
+    """The caller's environment without the harness's own knobs (a lane may have set them),
+    results under tmp_path."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("E2E_", "AFD_")) and k != "PYTEST_ADDOPTS"}
+    env["E2E_RESULTS_DIR"] = str(tmp_path / "results")
+    env.update(extra)
+    return env
+
+
+def pytest_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+
+
+def collect(tmp_path, *args, **env):
+    r = subprocess.run(pytest_cmd("--collect-only", "-q", *args), cwd=REPO,
+                       env=clean_env(tmp_path, **env), capture_output=True, text=True,
+                       timeout=300)
+    ids = [line for line in r.stdout.splitlines() if "::" in line]
+    return r, ids
+
+
+def one_line(exc_info) -> str:
+    msg = str(exc_info.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# -- the table -------------------------------------------------------------------------------
+
+def test_table_has_the_required_lanes():
+    table = lanes.load_lanes()
+    assert set(REQUIRED) <= set(table)
+    cpu = table["e2e-cpu"]
+    assert cpu.gpus == 0 and cpu.runs_on == ("ubuntu-latest",)
+    assert cpu.paths == ("tests", "e2e_test/router") and cpu.markers == "not bench"
+    assert cpu.engines == ("vllm",) and cpu.topologies == ("1", "dp2", "1p1d")
+    assert cpu.extras == ("cpu",) and not cpu.manual and not cpu.opt_in
+    assert set(table["e2e-1gpu-chat"].engines) == {"vllm", "tokenspeed"}
+    assert table["e2e-1gpu-chat"].topologies == ("1",)
+    pd = table["e2e-2gpu-pd"]
+    assert set(pd.engines) == {"vllm", "tokenspeed"} and pd.topologies == ("1p1d",)
+    assert pd.markers.startswith("pd")
+    epd = table["e2e-4gpu-epd"]
+    assert epd.engines == ("tokenspeed",) and epd.gpus == 4
+    assert epd.topologies == ("1e1p1d", "1e2p1d", "2e1p1d", "1e1p2d")
+    afd = table["e2e-4gpu-afd"]
+    assert afd.engines == ("vllm",) and afd.topologies == ("native-dp4", "2a2f")
+    large = table["e2e-8gpu-afd-large"]
+    assert large.opt_in and large.manual and large.gpus == 8
+    assert large.topologies == ("native-dp4", "4a4f")
+    assert large.env["AFD_E2E_LARGE_MODEL"] == "1" and large.env["AFD_E2E_BACKEND"] == "gpu"
+    assert large.env["AFD_E2E_DEVICES"] == "0,2,4,6,1,3,5,7"
+    assert large.env["E2E_MODEL"] == "Qwen/Qwen3.5-122B-A10B"
+    for lane in table.values():
+        assert lane.min_tests > 0 and lane.timeout_minutes > 0 and lane.description
+        assert lane.runs_on and (lane.gpus == 0) == (lane.runs_on == ("ubuntu-latest",))
+        assert (lane.extras == ("cpu",)) == (lane.gpus == 0)
+
+
+def test_describe_is_a_readable_table():
+    text = lanes.describe()
+    head = text.splitlines()[0].split()
+    assert head[:5] == ["lane", "gpus", "runs-on", "engines", "topologies"]
+    for name in REQUIRED:
+        assert name in text
+    assert "e2e-8gpu-afd-large (opt-in)" in text and "manual" in text
+    assert "python -m e2e_test run LANE" in text
+
+
+def _raw() -> dict:
+    return yaml.safe_load(lanes.LANES_FILE.read_text())
+
+
+@pytest.mark.parametrize("lane,patch,needle", [
+    ("e2e-cpu", {"colour": "red"}, "unknown key(s) 'colour'"),
+    ("e2e-cpu", {"engines": ["vllm", "trtllm"]}, "unknown 'trtllm'"),
+    ("e2e-cpu", {"topologies": ["1", "3x"]}, "bad topology '3x'"),
+    ("e2e-cpu", {"topologies": ["dp1"]}, "dp needs at least 2"),
+    ("e2e-cpu", {"runner": {"gpus": 3, "runs_on": ["x"]}}, "runner.gpus: 3 must be one of"),
+    ("e2e-cpu", {"runner": {"gpus": 0}}, "missing key(s) runs_on"),
+    ("e2e-cpu", {"pytest": {"paths": ["tests"], "markers": "x", "k": "y"}}, "unknown key(s) 'k'"),
+    ("e2e-cpu", {"pytest": {"paths": ["nope"], "markers": "x"}}, "'nope' does not exist"),
+    ("e2e-cpu", {"env": {"E2E_ENGINES": "vllm"}}, "set from the lane's engines"),
+    ("e2e-cpu", {"env": {"X": 1}}, "env.X: expected a string"),
+    ("e2e-cpu", {"trigger": ["schedule"]}, "unknown 'schedule'"),
+    ("e2e-cpu", {"extras": ["gpu"]}, "a 0-GPU lane installs [cpu] only"),
+    ("e2e-cpu", {"extras": ["cuda"]}, "unknown 'cuda'"),
+    ("e2e-cpu", {"min_tests": -1}, "min_tests: expected an integer >= 0"),
+    ("e2e-cpu", {"opt_in": "yes"}, "opt_in: expected true or false"),
+    ("e2e-cpu", {"opt_in": True}, "opt_in lanes run on workflow_dispatch only"),
+    ("e2e-4gpu-epd", {"engines": ["vllm"]}, "runs on tokenspeed only"),
+    ("e2e-4gpu-afd", {"topologies": ["4a4f"]}, "needs 8 GPU(s)"),
+    ("e2e-4gpu-afd", {"env": {"E2E_BACKEND": "cuda"}}, "cannot run vllm on 'native-dp4'"),
+    ("e2e-4gpu-afd", {"env": {"E2E_MODEL": "nope"}}, "unknown model 'nope'"),
+    ("e2e-8gpu-afd-large", {"opt_in": False, "trigger": ["push"]}, "is opt-in"),
+])
+def test_table_errors_are_one_line(lane, patch, needle):
+    raw = _raw()
+    raw[lane].update(patch)
+    with pytest.raises(ConfigError) as ei:
+        lanes.parse_lanes(raw)
+    msg = one_line(ei)
+    assert needle in msg and lane in msg, msg
+
+
+def test_bad_lane_name_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        lanes.parse_lanes({"Bad Lane": _raw()["e2e-cpu"]})
+    assert "bad lane name" in one_line(ei)
+    f = tmp_path / "lanes.yaml"
+    f.write_text("e2e-cpu: [\n")
+    with pytest.raises(ConfigError) as ei:
+        lanes.load_lanes(f)
+    assert "not valid YAML" in one_line(ei)
+
+
+# -- the generated workflow ------------------------------------------------------------------
+
+def test_committed_workflow_is_what_the_table_generates():
+    committed = lanes.WORKFLOW_FILE.read_text() if lanes.WORKFLOW_FILE.is_file() else ""
+    assert committed == lanes.render_workflow(), (
+        f"{lanes.WORKFLOW_FILE.relative_to(REPO)} is stale: run "
+        "`python -m e2e_test lanes --write-workflow` and commit it")
+
+
+def test_workflow_has_one_job_per_lane():
+    table = lanes.load_lanes()
+    wf = yaml.safe_load(lanes.render_workflow(table))
+    on = wf[True]   # YAML 1.1 reads the key `on` as a boolean
+    assert set(on) == {"push", "pull_request", "workflow_dispatch"}
+    assert on["workflow_dispatch"]["inputs"]["lane"]["options"] == ["all", *table]
+    assert list(wf["jobs"]) == list(table)
+    for name, lane in table.items():
+        job = wf["jobs"][name]
+        assert job["runs-on"] == list(lane.runs_on)
+        assert job["timeout-minutes"] == lane.timeout_minutes
+        assert job["env"] == lane.full_env()
+        steps = job["steps"]
+        assert steps[0]["uses"].startswith("actions/checkout@")
+        assert [f"bash scripts/bootstrap.sh --extras {x}" for x in lane.extras] == \
+            steps[1]["run"].strip().splitlines()
+        assert "e2e_test datasets download" in steps[2]["run"]
+        assert steps[3]["run"] == f".venv/bin/python -m e2e_test run {name}"
+        upload = steps[4]
+        assert upload["uses"].startswith("actions/upload-artifact@")
+        assert upload["if"] == "always()" and upload["with"]["path"] == "results/"
+        assert len(steps) == 5   # the step summary comes from results.write_session
+        if lane.manual:
+            assert job["if"] == (f"(github.event_name == 'workflow_dispatch' && "
+                                 f"inputs.lane == '{name}')")
+        else:
+            assert "github.event_name == 'push'" in job["if"]
+            assert "inputs.lane == 'all'" in job["if"]
+
+
+def test_write_workflow(tmp_path):
+    out = lanes.write_workflow(tmp_path / "wf.yml")
+    assert out.read_text() == lanes.render_workflow()
+
+
+# -- marker selection (collection only) --------------------------------------------------------
+
+ALL = ("--engine", "vllm,tokenspeed", "--topology", "1,dp2,1p1d")
+
+
+def test_marker_tokenspeed_selects_only_tokenspeed_cases(tmp_path):
+    r, ids = collect(tmp_path, "e2e_test/router", *ALL, "-m", "tokenspeed")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ids and all("tokenspeed" in i and "vllm" not in i for i in ids), ids
+    # selection accounting: counts, the reason, counts by engine
+    assert "e2e selection:" in r.stdout
+    assert f"{len(ids)} selected" in r.stdout
+    assert "by -m 'tokenspeed'" in r.stdout
+    assert f"selected by engine: tokenspeed={len(ids)}" in r.stdout
+
+
+def test_marker_vllm_selects_only_vllm_cases(tmp_path):
+    r, ids = collect(tmp_path, "e2e_test/router", *ALL, "-m", "vllm")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ids and all("vllm" in i and "tokenspeed" not in i for i in ids), ids
+
+
+def test_marker_pd_and_vllm_selects_only_vllm_1p1d_cases(tmp_path):
+    r, ids = collect(tmp_path, "e2e_test/router", *ALL, "-m", "pd and vllm")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ids and all("vllm" in i and "tokenspeed" not in i for i in ids), ids
+    shared = [i for i in ids if "[vllm-" in i]            # cases on the shared topologies
+    assert shared and all("[vllm-1p1d" in i for i in shared), ids
+    # cases that bring up their own topology ([vllm] only) are the PD ones
+    assert all("pd" in i.split("::")[-1].split("[")[0] for i in ids if i.endswith("[vllm]"))
+
+
+def test_every_lane_selects_at_least_its_minimum(tmp_path):
+    """Each ordinary lane's own selection, collected: run_lane's exit code is 0, which
+    includes --e2e-min-tests (the opt-in lane is covered by the profile test below)."""
+    table = lanes.load_lanes()
+    procs = {}
+    for name, lane in table.items():
+        if lane.opt_in:
+            continue
+        argv, env = lanes.lane_command(lane, ["--collect-only", "-q", "-p", "no:cacheprovider"],
+                                       environ=clean_env(tmp_path / name))
+        procs[name] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+    for name, p in procs.items():
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, f"{name}:\n{out[-3000:]}"
+        assert f"e2e selection (lane {name}):" in out, out[-2000:]
+
+
+# -- opt-in profile, --e2e-min-tests, --e2e-no-skips ----------------------------------------
+
+def test_opt_in_profile_fails_fast_with_one_line_per_problem(tmp_path):
+    lane = lanes.get_lane("e2e-8gpu-afd-large")
+    missing = tmp_path / "no-such-model"
+    env = clean_env(tmp_path, **lane.full_env(), AFD_GPU_E2E_MODEL=str(missing))
+    times = []
+    for _ in range(2):   # a second try only when a load spike on the machine made it slow
+        t0 = time.monotonic()
+        r = subprocess.run(pytest_cmd("--collect-only", "-q", *lane.paths, "-m", lane.markers,
+                                      "--e2e-no-skips"),
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        times.append(time.monotonic() - t0)
+        if times[-1] < 5.0:
+            break
+    elapsed = min(times)
+    out = r.stdout + r.stderr
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR, out
+    assert f"AFD_GPU_E2E_MODEL={missing}: no such directory" in out, out
+    assert "::" not in r.stdout                      # nothing was collected
+    problems = [ln for ln in out.splitlines() if "AFD large-model profile" in ln]
+    assert problems and all(len(p) < 300 for p in problems), out
+    assert elapsed < 5.0, f"the opt-in profile check took {', '.join(f'{t:.1f}' for t in times)} s"
+
+
+def test_min_tests_fails_the_session(tmp_path):
+    r, ids = collect(tmp_path, "e2e_test/router", *ALL, "-m", "tokenspeed",
+                     "--e2e-min-tests", "10000")
+    out = r.stdout + r.stderr
+    assert r.returncode == pytest.ExitCode.TESTS_FAILED, out
+    lines = [ln for ln in out.splitlines() if "fewer than --e2e-min-tests 10000" in ln]
+    assert lines and f"{len(ids)} test(s) selected" in lines[0], out
+
+
+SKIPPY = """
+import pytest
+
+def test_ok():
+    pass
+
+def test_skipped():
+    pytest.skip("needs a thing")
+
+@pytest.mark.xfail(reason="known")
+def test_xfail():
+    assert 0
+"""
+
+
+@pytest.mark.parametrize("no_skips", [False, True], ids=["ordinary", "no-skips"])
+def test_no_skips_turns_a_skip_into_a_failure(tmp_path, no_skips):
+    (tmp_path / "test_skippy.py").write_text(textwrap.dedent(SKIPPY))
+    args = ["-p", "e2e_test.pytest_plugin", "-rA", "test_skippy.py"]
+    if no_skips:
+        args.append("--e2e-no-skips")
+    env = clean_env(tmp_path, PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    r = subprocess.run(pytest_cmd(*args), cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert "XFAIL test_skippy.py::test_xfail" in out, out
+    if no_skips:
+        assert r.returncode == pytest.ExitCode.TESTS_FAILED, out
+        assert "FAILED test_skippy.py::test_skipped" in out
+        assert "--e2e-no-skips: a skipped test fails this lane: Skipped: needs a thing" in out
+    else:
+        assert r.returncode == pytest.ExitCode.OK, out
+        assert "SKIPPED" in out and "needs a thing" in out
+
+
+# -- running a lane ----------------------------------------------------------------------------
+
+def test_run_lane_unknown_lane_is_one_line():
+    with pytest.raises(ConfigError) as ei:
+        lanes.run_lane("e2e-nope", [], runner=lambda *a, **k: 0)
+    msg = one_line(ei)
+    assert "unknown lane 'e2e-nope'" in msg
+    assert all(name in msg for name in REQUIRED)
+
+
+def test_cli_run_unknown_lane(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "e2e_test", "run", "e2e-nope"], cwd=REPO,
+                       env=clean_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "unknown lane 'e2e-nope'" in r.stderr
+
+
+def test_run_lane_command_and_env(tmp_path):
+    seen = {}
+
+    def runner(argv, env):
+        seen.update(argv=argv, env=env)
+        return 3
+
+    environ = {"KEEP_ME": "1", "E2E_RESULTS_DIR": str(tmp_path), "E2E_ENGINES": "sglang"}
+    rc = lanes.run_lane("e2e-2gpu-pd", ["--", "-x", "-k", "chat"], environ=environ,
+                        runner=runner)
+    assert rc == 3
+    lane = lanes.get_lane("e2e-2gpu-pd")
+    argv, env = seen["argv"], seen["env"]
+    assert argv[:3] == [sys.executable, "-m", "pytest"]
+    assert argv[3:] == [*lane.paths, "-m", lane.markers,
+                        "--junitxml", str(tmp_path / "junit-e2e-2gpu-pd.xml"),
+                        "--e2e-min-tests", str(lane.min_tests), "-x", "-k", "chat"]
+    assert env["KEEP_ME"] == "1"                       # merged, never scrubbed
+    assert env["E2E_ENGINES"] == "vllm,tokenspeed"     # the lane wins over the caller
+    assert env["E2E_TOPOLOGIES"] == "1p1d" and env["E2E_LANE"] == "e2e-2gpu-pd"
+
+    lanes.run_lane("e2e-8gpu-afd-large", [], environ={}, runner=runner)
+    assert seen["argv"][-1] == "--e2e-no-skips"
+    assert "--junitxml" in seen["argv"] and "results/junit-e2e-8gpu-afd-large.xml" in \
+        seen["argv"]
+    assert seen["env"]["AFD_E2E_LARGE_MODEL"] == "1"
+
+
+# -- too few devices: skip in ordinary lanes, fail under --e2e-no-skips --------------------------
+
+@pytest.mark.parametrize("model,topology,backend,devices,expect", [
+    ("SmolLM2-135M-Instruct", "1", "cuda", "0", None),
+    ("SmolLM2-135M-Instruct", "1p1d", "cuda", "0", None),            # packs on one GPU
+    ("Qwen/Qwen3.5-9B", "1e1p1d", "cuda", "0,1", "needs 3 GPU(s)"),
+    ("deepseek-ai/DeepSeek-V2-Lite", "2a2f", "cuda", "0,1", "needs 4 GPU(s)"),
+    ("deepseek-ai/DeepSeek-V2-Lite", "native-dp4", "cuda", "0,1,2,3", None),
+    ("SmolLM2-135M-Instruct", "dp2", "cpu", "0", "needs 2 worker(s)"),
+    ("SmolLM2-135M-Instruct", "dp2", "cpu", "0,1", None),
+])
+def test_device_shortfall(model, topology, backend, devices, expect):
+    why = device_shortfall(model, topology, backend, devices)
+    if expect is None:
+        assert why is None
+    else:
+        assert expect in why and "\n" not in why
+
+
+def test_device_shortfall_keeps_real_config_errors(monkeypatch):
+    with pytest.raises(ConfigError):
+        device_shortfall("SmolLM2-135M-Instruct", "1", "cuda", "0,x")
+    # backend cuda with no GPU at all is a broken machine, not a short one
+    from e2e_test.infra import plan
+    monkeypatch.setattr(plan, "resolve_devices", lambda topo, explicit=None: ())
+    with pytest.raises(ConfigError, match="none were found"):
+        device_shortfall("SmolLM2-135M-Instruct", "1", "cuda", None)
+
+
+class _Config:
+    def __init__(self, no_skips: bool):
+        self.opts = {"--model": "Qwen/Qwen3.5-9B", "--devices": "0", "--e2e-no-skips": no_skips}
+
+    def getoption(self, name):
+        return self.opts[name]
+
+
+def test_require_devices_skips_or_fails():
+    with pytest.raises(pytest.skip.Exception, match="too few devices: .*needs 3 GPU"):
+        require_devices(_Config(no_skips=False), "1e1p1d", "cuda")
+    with pytest.raises(pytest.fail.Exception, match="--e2e-no-skips"):
+        require_devices(_Config(no_skips=True), "1e1p1d", "cuda")
+    require_devices(_Config(no_skips=True), "1", "cuda")   # fits: nothing raised
