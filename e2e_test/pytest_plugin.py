@@ -116,18 +116,23 @@ def pytest_collection_modifyitems(session, config, items):
     topologies = _csv(config.getoption("--topology"))
     engines = _csv(config.getoption("--engine"))
     pos = {id(i): n for n, i in enumerate(items)}
+    # pytest's fixture reordering may move a whole module ahead within a group; file order
+    # (module path, then position) is what the suites are written for.
+    modules = sorted({str(i.path) for i in items})
+    mod = {id(i): modules.index(str(i.path)) for i in items}
 
     def key(item):
         ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key")
         if "own_cluster" in getattr(item, "fixturenames", ()):
-            return (2, 0, 0, pos[id(item)])
+            return (2, 0, 0, mod[id(item)], pos[id(item)])
         if not ck:
-            return (0, 0, 0, pos[id(item)])
+            return (0, 0, 0, mod[id(item)], pos[id(item)])
         engine, topo = ck
         # Shared topologies in the selected order (so `1` has run before a test compares
         # with it), each group in file order.
         return (1, engines.index(engine) if engine in engines else 99,
-                topologies.index(topo) if topo in topologies else 99, pos[id(item)])
+                topologies.index(topo) if topo in topologies else 99, mod[id(item)],
+                pos[id(item)])
 
     items.sort(key=key)
 

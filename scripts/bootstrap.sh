@@ -18,10 +18,11 @@ VENV=${E2E_VENV:-.venv}
 
 # pip warns about every missing local index folder; keep its errors, drop that noise.
 quiet() {
-  set +o pipefail
-  "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
-  local rc=${PIPESTATUS[0]}
-  set -o pipefail
+  local rc=0 out
+  out=$(mktemp)
+  "$@" > "$out" 2>&1 || rc=$?
+  grep -v "is ignored: it is neither a file nor a directory" "$out" || true
+  rm -f "$out"
   return "$rc"
 }
 
