@@ -72,6 +72,12 @@ def render(dirs: list[Path]) -> str:
                   f"(session wall {s.get('wall_s', '?')} s)"]
         if run.get("note"):
             lines.append(f"- note: {run['note']}")
+        for name in ("gpu-before.txt", "gpu-after.txt"):
+            f = Path(d) / name
+            if f.is_file():
+                rows = [ln.strip() for ln in f.read_text().splitlines()[1:] if ln.strip()]
+                lines.append(f"- nvidia-smi {name[4:-4]} the session (index, MiB used): "
+                             + "; ".join(rows))
         lines.append("")
         clusters = s.get("clusters", {})
         if clusters:
@@ -80,7 +86,10 @@ def render(dirs: list[Path]) -> str:
             for name, c in clusters.items():
                 tm = c.get("timing", {})
                 w = tm.get("workers") or {}
-                td = (c.get("teardown") or {}).get("verdict", "")
+                tdd = c.get("teardown") or {}
+                td = tdd.get("verdict", "")
+                if tdd.get("gpu_checked") and not tdd.get("gpu_leaks"):
+                    td += "; GPU memory back to baseline (NVML)"
                 lines.append(f"| {name} | {max(w.values()) if w else 0:.1f} s / "
                              f"{tm.get('topology_ready_s') or 0:.1f} s | "
                              f"{tm.get('gateway_ready_s') or 0:.1f} s | {td} |")

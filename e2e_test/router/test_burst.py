@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from e2e_test.infra import bursts
+from e2e_test.infra import bursts, results
 from e2e_test.infra.cluster import results_root
 from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra.gateway import Admission
@@ -49,8 +49,7 @@ def _window_case(own_cluster, record, engine_name, topology):
         w = c.workers[-1]
         res.effective_window = bursts.effective_window(w.http_url, w.process.log_text())
         res.admission = vars(admission)
-        record.update({"engine": c.engine, "topology": c.topology.name, "cluster": c.name,
-                       "ready_s": dict(c.timing.workers)})
+        record.update(cluster=c.name, **results.cluster_facts(c))
         _save(record, res, c)
         verdict = bursts.check_admission(res, admission)
         record["bursts"][res.name]["verdict"] = verdict
