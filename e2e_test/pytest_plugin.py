@@ -49,6 +49,10 @@ def pytest_configure(config):
     config._e2e_t0 = time.monotonic()
     # Bad input: one line before anything starts.
     try:
+        if os.environ.get("E2E_DATASET_DIR"):
+            from .infra import datasets
+            for name in ("gsm8k", "mmlu"):
+                datasets.dataset_dir(name)
         for t in _csv(config.getoption("--topology")):
             parse_topology(t)
         for e in _csv(config.getoption("--engine")):
@@ -224,6 +228,16 @@ def own_cluster(request, e2e_backend, cluster_pool):
     yield factory
     for c in made:
         c.stop(verify_strict=False)
+
+
+@pytest.fixture(scope="session")
+def eval_data():
+    """The GSM8K/MMLU folders, checked before any topology is started for an eval."""
+    from .infra import datasets
+    try:
+        return {name: datasets.dataset_dir(name) for name in ("gsm8k", "mmlu")}
+    except HarnessError as e:
+        pytest.fail(str(e), pytrace=False)
 
 
 @pytest.fixture

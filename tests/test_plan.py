@@ -4,7 +4,8 @@ import pytest
 
 from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.model_specs import get_spec, parse_spec
-from e2e_test.infra.plan import make_plan, parse_device_list, plan_cpu, plan_gpu, resolve_devices
+from e2e_test.infra.plan import (cpu_cores, make_plan, parse_device_list, plan_cpu, plan_gpu,
+                                  resolve_devices)
 from e2e_test.infra.topology import parse
 
 SMALL = get_spec("SmolLM2-135M-Instruct")        # gpu_memory_fraction 0.2
@@ -257,3 +258,28 @@ def test_parse_device_list_errors(text, expected):
     with pytest.raises(ConfigError) as ei:
         parse_device_list(text, "X")
     assert str(ei.value) == expected
+
+
+# -- pytest-xdist device leases -----------------------------------------------------------------
+
+def test_xdist_share_partitions_devices():
+    from e2e_test.infra.plan import xdist_share
+    devs = (0, 1, 2, 3, 4, 5, 6, 7)
+    env = {"PYTEST_XDIST_WORKER_COUNT": "2"}
+    assert xdist_share(devs, {**env, "PYTEST_XDIST_WORKER": "gw0"}) == (0, 2, 4, 6)
+    assert xdist_share(devs, {**env, "PYTEST_XDIST_WORKER": "gw1"}) == (1, 3, 5, 7)
+    assert xdist_share(devs, {}) == devs
+
+
+def test_xdist_share_too_many_workers_is_one_line():
+    from e2e_test.infra.plan import xdist_share
+    with pytest.raises(ConfigError) as ei:
+        xdist_share((0, 1), {"PYTEST_XDIST_WORKER_COUNT": "3", "PYTEST_XDIST_WORKER": "gw2"})
+    assert "\n" not in str(ei.value) and "-n 2" in str(ei.value)
+
+
+def test_resolve_devices_under_xdist():
+    env = {"E2E_DEVICES": "0,1,2,3", "PYTEST_XDIST_WORKER_COUNT": "2",
+           "PYTEST_XDIST_WORKER": "gw1"}
+    assert resolve_devices(parse("1p1d"), environ=env) == (1, 3)
+    assert cpu_cores({"E2E_CPU_CORES": "0,1", **env}) == (1,)

@@ -91,25 +91,49 @@ def nvml_inventory() -> tuple[int, ...]:
         return ()
 
 
+def xdist_share(devices: tuple[int, ...], environ: dict | None = None) -> tuple[int, ...]:
+    """Under pytest-xdist (-n N) each worker leases its own slice of the ordered list:
+    worker k of N gets every N-th device starting at k, so topologies tested in parallel
+    never share a device (or CPU core). Without xdist: the whole list."""
+    env = os.environ if environ is None else environ
+    try:
+        count = int(env.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        k = int(env.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw"))
+    except ValueError:
+        return devices
+    if count <= 1:
+        return devices
+    share = devices[k % count::count]
+    if not share:
+        raise ConfigError(f"pytest-xdist worker gw{k} of {count} gets none of the "
+                          f"{len(devices)} device(s) {','.join(map(str, devices))}; "
+                          f"use at most -n {len(devices)}")
+    return share
+
+
 def resolve_devices(topology: Topology, explicit: str | None = None,
                     environ: dict | None = None, inventory=nvml_inventory) -> tuple[int, ...]:
     env = os.environ if environ is None else environ
     if explicit:
-        return parse_device_list(explicit, "--devices")
-    if env.get("E2E_DEVICES"):
-        return parse_device_list(env["E2E_DEVICES"], "E2E_DEVICES")
-    if topology.kind == "afd" and env.get("AFD_E2E_DEVICES"):
-        return parse_device_list(env["AFD_E2E_DEVICES"], "AFD_E2E_DEVICES")
-    if env.get("CUDA_VISIBLE_DEVICES"):
-        return parse_device_list(env["CUDA_VISIBLE_DEVICES"], "CUDA_VISIBLE_DEVICES")
-    return tuple(inventory())
+        devs = parse_device_list(explicit, "--devices")
+    elif env.get("E2E_DEVICES"):
+        devs = parse_device_list(env["E2E_DEVICES"], "E2E_DEVICES")
+    elif topology.kind == "afd" and env.get("AFD_E2E_DEVICES"):
+        devs = parse_device_list(env["AFD_E2E_DEVICES"], "AFD_E2E_DEVICES")
+    elif env.get("CUDA_VISIBLE_DEVICES"):
+        devs = parse_device_list(env["CUDA_VISIBLE_DEVICES"], "CUDA_VISIBLE_DEVICES")
+    else:
+        devs = tuple(inventory())
+    return xdist_share(devs, env) if devs else devs
 
 
 def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
     env = os.environ if environ is None else environ
     if env.get("E2E_CPU_CORES"):
-        return parse_device_list(env["E2E_CPU_CORES"], "E2E_CPU_CORES")
-    return tuple(sorted(os.sched_getaffinity(0)))
+        cores = parse_device_list(env["E2E_CPU_CORES"], "E2E_CPU_CORES")
+    else:
+        cores = tuple(sorted(os.sched_getaffinity(0)))
+    return xdist_share(cores, env)
 
 
 def _workers(topology: Topology):

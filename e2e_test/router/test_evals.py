@@ -21,7 +21,7 @@ def _n_floor(cluster, name):
 
 
 @pytest.mark.parametrize("name,module", [("gsm8k", gsm8k), ("mmlu", mmlu)], ids=["gsm8k", "mmlu"])
-def test_eval(cluster, record, request, name, module):
+def test_eval(eval_data, cluster, record, request, name, module):
     n, floor = _n_floor(cluster, name)
     res = module.run(cluster.gateway_url, cluster.model_name, n=n, concurrency=CONCURRENCY,
                      watchdog=cluster.watchdog(name),
