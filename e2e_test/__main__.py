@@ -2,6 +2,8 @@
 
   models prepare [--model M] [--force]   dequantize the built-in default model into the cache
   models list                            the registry as a table
+  models tiny-moe --out DIR [--family deepseek_v2] [--tokenizer DIR]
+                                         random-weight tiny MoE (AFD tests)
   datasets download | check              fetch the public GSM8K/MMLU copies / check the folder
   plan TOPOLOGY [--model --engine --backend --devices]   print the device plan, start nothing
   main [--topology 1] [--gsm8k-n --mmlu-n]  the main job: start engine(s) + smg, run chat,
@@ -37,6 +39,16 @@ def _common(p: argparse.ArgumentParser, topology: str | None = "1") -> None:
 
 def cmd_models(a) -> int:
     from .infra import model_specs, models
+    if a.action == "tiny-moe":
+        from .infra import tiny_models
+        from .infra.errors import ConfigError
+        if not a.out:
+            raise ConfigError("models tiny-moe needs --out DIR")
+        tok = a.tokenizer or str(models.prepared_dir(model_specs.get_spec(
+            "SmolLM2-135M-Instruct")))
+        path = tiny_models.build_tiny_moe(a.family, a.out, tok, seed=a.seed, force=a.force)
+        print(f"{path} ({json.dumps(tiny_models.read_marker(path)['dims'])})")
+        return 0
     if a.action == "list":
         for s in model_specs.load_registry().values():
             print(f"{s.id:<36} tp={s.tp} engines={','.join(s.engines):<22} "
@@ -177,9 +189,14 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("models")
-    m.add_argument("action", choices=["prepare", "list"])
+    m.add_argument("action", choices=["prepare", "list", "tiny-moe"])
     m.add_argument("--model", default="SmolLM2-135M-Instruct")
     m.add_argument("--force", action="store_true")
+    m.add_argument("--out", help="tiny-moe: output folder")
+    m.add_argument("--family", default="deepseek_v2", help="tiny-moe: model family")
+    m.add_argument("--tokenizer", help="tiny-moe: tokenizer folder (default: the prepared "
+                   "SmolLM2-135M-Instruct folder)")
+    m.add_argument("--seed", type=int, default=0, help="tiny-moe: weight seed")
     m.set_defaults(fn=cmd_models)
     d = sub.add_parser("datasets")
     d.add_argument("action", choices=["download", "check"])

@@ -189,6 +189,11 @@ class Cluster:
         if opts.kv_connector == "example" and not opts.kv_shared_path:
             opts = replace(opts, kv_shared_path=str(self.dir.resolve() / "kv-store"))
         cmd = self.builder.build(self.spec, self.topology, entry, p, str(self.model_path), opts)
+        if self.topology.kind == "afd" and entry.role == "ffn":
+            from .proof import afd_ffn_step_env, ffn_step_trace_enabled
+            if ffn_step_trace_enabled():   # the plugin's per-step FFN signal (proof.py)
+                trace_dir = self.dir.resolve() / "afd-ffn-steps" / entry.name
+                cmd = replace(cmd, env={**cmd.env, **afd_ffn_step_env(trace_dir)})
         return Worker(entry, p, cmd)
 
     @property

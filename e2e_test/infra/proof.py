@@ -94,3 +94,164 @@ def pd_transfer(cluster, n: int = 4, min_external_fraction: float = 0.9,
         raise HarnessError(f"PD transfer proof failed on {cluster.topology.name}: "
                            + "; ".join(problems) + f" ({proof.to_dict()})")
     return proof
+
+
+# -- AFD: the FFN server really ran the FFN ----------------------------------------------------
+#
+# The afd-plugin exposes no Prometheus metric, counter or per-step log line on the FFN side
+# (its FFN EngineCore runs a connector loop, no scheduler, so vLLM's own counters there stay at
+# zero). The one per-step signal it has is its FFN profiler: afd_plugin/compat/profiler.py,
+# configured by AFD_GPU_FFN_PROFILER_{ENABLE,WAIT,WARMUP,ACTIVE,REPEAT,SKIP_FIRST,DIR} and
+# stepped at the top of every GPUFFNModelRunner.execute_model (afd_plugin/v1/worker/
+# ffn_model_runner.py), which the FFN worker loop calls once per control-plane payload from
+# Attention (afd_plugin/v1/worker/ffn_worker.py _run_ffn_server_loop), i.e. once per Attention
+# forward step. With WAIT=every-2, WARMUP=1, ACTIVE=1, REPEAT=0 (unlimited) torch.profiler's
+# TensorBoard handler writes one `<host>_<pid>.<ns>.pt.trace.json` per `every` FFN steps into
+# DIR. The plugin's own GPU e2e test proves FFN execution the same way
+# (tests/e2e/features/test_profiler_gpu.py: trace files must appear in the FFN dir).
+# The cluster sets this env on every AFD FFN server (E2E_AFD_FFN_STEP_TRACE=0 turns it off).
+
+FFN_STEP_TRACE_ENV = "E2E_AFD_FFN_STEP_TRACE"
+FFN_PROFILER_PREFIX = "AFD_GPU_FFN_PROFILER"
+FFN_TRACE_EVERY = 8
+_TRACE_GLOB = "*.pt.trace.json*"
+
+
+def ffn_step_trace_enabled(environ: dict | None = None) -> bool:
+    import os
+    env = os.environ if environ is None else environ
+    return env.get(FFN_STEP_TRACE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def afd_ffn_step_env(trace_dir, every: int = FFN_TRACE_EVERY) -> dict[str, str]:
+    """The FFN server's env for one profiler trace per `every` FFN steps into `trace_dir`."""
+    if every < 2:
+        raise ValueError("every must be >= 2 (one warmup + one active step per cycle)")
+    p = FFN_PROFILER_PREFIX
+    return {f"{p}_ENABLE": "1", f"{p}_WAIT": str(every - 2), f"{p}_WARMUP": "1",
+            f"{p}_ACTIVE": "1", f"{p}_REPEAT": "0", f"{p}_SKIP_FIRST": "0",
+            f"{p}_DIR": str(trace_dir)}
+
+
+@dataclass
+class FfnProof:
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    trace_every: int
+    traces_before: int
+    traces_after: int
+    new_traces_by_process: dict
+    expected_min_new: int            # floor(steps / every) - 1 for these sequential requests
+    kernel_events: int | None        # GPU kernels in the parsed new traces (None: none parsed)
+    moe_kernel_events: int | None
+    top_kernels: list
+    attention_generation_tokens: float
+
+    @property
+    def new_traces(self) -> int:
+        return self.traces_after - self.traces_before
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "new_traces": self.new_traces}
+
+
+def _ffn_trace_dirs(cluster) -> list:
+    from pathlib import Path
+    return [Path(w.command.env[f"{FFN_PROFILER_PREFIX}_DIR"]) for w in cluster.role("ffn")
+            if w.command.env.get(f"{FFN_PROFILER_PREFIX}_ENABLE") == "1"
+            and w.command.env.get(f"{FFN_PROFILER_PREFIX}_DIR")]
+
+
+def _traces(dirs) -> set:
+    return {f for d in dirs if d.is_dir() for f in d.rglob(_TRACE_GLOB) if f.is_file()}
+
+
+def _kernel_summary(files, limit: int = 3) -> tuple[int | None, int | None, list]:
+    """Kernel events in (at most `limit` of) the new trace files: what the FFN GPU ran."""
+    import gzip
+    import json
+    counts: dict[str, int] = {}
+    parsed = 0
+    for f in sorted(files, key=lambda p: p.stat().st_mtime)[:limit]:
+        try:
+            raw = gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_bytes()
+            events = json.loads(raw).get("traceEvents", [])
+        except (OSError, ValueError):
+            continue        # still being written
+        parsed += 1
+        for e in events:
+            if isinstance(e, dict) and e.get("cat") == "kernel":
+                counts[e.get("name", "?")] = counts.get(e.get("name", "?"), 0) + 1
+    if not parsed:
+        return None, None, []
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
+    moe = sum(v for k, v in counts.items() if "moe" in k.lower())
+    return sum(counts.values()), moe, [[k[:80], v] for k, v in top]
+
+
+def afd_ffn_served(cluster, n: int = 4, max_tokens: int = 16, settle_s: float = 10.0,
+                   every: int | None = None) -> FfnProof:
+    """n sequential completions through the gateway must make the FFN server(s) step: the
+    plugin's FFN step traces (see above) must grow. Raises HarnessError otherwise."""
+    import time
+    from pathlib import Path
+    name = cluster.topology.name
+    if cluster.topology.kind != "afd" or cluster.topology.native_baseline:
+        raise HarnessError(f"topology {name} has no AFD FFN server: the FFN proof does not "
+                           "apply")
+    ffn = cluster.role("ffn")
+    if not ffn:
+        raise HarnessError(f"topology {name}: no FFN worker")
+    dirs = _ffn_trace_dirs(cluster)
+    if not dirs:
+        raise HarnessError(f"topology {name}: the FFN servers were started without the "
+                           f"plugin's step traces ({FFN_STEP_TRACE_ENV}=0?): nothing to "
+                           "measure")
+    if every is None:
+        env = ffn[0].command.env
+        every = (int(env.get(f"{FFN_PROFILER_PREFIX}_WAIT", FFN_TRACE_EVERY - 2))
+                 + int(env.get(f"{FFN_PROFILER_PREFIX}_WARMUP", 1))
+                 + int(env.get(f"{FFN_PROFILER_PREFIX}_ACTIVE", 1)))
+    attention = cluster.role("attention")
+    b_att = _scrape_all(attention)
+    before = _traces(dirs)
+    prompt_tokens = completion_tokens = 0
+    for i in range(n):
+        r = cluster.client.post("/v1/completions", json={
+            "model": cluster.model_name, "prompt": long_unique_prompt(words=40, seed=i),
+            "max_tokens": max_tokens, "temperature": 0})
+        if r.status_code != 200:
+            raise HarnessError(f"AFD FFN proof request {i}: HTTP {r.status_code} "
+                               f"{r.text[:200]}")
+        usage = r.json().get("usage", {})
+        prompt_tokens += usage.get("prompt_tokens", 0)
+        completion_tokens += usage.get("completion_tokens", 0)
+    # Sequential requests: each is one prefill step plus completion_tokens - 1 decode steps,
+    # one FFN step each. A trace is saved when the step after its active step starts.
+    expected = max(1, completion_tokens // every - 1)
+    deadline = time.monotonic() + settle_s
+    after = _traces(dirs)
+    while len(after - before) < expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = _traces(dirs)
+    new = after - before
+    by_proc: dict[str, int] = {}
+    for f in new:
+        base = Path(f).name.split(".pt.trace.json", 1)[0]   # <host>_<pid>.<ns>
+        proc = base.rsplit(".", 1)[0]                        # <host>_<pid>
+        by_proc[proc] = by_proc.get(proc, 0) + 1
+    kernels, moe, top = _kernel_summary(new)
+    a_att = _scrape_all(attention)
+    proof = FfnProof(
+        requests=n, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        trace_every=every, traces_before=len(before), traces_after=len(before) + len(new),
+        new_traces_by_process=by_proc, expected_min_new=expected, kernel_events=kernels,
+        moe_kernel_events=moe, top_kernels=top,
+        attention_generation_tokens=_sum_delta(b_att, a_att, "vllm:generation_tokens_total"))
+    if not new:
+        raise HarnessError(f"AFD FFN proof failed on {name}: {n} completions "
+                           f"({completion_tokens} tokens) through the gateway, but the FFN "
+                           f"server wrote no new step trace in {', '.join(map(str, dirs))} "
+                           f"(one is due every {every} FFN steps) ({proof.to_dict()})")
+    return proof
