@@ -48,6 +48,13 @@ def _details(t: dict) -> str:
         out.append(f"KV proof: decode got {p['decode_external']:.0f}/{p['prompt_tokens']} prompt "
                    f"tokens by transfer, recomputed {p['decode_local_compute']:.0f}, "
                    f"{p['nixl_bytes'] / 2**20:.1f} MiB over NIXL")
+    if t.get("afd_ffn_proof"):
+        p = t["afd_ffn_proof"]
+        out.append(f"FFN proof: {p.get('new_traces')} new FFN step traces for {p.get('requests')} "
+                   f"requests ({p.get('moe_kernel_events')} MoE kernel events)")
+    for name, v in (t.get("afd_vs_native") or {}).items():
+        out.append(f"vs {name}: {v['same_text']}/{v['prompts']} identical outputs, "
+                   f"{v['same_first_token']}/{v['prompts']} same first token")
     for name, v in (t.get("pd_vs_regular") or {}).items():
         out.append(f"{name} vs `1`: {v['same_prediction']}/{v['items']} same answers")
     if t.get("chat"):
