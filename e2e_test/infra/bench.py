@@ -31,13 +31,22 @@ class BenchConfig:
     warmup: int = 2
     reps: int = 3
     seed: int = 0
-    vocab: tuple[int, int] = (1000, 40000)
+
+
+# Common short English words: about one token each for Llama-style tokenizers. The gateway
+# takes text prompts only, so the input length is approximate; the measured mean prompt
+# length (from the usage counts) is reported next to the results.
+WORDS = ("time year people way day man thing woman life child world school state family "
+         "student group country problem hand part place case week company system program "
+         "question work government number night point home water room mother area money "
+         "story fact month lot right study book eye job word business issue side kind head "
+         "house service friend father power hour game line end member law car city name").split()
 
 
 def workload(model: str, cfg: BenchConfig, n: int, seed: int) -> list[load.Request]:
     rnd = random.Random(seed)
     return [load.Request("/v1/completions", {
-        "model": model, "prompt": [rnd.randrange(*cfg.vocab) for _ in range(cfg.isl)],
+        "model": model, "prompt": " ".join(rnd.choice(WORDS) for _ in range(cfg.isl)),
         "max_tokens": cfg.osl, "temperature": 0, "ignore_eos": True}, tag=i) for i in range(n)]
 
 
@@ -53,6 +62,7 @@ def measure(rep: load.RunReport) -> dict:
         "itl_ms": 1000 * mean(itl),
         "e2e_ms": 1000 * mean([r.latency_s for r in ok]),
         "failed": float(len(rep.errors)),
+        "isl_measured": mean([r.prompt_tokens for r in ok]),
     }
 
 
@@ -68,19 +78,21 @@ def run_topology(cluster, cfg: BenchConfig, log=print) -> dict:
         m = measure(rep)
         m["client_overhead_ms"] = rep.client_overhead_s * 1000
         runs.append(m)
+        first_error = next((f"; first error: {e.status} {e.error[:120]}" for e in rep.errors), "")
         log(f"  {cluster.topology.name} rep {r + 1}/{cfg.reps}: "
-            + ", ".join(f"{k} {v:.1f}" for k, v in m.items()))
+            + ", ".join(f"{k} {v:.1f}" for k, v in m.items()) + first_error)
     agg = {}
-    for k in METRICS:
-        xs = [m[k] for m in runs]
-        agg[k] = {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
+    for k in METRICS + ("isl_measured", "client_overhead_ms"):
+        xs = [m[k] for m in runs if not math.isnan(m[k])]
+        agg[k] = {"mean": statistics.fmean(xs) if xs else float("nan"),
+                  "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
     return {"topology": cluster.topology.name, "runs": runs, "agg": agg,
             "ready_s": dict(cluster.timing.workers)}
 
 
 def table(a: dict, b: dict) -> str:
     lines = [f"| metric | {a['topology']} | {b['topology']} | delta |", "|---|---|---|---|"]
-    for k in METRICS:
+    for k in METRICS + ("isl_measured", "client_overhead_ms"):
         ma, mb = a["agg"][k], b["agg"][k]
         if k == "failed":
             delta = f"{mb['mean'] - ma['mean']:+.1f}"
