@@ -319,8 +319,8 @@ class Cluster:
         """A worker that was ready earlier and died fails the start too."""
         for w in self.workers:
             if w.process and w not in group and not w.process.alive():
-                raise StartupError(w.process.failure_summary().splitlines()[0],
-                                   "\n".join(w.process.failure_summary().splitlines()[1:]))
+                head, _, details = w.process.failure_summary().partition("\n")
+                raise StartupError(head, details)
 
     def _handle_early_exit(self, w: Worker) -> None:
         hit = classify_log(w.process.log_text())
@@ -353,8 +353,8 @@ class Cluster:
         with httpx.Client(timeout=30.0) as client:
             while True:
                 if not self.gateway.alive():
-                    s = self.gateway.failure_summary()
-                    raise StartupError(s.splitlines()[0], "\n".join(s.splitlines()[1:]))
+                    head, _, details = self.gateway.failure_summary().partition("\n")
+                    raise StartupError(head, details)
                 try:
                     if client.get(f"{self.gateway_url}/health").status_code == 200:
                         break
