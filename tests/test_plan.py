@@ -283,3 +283,38 @@ def test_resolve_devices_under_xdist():
            "PYTEST_XDIST_WORKER": "gw1"}
     assert resolve_devices(parse("1p1d"), environ=env) == (1, 3)
     assert cpu_cores({"E2E_CPU_CORES": "0,1", **env}) == (1,)
+
+
+# -- the plans of the 4- and 8-GPU lanes (issues: EPD on TokenSpeed, AFD 2A2F, AFD 4A4F) ---------
+
+@pytest.mark.parametrize("topo,expected", [
+    ("1e1p1d", {"encode-0": (0,), "prefill-0": (1,), "decode-0": (2,)}),
+    ("1e2p1d", {"encode-0": (0,), "prefill-0": (1,), "prefill-1": (2,), "decode-0": (3,)}),
+    ("2e1p1d", {"encode-0": (0,), "encode-1": (1,), "prefill-0": (2,), "decode-0": (3,)}),
+    ("1e1p2d", {"encode-0": (0,), "prefill-0": (1,), "decode-0": (2,), "decode-1": (3,)}),
+])
+def test_epd_lane_one_worker_per_gpu(topo, expected):
+    spec = get_spec("Qwen/Qwen3.5-9B")            # 0.85 of a GPU each: never packed
+    plan = make_plan(parse(topo), spec, "cuda", devices=(0, 1, 2, 3))
+    assert {e.name: e.gpus for e in plan.entries} == expected and not plan.packed
+
+
+def test_afd_2a2f_and_native_dp4_on_four_gpus_follow_afd_e2e_devices():
+    spec = get_spec("deepseek-ai/DeepSeek-V2-Lite")
+    env = {"AFD_E2E_DEVICES": "0,2,1,3"}
+    devs = resolve_devices(parse("2a2f"), environ=env, inventory=lambda: ())
+    afd = make_plan(parse("2a2f"), spec, "cuda", devices=devs)
+    assert {e.name: e.gpus for e in afd.entries} == {"attention-0": (0, 2), "ffn-0": (1, 3)}
+    base = make_plan(parse("native-dp4"), spec, "cuda", devices=devs)
+    assert [(e.name, e.gpus, e.dp) for e in base.entries] == [("worker-0", (0, 2, 1, 3), 4)]
+
+
+def test_afd_large_profile_order_on_eight_gpus():
+    spec = get_spec("Qwen/Qwen3.5-122B-A10B")
+    devs = resolve_devices(parse("4a4f"), environ={"AFD_E2E_DEVICES": "0,2,4,6,1,3,5,7"},
+                           inventory=lambda: ())
+    plan = make_plan(parse("4a4f"), spec, "cuda", devices=devs)
+    assert {e.name: e.gpus for e in plan.entries} == {"attention-0": (0, 2, 4, 6),
+                                                      "ffn-0": (1, 3, 5, 7)}
+    base = make_plan(parse("native-dp4"), spec, "cuda", devices=devs[:4])
+    assert base.entries[0].gpus == (0, 2, 4, 6)
