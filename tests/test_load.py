@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from e2e_test.infra.errors import StallError
+from e2e_test.infra.errors import StallError, WorkerDied
 from e2e_test.infra.load import (
     Request,
     RequestResult,
@@ -301,3 +301,17 @@ def test_result_to_dict():
     d = RequestResult(index=0, tag=("row", 3), status=200).to_dict()
     assert d["tag"] == "('row', 3)" and d["status"] == 200
     assert RequestResult(index=1).to_dict()["tag"] is None
+
+
+def test_dead_worker_seen_after_fast_failures():
+    """A worker whose death shows up a moment after its requests failed is still reported:
+    the driver looks again for a while before returning a report of errors."""
+    t0 = time.monotonic()
+
+    def check():
+        return "worker-0 died: signal 9" if time.monotonic() - t0 > 0.5 else None
+
+    wd = Watchdog(window_s=30, what="burst", check=check)
+    with pytest.raises(WorkerDied) as ei:   # port 1: connection refused at once
+        run("http://127.0.0.1:1", [Request("/v1/completions", {"model": "x"})], watchdog=wd)
+    assert "signal 9" in str(ei.value)

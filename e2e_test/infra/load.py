@@ -318,8 +318,14 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
                         diag)
     if watchdog is not None and watchdog.check is not None:
         # Requests that failed fast because a worker died are errors of a dead topology:
-        # say so, rather than return a report of transport errors.
+        # say so, rather than return a report of transport errors. A killed process closes
+        # its sockets before it can be reaped, so after failures look again for a moment.
+        failed = any(not r.ok for r in results)
         dead = watchdog.check()
+        deadline = time.monotonic() + (2.0 if failed else 0.0)
+        while not dead and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            dead = watchdog.check()
         if dead:
             watchdog.fired_at = time.monotonic() - t_run
             raise WorkerDied(f"{watchdog.what}: {dead}")
