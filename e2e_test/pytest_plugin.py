@@ -3,10 +3,8 @@ engine/topology markers per case, result records, signal handling and the summar
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -60,12 +58,6 @@ def pytest_configure(config):
                 raise HarnessError(f"unknown engine {e!r} (known: {', '.join(ENGINES)})")
     except HarnessError as e:
         raise pytest.UsageError(str(e)) from None
-
-
-def _kinds_marker(item_or_fn) -> tuple[str, ...] | None:
-    m = item_or_fn.get_closest_marker("topology_kinds") if hasattr(
-        item_or_fn, "get_closest_marker") else None
-    return tuple(m.args) if m else None
 
 
 def pytest_generate_tests(metafunc):

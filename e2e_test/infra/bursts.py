@@ -11,6 +11,7 @@ fast, nothing may hang past the queue timeout, admitted requests complete, and s
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,7 +142,6 @@ def effective_window(worker_url: str, log_text: str = "") -> dict:
                     "source": "/server_info"}
     except (httpx.HTTPError, ValueError, AttributeError):
         pass
-    import re
     m = re.search(r"max_num_seqs['\"]?[:=]\s*(\d+)", log_text)
     if m:
         return {"max_num_seqs": int(m.group(1)), "source": "log"}

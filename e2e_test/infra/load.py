@@ -66,10 +66,8 @@ class Progress:
     def __init__(self):
         self.inflight = 0
         self.last = time.monotonic()
-        self.events = 0
 
     def tick(self) -> None:
-        self.events += 1
         self.last = time.monotonic()
 
 
