@@ -148,3 +148,20 @@ def test_registration_body():
     assert GatewayWorker("http://127.0.0.1:1").registration() == {
         "url": "http://127.0.0.1:1", "worker_type": "regular", "runtime_type": "vllm"}
     assert not GatewayWorker("http://127.0.0.1:1").register_dynamically
+
+
+def test_grpc_workers_get_the_model_path_for_smg_tokenizer():
+    # smg tokenizes for gRPC workers: it needs the local model folder; HTTP workers do not.
+    argv = build_argv(cfg("regular", GatewayWorker("grpc://127.0.0.1:20001",
+                                                   runtime_type="tokenspeed"),
+                          model_path="/models/smol"))
+    assert argv == HEAD + ["--model-path", "/models/smol", "--worker-urls",
+                           "grpc://127.0.0.1:20001", "--policy", "round_robin"]
+    a = smg_reads(argv)
+    assert a.model_path == "/models/smol" and a.worker_urls == ["grpc://127.0.0.1:20001"]
+    epd = build_argv(cfg("epd", GatewayWorker("grpc://127.0.0.1:1", "encode", bootstrap_port=2),
+                         GatewayWorker("grpc://127.0.0.1:3", "prefill", bootstrap_port=4),
+                         GatewayWorker("grpc://127.0.0.1:5", "decode"), model_path="/m"))
+    assert epd[len(HEAD):len(HEAD) + 3] == ["--model-path", "/m", "--epd-disaggregation"]
+    http = build_argv(cfg("regular", GatewayWorker("http://127.0.0.1:1"), model_path="/m"))
+    assert "--model-path" not in http

@@ -346,7 +346,8 @@ class Cluster:
         cfg = gw.GatewayConfig(kind=self.topology.kind, workers=gws, port=self.gateway_port,
                                prometheus_port=self.prometheus_port, policy=self.policy,
                                dp_aware=self.topology.engine_dp, admission=self.admission,
-                               extra_args=self.gateway_args)
+                               extra_args=self.gateway_args,
+                               model_path=str(self.model_path))
         self.gateway = ManagedProcess("gateway", gw.build_argv(cfg), {},
                                       self.dir / "logs" / "gateway.log").start()
         deadline = t0 + 120

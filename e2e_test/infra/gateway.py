@@ -69,12 +69,17 @@ class GatewayConfig:
     dp_aware: bool = False
     admission: Admission | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # smg tokenizes for gRPC workers itself: it needs the model folder (tokenizer, chat
+    # template). HTTP workers (vLLM) tokenize on their own; then it stays None.
+    model_path: str | None = None
 
 
 def build_argv(cfg: GatewayConfig) -> list[str]:
     argv = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(cfg.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(cfg.prometheus_port),
             "--log-level", "info"]
+    if cfg.model_path and any(w.url.startswith("grpc://") for w in cfg.workers):
+        argv += ["--model-path", cfg.model_path]
     static = [w for w in cfg.workers if not w.register_dynamically]
     if cfg.kind in ("pd", "epd"):
         argv.append("--pd-disaggregation" if cfg.kind == "pd" else "--epd-disaggregation")
