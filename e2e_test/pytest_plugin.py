@@ -10,7 +10,7 @@ import pytest
 
 from .infra import lifecycle, results
 from .infra.cluster import Cluster, default_backend
-from .infra.engines import EngineOptions
+from .infra.engines import options_from_env
 from .infra.errors import HarnessError
 from .infra.topology import parse as parse_topology
 
@@ -182,8 +182,7 @@ def cluster_pool(request):
 
 
 def make_cluster(config, engine: str, topology: str, backend: str, **kw) -> Cluster:
-    opts = kw.pop("options", None) or EngineOptions(
-        enforce_eager=os.environ.get("E2E_ENFORCE_EAGER") == "1")
+    opts = kw.pop("options", None) or options_from_env()
     return Cluster(model=config.getoption("--model"), engine=engine, topology=topology,
                    backend=backend, devices=config.getoption("--devices"), options=opts, **kw)
 

@@ -142,3 +142,50 @@ def test_refuses_cpu_and_afd():
     ta = parse("2a1f")
     with pytest.raises(ConfigError, match="not 'afd'"):
         tokenspeed.build(SPEC, ta, e["worker"], Ports(api=1), "/m", CUDA)
+
+
+def test_metrics_dir_and_tcp_transport():
+    # The servicer has no /metrics: --enable-metrics plus a multiprocess folder per worker.
+    t, e = entries("1p1d")
+    opts = EngineOptions(backend="cuda", state_dir="/r/state", mooncake_transport="tcp")
+    cmd = tokenspeed.build(SPEC, t, e["decode"], Ports(api=32000, aux={"dist_init": 32001}),
+                           "/models/q", opts)
+    assert cmd.argv[:len(head(32000)) + 1] == head(32000)[:-2] + [
+        "--enable-metrics", "--max-model-len", "8192"]
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "5", "MC_FORCE_TCP": "1",
+                       "TOKENSPEED_SKIP_GRPC_WARMUP": "1", "NO_PROXY": "*", "no_proxy": "*",
+                       "PROMETHEUS_MULTIPROC_DIR": "/r/state/prometheus/decode-0"}
+    assert cmd.metadata["prometheus_multiproc_dir"] == "/r/state/prometheus/decode-0"
+    with pytest.raises(ConfigError, match="mooncake transport 'rdma'"):
+        tokenspeed.build(SPEC, t, e["decode"], Ports(api=1, aux={"dist_init": 2}), "/m",
+                         EngineOptions(backend="cuda", mooncake_transport="rdma"))
+
+
+def test_packed_schedule_is_cumulative_and_sequential():
+    small = parse_spec("s", {"weights": {"source": "path", "path": "/m"},
+                             "engines": ["tokenspeed"], "gpu_memory_fraction": 0.25})
+    t = parse("1e1p1d")
+    plan = plan_gpu(t, small, (3,))
+    assert plan.packed and {en.gpus for en in plan.entries} == {(3,)}
+    sched = tokenspeed.packed_schedule(plan.entries)
+    fracs = [en.mem_fraction for en in plan.entries]
+    assert [sched[en.name][0] for en in plan.entries] == [0, 1, 2]
+    assert [sched[en.name][1] for en in plan.entries] == pytest.approx(
+        [fracs[0], fracs[0] + fracs[1], sum(fracs)])
+    # Alone on its GPU: not listed.
+    assert tokenspeed.packed_schedule(plan_gpu(parse("1p1d"), small, (0, 1)).entries) == {}
+    # The override reaches the argv, the stage the metadata.
+    en = plan.entries[1]
+    cmd = tokenspeed.build(small, t, en, Ports(api=1, aux={"bootstrap": 2, "dist_init": 3}),
+                           "/m", EngineOptions(backend="cuda", start_stage=1,
+                                               gpu_memory_utilization=0.5))
+    assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.5"
+    assert cmd.metadata["start_stage"] == 1
+
+
+def test_packed_schedule_refuses_overcommit():
+    from e2e_test.infra.plan import PlanEntry
+    es = [PlanEntry(f"{r}-0", r, 0, 1, 1, gpus=(0,), mem_fraction=0.4)
+          for r in ("encode", "prefill", "decode")]
+    with pytest.raises(ConfigError, match="packed on GPU 0 need 1.20"):
+        tokenspeed.packed_schedule(es)

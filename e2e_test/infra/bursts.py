@@ -127,9 +127,39 @@ def check_admission(res: BurstResult, admission: Admission, fast_s: float = 1.0,
             "p99_refusal_s": load.percentiles([r.latency_s for r in refused]).get("p99")}
 
 
+def tokenspeed_server_info(port: int, timeout: float = 5.0) -> dict:
+    """TokenSpeed's GetServerInfo over gRPC (server_args, scheduler_info as dicts), through
+    the proto stubs its servicer ships (smg_grpc_proto)."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
+    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        resp = pb_grpc.TokenSpeedSchedulerStub(ch).GetServerInfo(pb.GetServerInfoRequest(),
+                                                                  timeout=timeout)
+    return MessageToDict(resp, preserving_proto_field_name=True)
+
+
 def effective_window(worker_url: str, log_text: str = "") -> dict:
-    """The engine's resolved running window (vLLM max_num_seqs), read from the worker itself:
-    /server_info (vLLM dev mode) when it answers, else the startup log."""
+    """The engine's resolved running window, read from the worker itself: vLLM's
+    /server_info (dev mode) max_num_seqs; TokenSpeed's gRPC GetServerInfo
+    scheduler_info.max_num_seqs; else the startup log."""
+    if worker_url.startswith("grpc://"):
+        try:
+            info = tokenspeed_server_info(int(worker_url.rsplit(":", 1)[1]))
+            sched = info.get("scheduler_info", {})
+            def num(v):
+                return int(v) if isinstance(v, (int, float)) else None
+            return {"max_num_seqs": num(sched.get("max_num_seqs")),
+                    "max_total_num_tokens": num(sched.get("max_total_num_tokens")),
+                    "chunked_prefill_size": num(sched.get("chunked_prefill_size")),
+                    "source": "grpc GetServerInfo"}
+        except Exception as e:       # stubs missing, worker gone: say so, fall back to the log
+            err = f"{type(e).__name__}: {e}"[:200]
+        m = re.search(r"max_num_seqs['\"]?[:=]\s*(\d+)", log_text)
+        if m:
+            return {"max_num_seqs": int(m.group(1)), "source": "log"}
+        return {"max_num_seqs": None, "source": "unknown", "error": err}
     try:
         r = httpx.get(f"{worker_url}/server_info", params={"config_format": "json"}, timeout=5)
         if r.status_code == 200:

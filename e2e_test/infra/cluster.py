@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -107,6 +108,9 @@ class Worker:
         return f"http://127.0.0.1:{self.ports.api}"
 
     def metrics(self) -> dict:
+        prom_dir = self.command.metadata.get("prometheus_multiproc_dir")
+        if prom_dir:       # TokenSpeed: no /metrics endpoint, multiprocess files instead
+            return metrics.read_multiproc_dir(prom_dir)
         return metrics.scrape(f"{self.http_url}/metrics")
 
 
@@ -154,6 +158,9 @@ class Cluster:
             raise ConfigError(f"topology {self.topology.name!r}: AFD attention and FFN need "
                               f"separate devices; {len(self.plan.devices)} device(s) are too few")
         self.builder = _builder(engine, self.topology)
+        self._packed_starts = {}
+        if engine == "tokenspeed" and self.backend == "cuda":
+            self._packed_starts = self.builder.packed_schedule(self.plan.entries)
         if self.topology.kind == "afd" and not self.topology.native_baseline:
             # The FFN binds the connector port and the next num_ffn_ranks ports; attention
             # connects to the same base port.
@@ -166,6 +173,8 @@ class Cluster:
         self.startup_timeout = startup_timeout or self.spec.startup_timeout_s
         self.name = name or f"{self.engine}-{self.topology.name}-{os.getpid()}-{next(_ids)}"
         self.dir = Path(results_dir) if results_dir else results_root() / "clusters" / self.name
+        if not self.options.state_dir:
+            self.options = replace(self.options, state_dir=str(self.dir.resolve() / "state"))
         self.workers: list[Worker] = [self._make_worker(e) for e in self.plan.entries]
         self.gateway_port, self.prometheus_port = ports.allocate(2)
         self.gateway: ManagedProcess | None = None
@@ -186,6 +195,9 @@ class Cluster:
         aux = {**dict(zip(fresh, allocated[1:])), **{n: preset[n] for n in names if n in preset}}
         p = Ports(api=allocated[0], aux=aux)
         opts = self.options
+        if entry.name in self._packed_starts:
+            stage, util = self._packed_starts[entry.name]
+            opts = replace(opts, start_stage=stage, gpu_memory_utilization=util)
         if opts.kv_connector == "example" and not opts.kv_shared_path:
             opts = replace(opts, kv_shared_path=str(self.dir.resolve() / "kv-store"))
         cmd = self.builder.build(self.spec, self.topology, entry, p, str(self.model_path), opts)
@@ -265,6 +277,10 @@ class Cluster:
 
     def _launch(self, w: Worker) -> None:
         log = self.dir / "logs" / f"{w.name}{'.' + str(w.restarts) if w.restarts else ''}.log"
+        prom_dir = w.command.metadata.get("prometheus_multiproc_dir")
+        if prom_dir:       # must exist, and start empty (a restart starts its counters anew)
+            shutil.rmtree(prom_dir, ignore_errors=True)
+            Path(prom_dir).mkdir(parents=True)
         w.process = ManagedProcess(w.name, w.command.argv, w.command.env, log,
                                    unset_env=w.command.metadata.get("unset_env", ()),
                                    cpu_affinity=w.entry.cores).start()
@@ -463,12 +479,17 @@ class Cluster:
         total, answered = 0.0, False
         for w in self.workers:
             try:
-                s = metrics.scrape(f"{w.http_url}/metrics", timeout=2.0)
+                if w.command.metadata.get("prometheus_multiproc_dir"):
+                    s = w.metrics()
+                else:
+                    s = metrics.scrape(f"{w.http_url}/metrics", timeout=2.0)
             except Exception:
                 continue
             answered = True
             total += metrics.total(s, "vllm:prompt_tokens_total")
             total += metrics.total(s, "vllm:generation_tokens_total")
+            # TokenSpeed counts tokens per request at its end; per scheduler step, only this.
+            total += metrics.total(s, "tokenspeed:iteration_tokens_total_sum")
         return total if answered else None
 
     def gateway_metrics(self) -> dict:

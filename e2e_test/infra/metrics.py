@@ -21,6 +21,15 @@ def scrape(url: str, timeout: float = 5.0) -> dict[tuple[str, tuple], float]:
     return parse(r.text)
 
 
+def read_multiproc_dir(path: str) -> dict[tuple[str, tuple], float]:
+    """Samples from a Prometheus multiprocess folder (engines that write metrics there but
+    serve no /metrics, like TokenSpeed behind its gRPC servicer)."""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)
+    return parse(generate_latest(registry).decode())
+
+
 def total(samples: dict, name: str, **labels) -> float:
     """Sum of every sample called `name` whose labels include `labels`."""
     want = set(labels.items())

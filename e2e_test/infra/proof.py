@@ -96,6 +96,94 @@ def pd_transfer(cluster, n: int = 4, min_external_fraction: float = 0.9,
     return proof
 
 
+# -- PD on TokenSpeed -------------------------------------------------------------------------
+#
+# TokenSpeed's servicer serves no /metrics; with --enable-metrics its engine writes Prometheus
+# multiprocess files (the builder points PROMETHEUS_MULTIPROC_DIR at the cluster's state
+# folder; Worker.metrics reads them). Its 0.1.0 KV-transfer metrics are no-ops
+# (runtime/metrics/collector.py KVTransferMetrics), so the proof combines:
+# - the gateway sent every request to a prefill AND a decode worker
+#   (smg_worker_selection_total{worker_type=...}) and counted no bootstrap / KV-transfer
+#   failure (smg_pd_bootstrap_failures_total, smg_pd_kv_transfer_failures_total);
+# - the prefill workers ran the prompts forward (tokenspeed:iteration_tokens_total_sum, the
+#   tokens of every scheduler forward step);
+# - the decode workers finished every request successfully (tokenspeed:request_success) and
+#   generated its tokens. A TokenSpeed decode node cannot recompute a prompt: its extend step
+#   only posts the KV receive and returns without a forward pass, and a request whose transfer
+#   fails or times out is aborted ("PD/EPD remote transfer failed or timed out"), not served
+#   (tokenspeed runtime/engine/event_loop.py, DisaggDecodeExecutor branch and the
+#   FailedEvent handling). So a successful decode-side finish means the KV arrived.
+
+TS_PREFIX = "tokenspeed:"
+
+
+@dataclass
+class TokenSpeedPDProof:
+    requests: int
+    prompt_tokens: int
+    gateway_prefill_selections: float
+    gateway_decode_selections: float
+    gateway_transfer_failures: float
+    prefill_forward_tokens: float
+    prefill_finished: float
+    decode_success: float
+    decode_generation_tokens: float
+    decode_prompt_tokens: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def pd_transfer_tokenspeed(cluster, n: int = 4,
+                           min_prefill_fraction: float = 0.9) -> TokenSpeedPDProof:
+    decode, prefill = cluster.role("decode"), cluster.role("prefill")
+    if not decode or not prefill:
+        raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
+    b_d, b_p, b_g = _scrape_all(decode), _scrape_all(prefill), cluster.gateway_metrics()
+    prompt_tokens = 0
+    for i in range(n):
+        r = cluster.client.post("/v1/chat/completions", json={
+            "model": cluster.model_name, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": long_unique_prompt(seed=i)}]})
+        if r.status_code != 200:
+            raise HarnessError(f"PD proof request {i}: HTTP {r.status_code} {r.text[:200]}")
+        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+    a_d, a_p, a_g = _scrape_all(decode), _scrape_all(prefill), cluster.gateway_metrics()
+    sel = "smg_worker_selection_total"
+    proof = TokenSpeedPDProof(
+        requests=n, prompt_tokens=prompt_tokens,
+        gateway_prefill_selections=metrics.delta(b_g, a_g, sel, worker_type="prefill"),
+        gateway_decode_selections=metrics.delta(b_g, a_g, sel, worker_type="decode"),
+        gateway_transfer_failures=(
+            metrics.delta(b_g, a_g, "smg_pd_bootstrap_failures_total")
+            + metrics.delta(b_g, a_g, "smg_pd_kv_transfer_failures_total")),
+        prefill_forward_tokens=_sum_delta(b_p, a_p, TS_PREFIX + "iteration_tokens_total_sum"),
+        prefill_finished=_sum_delta(b_p, a_p, TS_PREFIX + "num_requests_total"),
+        decode_success=_sum_delta(b_d, a_d, TS_PREFIX + "request_success_total"),
+        decode_generation_tokens=_sum_delta(b_d, a_d, TS_PREFIX + "generation_tokens_total"),
+        decode_prompt_tokens=_sum_delta(b_d, a_d, TS_PREFIX + "prompt_tokens_total"),
+    )
+    problems = []
+    if proof.gateway_prefill_selections < n or proof.gateway_decode_selections < n:
+        problems.append(f"the gateway picked prefill {proof.gateway_prefill_selections:.0f} and "
+                        f"decode {proof.gateway_decode_selections:.0f} times for {n} requests")
+    if proof.gateway_transfer_failures:
+        problems.append(f"the gateway counted {proof.gateway_transfer_failures:.0f} bootstrap/"
+                        "KV-transfer failures")
+    if proof.prefill_forward_tokens < min_prefill_fraction * prompt_tokens:
+        problems.append(f"prefill ran only {proof.prefill_forward_tokens:.0f} of "
+                        f"{prompt_tokens} prompt tokens forward")
+    if proof.decode_success < n:
+        problems.append(f"decode finished only {proof.decode_success:.0f} of {n} requests "
+                        "successfully")
+    if proof.decode_generation_tokens <= 0:
+        problems.append("decode generated no tokens")
+    if problems:
+        raise HarnessError(f"PD transfer proof failed on {cluster.topology.name} (tokenspeed): "
+                           + "; ".join(problems) + f" ({proof.to_dict()})")
+    return proof
+
+
 # -- AFD: the FFN server really ran the FFN ----------------------------------------------------
 #
 # The afd-plugin exposes no Prometheus metric, counter or per-step log line on the FFN side

@@ -7,7 +7,7 @@ import pytest
 
 from e2e_test.infra import bursts, results
 from e2e_test.infra.cluster import results_root
-from e2e_test.infra.engines import EngineOptions
+from e2e_test.infra.engines import options_from_env
 from e2e_test.infra.gateway import Admission
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +32,7 @@ def test_burst_within_capacity(cluster, record, stream):
                        stream=stream, name=f"within-capacity-{'stream' if stream else 'plain'}",
                        watchdog=cluster.watchdog("burst"))
     w = cluster.workers[0]
-    res.effective_window = bursts.effective_window(w.http_url, w.process.log_text())
+    res.effective_window = bursts.effective_window(w.url, w.process.log_text())
     _save(record, res, cluster)
     bursts.check_within_capacity(res)
 
@@ -41,13 +41,13 @@ def _window_case(own_cluster, record, engine_name, topology):
     admission = Admission(max_concurrent_requests=WINDOW, queue_size=WINDOW,
                           queue_timeout_secs=float(os.environ.get("E2E_QUEUE_TIMEOUT_S", "5")))
     c = own_cluster(topology, engine=engine_name, admission=admission,
-                    options=EngineOptions(max_num_seqs=WINDOW))
+                    options=options_from_env(max_num_seqs=WINDOW))
     with c:
         res = bursts.burst(c.gateway_url, c.model_name, n=max(BURST_N, 4 * WINDOW),
                            max_tokens=64, name=f"versus-window-{topology}",
                            metrics_url=c.gateway_metrics_url, watchdog=c.watchdog("burst"))
         w = c.workers[-1]
-        res.effective_window = bursts.effective_window(w.http_url, w.process.log_text())
+        res.effective_window = bursts.effective_window(w.url, w.process.log_text())
         res.admission = vars(admission)
         record.update(cluster=c.name, **results.cluster_facts(c))
         _save(record, res, c)

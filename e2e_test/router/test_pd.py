@@ -14,7 +14,8 @@ MAX_DISAGREEMENT = float(os.environ.get("E2E_PD_MAX_DISAGREEMENT", "0.1"))
 
 
 def test_pd_kv_transfer_proof(cluster, record):
-    p = proof.pd_transfer(cluster)
+    p = (proof.pd_transfer_tokenspeed(cluster) if cluster.engine == "tokenspeed"
+         else proof.pd_transfer(cluster))
     record["pd_proof"] = p.to_dict()
     print(f"PD proof: {p.to_dict()}")
 

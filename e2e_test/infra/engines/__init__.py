@@ -28,6 +28,28 @@ class EngineOptions:
     # AFD connector base port (P2pNcclAFDConnector rendezvous). The cluster fills it with the
     # FFN entry's aux "afd" port before building the attention entry; see engines/afd.py.
     afd_port: int | None = None
+    # Folder for per-worker state the engine writes (TokenSpeed's Prometheus multiprocess
+    # files); the cluster fills it with <cluster dir>/state. Empty: the engine keeps none.
+    state_dir: str = ""
+    # TokenSpeed PD/EPD: Mooncake transport between workers on one host. "nvlink" =
+    # MC_INTRANODE_NVLINK=1 (smg's CI; CUDA IPC), "tcp" = MC_FORCE_TCP=1 (through host memory).
+    # With neither, Mooncake picks multi-node NVLink (fabric handles), which does not publish
+    # torch's cudaMalloc memory. Env E2E_MOONCAKE_TRANSPORT.
+    mooncake_transport: str = "nvlink"
+    # Per-worker overrides the cluster sets for TokenSpeed workers packed on one GPU (see
+    # engines/tokenspeed.packed_schedule): cumulative memory utilization and start stage.
+    gpu_memory_utilization: float | None = None
+    start_stage: int = 0
+
+
+def options_from_env(environ=None, **overrides) -> EngineOptions:
+    """EngineOptions from the harness's env (E2E_ENFORCE_EAGER=1, E2E_MOONCAKE_TRANSPORT),
+    with explicit overrides on top."""
+    import os
+    env = os.environ if environ is None else environ
+    base = {"enforce_eager": env.get("E2E_ENFORCE_EAGER") == "1",
+            "mooncake_transport": env.get("E2E_MOONCAKE_TRANSPORT") or "nvlink"}
+    return EngineOptions(**{**base, **overrides})
 
 
 @dataclass(frozen=True)

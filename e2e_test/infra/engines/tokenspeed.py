@@ -43,6 +43,7 @@ SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 DISAGG_ROLES = ("encode", "prefill", "decode")
 KINDS = ("regular", "dp", "pd", "epd")
 HOST = "127.0.0.1"
+TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"}, "tcp": {"MC_FORCE_TCP": "1"}}
 
 
 def _disagg(topology: Topology, entry: PlanEntry) -> bool:
@@ -76,6 +77,10 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     disagg = _disagg(topology, entry)
     if topology.kind in ("pd", "epd") and not disagg:
         raise ConfigError(f"{topology.kind} topology has no role {entry.role!r} for TokenSpeed")
+    if options.mooncake_transport not in TRANSPORTS:
+        raise ConfigError(f"mooncake transport {options.mooncake_transport!r}: use one of "
+                          f"{', '.join(TRANSPORTS)}")
+    util = options.gpu_memory_utilization or entry.mem_fraction
     argv = [sys.executable, "-m", SERVICER_MODULE,
             "--model", str(model_path), "--served-model-name", spec.id,
             "--host", HOST, "--port", str(ports.api),
@@ -83,8 +88,18 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             "--log-level", "warning",
             "--grammar-backend", "xgrammar",
             "--enable-output-logprobs",
-            "--gpu-memory-utilization", f"{entry.mem_fraction:g}"]
+            "--gpu-memory-utilization", f"{util:g}"]
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus))}
+    metadata = {"engine": "tokenspeed", "grpc_health_service": ""}
+    if options.start_stage:
+        metadata["start_stage"] = options.start_stage
+    if options.state_dir:
+        # The servicer has no /metrics: with --enable-metrics the engine writes Prometheus
+        # multiprocess files here, which the harness reads (Worker.metrics).
+        prom = f"{options.state_dir}/prometheus/{entry.name}"
+        argv.append("--enable-metrics")
+        env["PROMETHEUS_MULTIPROC_DIR"] = prom
+        metadata["prometheus_multiproc_dir"] = prom
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
     if options.max_num_seqs:
@@ -106,8 +121,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             argv.append("--enforce-eager")
             eager = True
         argv.append("--skip-server-warmup")
-        env.update({"MC_INTRANODE_NVLINK": "1", "TOKENSPEED_SKIP_GRPC_WARMUP": "1",
-                    "NO_PROXY": "*", "no_proxy": "*"})
+        env.update({**TRANSPORTS[options.mooncake_transport],
+                    "TOKENSPEED_SKIP_GRPC_WARMUP": "1", "NO_PROXY": "*", "no_proxy": "*"})
     elif entry.dp > 1:
         argv += ["--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
     if options.enforce_eager and not eager:
@@ -115,5 +130,31 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     argv += list(spec.tokenspeed_args) + list(options.extra_args)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          worker_type=entry.role if disagg else "regular",
-                         bootstrap_port=bootstrap,
-                         metadata={"engine": "tokenspeed", "grpc_health_service": ""})
+                         bootstrap_port=bootstrap, metadata=metadata)
+
+
+def packed_schedule(entries) -> dict[str, tuple[int, float]]:
+    """Start stage and --gpu-memory-utilization for TokenSpeed workers that share a GPU.
+
+    TokenSpeed sizes its KV pool as free_now - total * (1 - utilization), with free memory
+    measured over the whole device (tokenspeed runtime/layers/attention/utils.py), so two
+    workers at 0.3 each on one GPU leave the second with a negative budget. Workers sharing a
+    GPU therefore start one after another, each with the cumulative utilization of itself and
+    those before it: fractions 0.3, 0.3 -> (stage 0, 0.3), (stage 1, 0.6). Workers alone on
+    their GPUs are not listed.
+    """
+    by_gpu: dict[tuple, list] = {}
+    for e in entries:
+        by_gpu.setdefault(tuple(e.gpus), []).append(e)
+    out = {}
+    for group in by_gpu.values():
+        if len(group) < 2:
+            continue
+        total = 0.0
+        for stage, e in enumerate(group):
+            total += e.mem_fraction
+            if total > 0.95:
+                raise ConfigError(f"TokenSpeed workers packed on GPU {','.join(map(str, e.gpus))}"
+                                  f" need {total:.2f} of its memory together")
+            out[e.name] = (stage, round(total, 4))
+    return out
