@@ -112,7 +112,9 @@ def test_epd_encode_prefill_decode():
         "--disaggregation-mode", "encode", "--disaggregation-bootstrap-port", "33001",
         "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:33002",
         "--skip-server-warmup"]
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", **DISAGG_ENV}
+    # No embedding cache on the encoder: every image runs the tower (EPD proof).
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", **DISAGG_ENV,
+                       "TOKENSPEED_EPD_ENCODE_EMBED_CACHE_MB": "0"}
     assert (cmd.protocol, cmd.worker_type, cmd.bootstrap_port) == ("grpc", "encode", 33001)
     p = tokenspeed.build(SPEC, t, e["prefill"], Ports(api=1, aux={"bootstrap": 2,
                                                                   "dist_init": 3}), "/m", CUDA)

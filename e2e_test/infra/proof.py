@@ -184,6 +184,122 @@ def pd_transfer_tokenspeed(cluster, n: int = 4,
     return proof
 
 
+# -- EPD on TokenSpeed: the encoder ran for the request --------------------------------------
+#
+# TokenSpeed's encode worker exports no metric of its own. What shows that the vision encoder
+# ran on the encode worker for a request, and its output reached prefill:
+# - the gateway dispatched every image item to an encode worker
+#   (smg_worker_selection_total{worker_type="encode"} grows by one per image item) and to a
+#   prefill and a decode worker, with no bootstrap / transfer failure counted;
+# - a prefill node in EPD mode cannot run the tower itself: an item handshaked to an encode
+#   worker that reaches the prefill forward without its received embedding raises, and an
+#   embedding receive that times out aborts the request (tokenspeed runtime/engine/
+#   event_loop.py _assert_epd_embeddings_received; runtime/pd/prefill_executor.py "EPD:
+#   prefill aborted request ... (embedding receive timed out)"), so a 200 answer means the
+#   embeddings arrived from the encoder;
+# - the decode workers finished every request (tokenspeed:request_success), as in PD.
+# The builder sets TOKENSPEED_EPD_ENCODE_EMBED_CACHE_MB=0 on encode workers and every proof
+# image is new, so no embedding comes from the encoder's cache. The encode worker's INFO line
+# "EPD encode: accepted request_id=..." is counted too when its log has it (TokenSpeed may
+# reconfigure logging and drop it), as corroboration only.
+
+ENCODE_LOG_LINE = "EPD encode: accepted request_id="
+
+
+def random_png_data_uri(seed: int, size: int = 256) -> str:
+    """A PNG of random pixels (unique per seed) as a data: URI, for multimodal requests."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_chat_body(model: str, text: str, image_uri: str, max_tokens: int = 8) -> dict:
+    return {"model": model, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": text},
+                {"type": "image_url", "image_url": {"url": image_uri}}]}]}
+
+
+@dataclass
+class EncoderProof:
+    requests: int
+    image_items: int
+    prompt_tokens: int
+    gateway_encode_selections: float
+    gateway_prefill_selections: float
+    gateway_decode_selections: float
+    gateway_transfer_failures: float
+    prefill_forward_tokens: float
+    decode_success: float
+    encode_log_lines: int | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def epd_encoder_ran(cluster, n: int = 3) -> EncoderProof:
+    enc, prefill, decode = cluster.role("encode"), cluster.role("prefill"), cluster.role("decode")
+    if not enc or not prefill or not decode:
+        raise HarnessError(f"topology {cluster.topology.name} has no encode/prefill/decode roles")
+
+    def enc_lines():
+        try:
+            return sum(w.process.log_text().count(ENCODE_LOG_LINE) for w in enc)
+        except Exception:
+            return None
+    b_g, b_p, b_d, b_l = (cluster.gateway_metrics(), _scrape_all(prefill), _scrape_all(decode),
+                          enc_lines())
+    prompt_tokens = 0
+    salt = uuid.uuid4().int % 2**31
+    for i in range(n):
+        body = image_chat_body(cluster.model_name, f"[{uuid.uuid4().hex[:8]}] Describe the image.",
+                               random_png_data_uri(salt + i))
+        r = cluster.client.post("/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            raise HarnessError(f"EPD proof request {i}: HTTP {r.status_code} {r.text[:300]}")
+        if not r.json().get("choices"):
+            raise HarnessError(f"EPD proof request {i}: no choices in {r.text[:200]}")
+        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+    a_g, a_p, a_d, a_l = (cluster.gateway_metrics(), _scrape_all(prefill), _scrape_all(decode),
+                          enc_lines())
+    sel = "smg_worker_selection_total"
+    proof = EncoderProof(
+        requests=n, image_items=n, prompt_tokens=prompt_tokens,
+        gateway_encode_selections=metrics.delta(b_g, a_g, sel, worker_type="encode"),
+        gateway_prefill_selections=metrics.delta(b_g, a_g, sel, worker_type="prefill"),
+        gateway_decode_selections=metrics.delta(b_g, a_g, sel, worker_type="decode"),
+        gateway_transfer_failures=(
+            metrics.delta(b_g, a_g, "smg_pd_bootstrap_failures_total")
+            + metrics.delta(b_g, a_g, "smg_pd_kv_transfer_failures_total")),
+        prefill_forward_tokens=_sum_delta(b_p, a_p, TS_PREFIX + "iteration_tokens_total_sum"),
+        decode_success=_sum_delta(b_d, a_d, TS_PREFIX + "request_success_total"),
+        encode_log_lines=(a_l - b_l) if a_l is not None and b_l is not None else None,
+    )
+    problems = []
+    if proof.gateway_encode_selections < proof.image_items:
+        problems.append(f"the gateway sent {proof.gateway_encode_selections:.0f} of "
+                        f"{proof.image_items} image items to an encode worker")
+    if proof.gateway_prefill_selections < n or proof.gateway_decode_selections < n:
+        problems.append(f"the gateway picked prefill {proof.gateway_prefill_selections:.0f} and "
+                        f"decode {proof.gateway_decode_selections:.0f} times for {n} requests")
+    if proof.gateway_transfer_failures:
+        problems.append(f"the gateway counted {proof.gateway_transfer_failures:.0f} transfer "
+                        "failures")
+    if proof.decode_success < n:
+        problems.append(f"decode finished only {proof.decode_success:.0f} of {n} requests")
+    if problems:
+        raise HarnessError(f"EPD encoder proof failed on {cluster.topology.name}: "
+                           + "; ".join(problems) + f" ({proof.to_dict()})")
+    return proof
+
+
 # -- AFD: the FFN server really ran the FFN ----------------------------------------------------
 #
 # The afd-plugin exposes no Prometheus metric, counter or per-step log line on the FFN side

@@ -123,6 +123,9 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv.append("--skip-server-warmup")
         env.update({**TRANSPORTS[options.mooncake_transport],
                     "TOKENSPEED_SKIP_GRPC_WARMUP": "1", "NO_PROXY": "*", "no_proxy": "*"})
+        if entry.role == "encode":
+            # No embedding cache: every image runs the vision tower (the EPD proof).
+            env["TOKENSPEED_EPD_ENCODE_EMBED_CACHE_MB"] = "0"
     elif entry.dp > 1:
         argv += ["--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
     if options.enforce_eager and not eager:
