@@ -4,6 +4,9 @@
   models list                            the registry as a table
   models tiny-moe --out DIR [--family deepseek_v2] [--tokenizer DIR]
                                          random-weight tiny MoE (AFD tests)
+  models tiny-vlm [--out DIR] [--tokenizer DIR] [--seed N] [--force]
+                                         random-weight tiny Qwen3.5 VLM (EPD tests); --out
+                                         defaults to the registry path of tiny-random/Qwen3.5-VL
   datasets download | check              fetch the public GSM8K/MMLU copies / check the folder
   plan TOPOLOGY [--model --engine --backend --devices]   print the device plan, start nothing
   main [--topology 1] [--gsm8k-n --mmlu-n]  the main job: start engine(s) + smg, run chat,
@@ -48,6 +51,17 @@ def cmd_models(a) -> int:
             "SmolLM2-135M-Instruct")))
         path = tiny_models.build_tiny_moe(a.family, a.out, tok, seed=a.seed, force=a.force)
         print(f"{path} ({json.dumps(tiny_models.read_marker(path)['dims'])})")
+        return 0
+    if a.action == "tiny-vlm":
+        from .infra import tiny_models
+        out = a.out or os.path.expanduser(
+            model_specs.get_spec("tiny-random/Qwen3.5-VL").weights.path)
+        tok = a.tokenizer or str(models.prepared_dir(model_specs.get_spec(
+            "SmolLM2-135M-Instruct")))
+        path = tiny_models.build_tiny_vlm(out, tok, seed=a.seed, force=a.force)
+        marker = tiny_models.read_marker(path, tiny_models.VLM_MARKER)
+        print(f"{path} ({marker['parameters'] / 1e6:.1f}M parameters, vision tokens "
+              f"{json.dumps(marker['vision_token_ids'])})")
         return 0
     if a.action == "list":
         for s in model_specs.load_registry().values():
@@ -189,14 +203,15 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("models")
-    m.add_argument("action", choices=["prepare", "list", "tiny-moe"])
+    m.add_argument("action", choices=["prepare", "list", "tiny-moe", "tiny-vlm"])
     m.add_argument("--model", default="SmolLM2-135M-Instruct")
     m.add_argument("--force", action="store_true")
-    m.add_argument("--out", help="tiny-moe: output folder")
+    m.add_argument("--out", help="tiny-moe/tiny-vlm: output folder (tiny-vlm default: the "
+                   "registry path of tiny-random/Qwen3.5-VL)")
     m.add_argument("--family", default="deepseek_v2", help="tiny-moe: model family")
-    m.add_argument("--tokenizer", help="tiny-moe: tokenizer folder (default: the prepared "
+    m.add_argument("--tokenizer", help="tiny-moe/tiny-vlm: tokenizer folder (default: the prepared "
                    "SmolLM2-135M-Instruct folder)")
-    m.add_argument("--seed", type=int, default=0, help="tiny-moe: weight seed")
+    m.add_argument("--seed", type=int, default=0, help="tiny-moe/tiny-vlm: weight seed")
     m.set_defaults(fn=cmd_models)
     d = sub.add_parser("datasets")
     d.add_argument("action", choices=["download", "check"])

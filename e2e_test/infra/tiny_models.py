@@ -28,6 +28,48 @@ tests: the lm_head rows of special tokens (EOS included) and of whitespace-only 
 zero, so their logit is 0 while the best random logit over ~49k tokens is positive: greedy
 decoding never stops early and never returns empty or whitespace-only text, and every request
 runs to max_tokens (a predictable number of engine steps).
+
+Tiny vision-language model (`build_tiny_vlm(out, tokenizer_dir)`, family "qwen3_5_vl"): a
+Qwen3_5ForConditionalGeneration (model_type "qwen3_5") with random bfloat16 weights, for the
+TokenSpeed EPD plumbing tests (encode / prefill / decode disaggregation behind smg).
+
+Why Qwen3.5: it is TokenSpeed 0.1.0's smallest vision architecture. Its model registry has
+Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration, KimiK25 and the Qwen3
+omni/audio/ASR models, but no Qwen2-VL or Qwen3-VL; and smg's multimodal registry matches
+model_type "qwen3_5" (and "qwen3_5_moe") to its Qwen3-VL preprocessing (patch 16, spatial merge
+2, temporal patch 2), reading image_token_id / video_token_id / vision_start_token_id /
+vision_end_token_id from config.json and mapping them back to strings through the tokenizer.
+transformers has the architecture natively (no remote code; 5.x).
+
+Dimensions (QWEN3_5_VL_TINY): text model of 4 layers, 3 Gated-DeltaNet linear-attention layers
+and 1 full-attention layer (the real 3:1 interleave, full_attention_interval 4), hidden 256,
+MLP 512; the per-head geometry the kernels see is the real model's: full attention head_dim 256
+with the output gate and partial rotary 0.25 (rotary dim 64 = 2 * sum(mrope_section
+[11, 11, 10]), interleaved M-RoPE), 2 query heads / 1 KV head; GDN key/value head dims 128 with
+2 key / 4 value heads, conv kernel 4; 32768 positions. Vision tower of depth 2, width 128,
+2 heads (head_dim 64), patch 16, merge 2, temporal patch 2, the real 48x48 learned
+position-embedding grid, no deepstack, out_hidden_size = the text hidden size (256). The
+vocabulary is SmolLM2's (~49k) plus the five Qwen vision tokens <|vision_start|>
+<|vision_end|> <|vision_pad|> <|image_pad|> <|video_pad|> (single added special tokens),
+padded to a multiple of 64. The chat template is ChatML (SmolLM2's), rendering an image part
+(OpenAI image_url or HF image) as <|vision_start|><|image_pad|><|vision_end|>; smg / the HF
+processor expand the one <|image_pad|> to grid_t*grid_h*grid_w/merge^2 copies.
+preprocessor_config.json / video_preprocessor_config.json carry Qwen3-VL's processing with
+longest_edge lowered to 512x512 pixels (at most 256 image tokens per image). About 17M
+parameters, ~37 MB on disk with the tokenizer (the tied 49k x 256 embedding is 25 MB of it).
+
+Random weights: greedy text is meaningless, and the same suppression as the MoE builder keeps
+requests running to max_tokens, with one difference. The word embedding is tied
+(tie_word_embeddings true, like the small released Qwen3.5 checkpoints; an untied lm_head
+would add 25 MB), so an lm_head row IS the input embedding of that token, and the suppressed
+tokens include ones every prompt contains (<|im_start|>, <|im_end|>, newline,
+<|vision_start|>, <|vision_end|>). Zeroing them would zero those inputs; instead their rows
+are scaled by SUPPRESS_SCALE (1/8): as inputs they are still non-zero random vectors (the first
+RMSNorm restores their scale), while as outputs their logit is at most |h| * |row| ~ 0.6
+(h: the final RMSNorm's output, RMS 1) against a best random logit over ~49k rows of about
+1.4, so greedy decoding never emits them: no EOS, no empty or whitespace-only text. The
+padding rows past the tokenizer's vocabulary are zero (they are never inputs, and must never be
+emitted). <|image_pad|> positions are replaced by the vision tower's embeddings anyway.
 """
 
 from __future__ import annotations
@@ -42,7 +84,9 @@ from pathlib import Path
 from .errors import ConfigError
 
 MARKER = ".e2e_tiny_moe.json"
+VLM_MARKER = ".e2e_tiny_vlm.json"
 FAMILIES = ("deepseek_v2",)
+VLM_FAMILY = "qwen3_5_vl"
 # Files of a tokenizer folder (never the model's own config/weights).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -108,11 +152,26 @@ def _suppressed_ids(tok) -> list[int]:
     return sorted(i for i in ids if 0 <= i < vocab)
 
 
-def read_marker(out_dir: Path | str) -> dict | None:
+def read_marker(out_dir: Path | str, marker: str = MARKER) -> dict | None:
     try:
-        return json.loads((Path(out_dir) / MARKER).read_text())
+        return json.loads((Path(out_dir) / marker).read_text())
     except (OSError, ValueError):
         return None
+
+
+def _checked_tokenizer(tok_dir: Path) -> list[Path]:
+    tok_files = _tokenizer_files(tok_dir)
+    if not tok_dir.is_dir() or not any(f.name in ("tokenizer.json", "tokenizer_config.json",
+                                                  "vocab.json") for f in tok_files):
+        raise ConfigError(f"tokenizer folder {tok_dir}: no tokenizer files (tokenizer.json / "
+                          "tokenizer_config.json)")
+    return tok_files
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def build_tiny_moe(family: str, out_dir: Path | str, tokenizer_dir: Path | str,
@@ -124,11 +183,7 @@ def build_tiny_moe(family: str, out_dir: Path | str, tokenizer_dir: Path | str,
     """
     dims = tiny_dims(family)
     out, tok_dir = Path(out_dir), Path(tokenizer_dir)
-    tok_files = _tokenizer_files(tok_dir)
-    if not tok_dir.is_dir() or not any(f.name in ("tokenizer.json", "tokenizer_config.json",
-                                                  "vocab.json") for f in tok_files):
-        raise ConfigError(f"tokenizer folder {tok_dir}: no tokenizer files (tokenizer.json / "
-                          "tokenizer_config.json)")
+    tok_files = _checked_tokenizer(tok_dir)
     digest = _tokenizer_digest(tok_files)
     want = {"family": family, "dims": dims, "seed": seed, "tokenizer_sha256_16": digest}
     old = read_marker(out)
@@ -204,5 +259,249 @@ def build_tiny_moe(family: str, out_dir: Path | str, tokenizer_dir: Path | str,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
     log(f"tiny {family} MoE ({n_params / 1e6:.1f}M parameters, vocab {vocab}) at {out} "
+        f"in {marker['seconds']:.1f} s")
+    return out
+
+
+# -- tiny Qwen3.5 vision-language model (TokenSpeed EPD plumbing) -----------------------------
+
+# Qwen vision special tokens. smg reads image_token_id / video_token_id / vision_start_token_id
+# / vision_end_token_id from config.json and maps them back with the tokenizer: each must be
+# one added token.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                 "<|video_pad|>")
+SUPPRESS_SCALE = 0.125   # see the module docstring: tied rows of suppressed tokens
+
+QWEN3_5_VL_TINY = {
+    "text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+                        "full_attention"],
+        "full_attention_interval": 4,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "attn_output_gate": True,
+        "attention_bias": False,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "mtp_num_hidden_layers": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                            "mrope_section": [11, 11, 10]},
+    },
+    "vision": {
+        "depth": 2,
+        "hidden_size": 128,
+        "num_heads": 2,
+        "intermediate_size": 256,
+        "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 256,           # must equal the text hidden_size
+        "num_position_embeddings": 2304,  # the real 48x48 learned grid
+        "deepstack_visual_indexes": [],
+        "initializer_range": 0.02,
+    },
+    "init_std": 0.02,
+    "vocab_multiple": 64,
+}
+
+# ChatML (SmolLM2's format) without tools/thinking; image parts (OpenAI "image_url" or HF
+# "image") render as the Qwen vision triple, video parts likewise with <|video_pad|>.
+VLM_CHAT_TEMPLATE = r"""{%- for message in messages -%}
+{{- '<|im_start|>' + message['role'] + '\n' -}}
+{%- if message['content'] is string -%}
+{{- message['content'] -}}
+{%- else -%}
+{%- for content in message['content'] -%}
+{%- if content['type'] in ['image', 'image_url'] or 'image' in content or 'image_url' in content -%}
+{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+{%- elif content['type'] == 'video' or 'video' in content -%}
+{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+{%- elif 'text' in content -%}
+{{- content['text'] -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- endif -%}"""
+
+# Qwen3.5 / Qwen3-VL image processing (patch 16, merge 2, temporal 2, mean/std 0.5);
+# longest_edge lowered from 16777216 to 262144 pixels (512x512: at most 256 merged tokens).
+VLM_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+    "rescale_factor": 1.0 / 255.0,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "resample": 3,
+    "size": {"shortest_edge": 65536, "longest_edge": 262144},
+}
+VLM_VIDEO_PREPROCESSOR = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+    "rescale_factor": 1.0 / 255.0,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "size": {"shortest_edge": 4096, "longest_edge": 262144},
+    "fps": 2, "do_sample_frames": True,
+}
+
+
+def _files_digest() -> str:
+    """Digest of what the VLM builder writes besides weights (template, processor configs)."""
+    blob = json.dumps([VLM_CHAT_TEMPLATE, VLM_PREPROCESSOR, VLM_VIDEO_PREPROCESSOR,
+                       VISION_TOKENS, SUPPRESS_SCALE], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_tiny_vlm(out_dir: Path | str, tokenizer_dir: Path | str, seed: int = 0,
+                   force: bool = False, log=print) -> Path:
+    """Build (or reuse) the tiny Qwen3.5 vision-language checkpoint at `out_dir`.
+
+    Idempotent like build_tiny_moe: a folder whose marker (.e2e_tiny_vlm.json) records the same
+    family, dimensions, seed, tokenizer and template/processor files is returned as is unless
+    `force`. Written to a sibling temporary folder, then renamed.
+    """
+    dims = json.loads(json.dumps(QWEN3_5_VL_TINY))     # a deep copy, JSON-shaped like the marker
+    out, tok_dir = Path(out_dir), Path(tokenizer_dir)
+    tok_files = _checked_tokenizer(tok_dir)
+    want = {"family": VLM_FAMILY, "dims": dims, "seed": seed,
+            "tokenizer_sha256_16": _tokenizer_digest(tok_files),
+            "files_sha256_16": _files_digest()}
+    old = read_marker(out, VLM_MARKER)
+    if not force and old and all(old.get(k) == v for k, v in want.items()) \
+            and (out / "config.json").is_file():
+        return out
+
+    t0 = time.monotonic()
+    import torch  # heavy imports only when work is needed
+    import transformers
+    try:
+        from transformers import (
+            AutoTokenizer,
+            GenerationConfig,
+            Qwen3_5Config,
+            Qwen3_5ForConditionalGeneration,
+        )
+    except ImportError:
+        raise ConfigError(f"tiny VLM: transformers {transformers.__version__} has no Qwen3.5 "
+                          "(Qwen3_5Config); it needs transformers >= 5") from None
+    from tokenizers import AddedToken
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS],
+                   special_tokens=True)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    for t, i in ids.items():
+        if tok.encode(t, add_special_tokens=False) != [i]:
+            raise ConfigError(f"tiny VLM: {t} is not one token of {tok_dir} after adding it")
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    n_tok = len(tok)
+    m = dims["vocab_multiple"]
+    vocab = (n_tok + m - 1) // m * m
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    if not isinstance(eos, int) or eos == tok.unk_token_id:
+        eos = tok.eos_token_id
+    text = {**dims["text"], "model_type": "qwen3_5_text", "vocab_size": vocab,
+            "eos_token_id": eos, "bos_token_id": None, "pad_token_id": tok.pad_token_id,
+            "initializer_range": dims["init_std"], "dtype": "bfloat16"}
+    vision = {**dims["vision"], "model_type": "qwen3_5"}
+    config = Qwen3_5Config(text_config=text, vision_config=vision,
+                           image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"],
+                           tie_word_embeddings=dims["text"]["tie_word_embeddings"])
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    suppressed = _suppressed_ids(tok)
+    with torch.no_grad():
+        # A small std keeps random activations tame in bfloat16; 1-d parameters (norms,
+        # A_log, dt_bias, biases) keep the architecture's own initialisation.
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, dims["init_std"])
+        emb = model.get_input_embeddings().weight
+        if model.get_output_embeddings().weight.data_ptr() != emb.data_ptr():
+            raise ConfigError("tiny VLM: lm_head is not tied to the input embedding")
+        emb[suppressed] *= SUPPRESS_SCALE
+        emb[n_tok:] = 0.0
+    model = model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    n_params = sum(p.numel() for p in model.parameters())
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                     do_sample=False).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "chat_template.jinja").write_text(VLM_CHAT_TEMPLATE)   # smg reads this file
+    (tmp / "preprocessor_config.json").write_text(json.dumps(VLM_PREPROCESSOR, indent=2) + "\n")
+    (tmp / "video_preprocessor_config.json").write_text(
+        json.dumps(VLM_VIDEO_PREPROCESSOR, indent=2) + "\n")
+    # TokenSpeed's loader maps the released checkpoints' names (model.language_model.*,
+    # model.visual.*): make sure this transformers wrote the same layout.
+    from safetensors import safe_open
+    keys = set()
+    for f in tmp.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            keys |= set(st.keys())
+    for k in ("model.language_model.embed_tokens.weight",
+              "model.language_model.layers.0.linear_attn.in_proj_qkv.weight",
+              "model.language_model.layers.3.self_attn.q_proj.weight",
+              "model.visual.patch_embed.proj.weight", "model.visual.merger.linear_fc2.weight"):
+        if k not in keys:
+            raise ConfigError(f"tiny VLM: transformers {transformers.__version__} saved no {k}; "
+                              "TokenSpeed expects the released Qwen3.5 checkpoint layout")
+    written = json.loads((tmp / "config.json").read_text())
+    if (written.get("model_type"), written.get("image_token_id")) != ("qwen3_5",
+                                                                     ids["<|image_pad|>"]):
+        raise ConfigError(f"tiny VLM: config.json as written by transformers "
+                          f"{transformers.__version__} lost model_type/image_token_id")
+    marker = {
+        **want,
+        "architecture": "Qwen3_5ForConditionalGeneration",
+        "model_type": written["model_type"],
+        "vocab_size": vocab,
+        "tokenizer_size": n_tok,
+        "vision_token_ids": ids,
+        "eos_token_id": eos,
+        "parameters": n_params,
+        "dtype": "bfloat16",
+        "suppressed_token_ids": len(suppressed),
+        "suppressed_note": f"tied embedding rows of special and whitespace-only tokens scaled "
+                           f"by {SUPPRESS_SCALE} (non-zero inputs, logits far below the best "
+                           "random logit), padding rows zero: greedy decoding never emits "
+                           "EOS, runs to max_tokens",
+        "tokenizer_dir": str(tok_dir.resolve()),
+        "versions": _versions(),
+        "seconds": round(time.monotonic() - t0, 2),
+    }
+    (tmp / VLM_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    log(f"tiny {VLM_FAMILY} VLM ({n_params / 1e6:.1f}M parameters, vocab {vocab}) at {out} "
         f"in {marker['seconds']:.1f} s")
     return out
