@@ -24,8 +24,7 @@ def head(port: int, tp: int = 1) -> list[str]:
     return [sys.executable, "-m", "smg_grpc_servicer.tokenspeed",
             "--model", "/models/q", "--served-model-name", "Qwen/Qwen3.5-9B",
             "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp),
-            "--log-level", "warning", "--grammar-backend", "xgrammar",
-            "--enable-output-logprobs", "--gpu-memory-utilization", "0.85",
+            "--log-level", "warning", "--enable-output-logprobs", "--gpu-memory-utilization", "0.85",
             "--max-model-len", "8192"]
 
 
@@ -191,3 +190,14 @@ def test_packed_schedule_refuses_overcommit():
           for r in ("encode", "prefill", "decode")]
     with pytest.raises(ConfigError, match="packed on GPU 0 need 1.20"):
         tokenspeed.packed_schedule(es)
+
+
+def test_options_from_env():
+    from e2e_test.infra.engines import options_from_env
+    o = options_from_env({"E2E_ENFORCE_EAGER": "1", "E2E_MOONCAKE_TRANSPORT": "tcp",
+                          "E2E_ENGINE_ARGS": "--sampling-backend triton --x 'a b'"},
+                         max_num_seqs=2)
+    assert (o.enforce_eager, o.mooncake_transport, o.max_num_seqs) == (True, "tcp", 2)
+    assert o.extra_args == ("--sampling-backend", "triton", "--x", "a b")
+    d = options_from_env({})
+    assert (d.enforce_eager, d.mooncake_transport, d.extra_args) == (False, "nvlink", ())

@@ -43,12 +43,14 @@ class EngineOptions:
 
 
 def options_from_env(environ=None, **overrides) -> EngineOptions:
-    """EngineOptions from the harness's env (E2E_ENFORCE_EAGER=1, E2E_MOONCAKE_TRANSPORT),
-    with explicit overrides on top."""
+    """EngineOptions from the harness's env (E2E_ENFORCE_EAGER=1, E2E_MOONCAKE_TRANSPORT,
+    E2E_ENGINE_ARGS: extra worker flags, shell-quoted), with explicit overrides on top."""
     import os
+    import shlex
     env = os.environ if environ is None else environ
     base = {"enforce_eager": env.get("E2E_ENFORCE_EAGER") == "1",
-            "mooncake_transport": env.get("E2E_MOONCAKE_TRANSPORT") or "nvlink"}
+            "mooncake_transport": env.get("E2E_MOONCAKE_TRANSPORT") or "nvlink",
+            "extra_args": tuple(shlex.split(env.get("E2E_ENGINE_ARGS", "")))}
     return EngineOptions(**{**base, **overrides})
 
 

@@ -5,12 +5,16 @@ parses TokenSpeed's own ServerArgs; the gateway reaches it at grpc://127.0.0.1:P
 flag's contract comes from:
 
 - Launch command, `--host/--port/--tensor-parallel-size/--log-level warning`,
-  `--grammar-backend xgrammar`, `--enable-output-logprobs`, and per disaggregation role
+  `--enable-output-logprobs`, and per disaggregation role
   `--disaggregation-mode {encode,prefill,decode}`, `--disaggregation-bootstrap-port` (prefill and
   encode only), `--disaggregation-transfer-backend mooncake`, `--dist-init-addr HOST:PORT`,
   `--enable-prefix-caching` (prefill, decode), `--enforce-eager` (prefill), `--skip-server-warmup`:
   smg-project/smg e2e_test/infra/worker.py (Worker._build_tokenspeed_grpc_cmd), pinned by
   smg-project/smg e2e_test/infra/test_epd_cmd_builders.py.
+- smg's harness also passes `--grammar-backend xgrammar` (its structured-output tests). This
+  harness has none, and TokenSpeed's default grammar backend is none, so the flag is left out:
+  a runner without xgrammar (0.2.2, 45 MB) still serves. Add it through the model's
+  tokenspeed_args or E2E_ENGINE_ARGS where structured output is tested.
 - Worker env for disaggregation roles (MC_INTRANODE_NVLINK=1, TOKENSPEED_SKIP_GRPC_WARMUP=1,
   NO_PROXY/no_proxy=*) and CUDA_VISIBLE_DEVICES: smg-project/smg e2e_test/infra/worker.py
   (Worker._build_env; smg uses setdefault, this builder returns plain overrides). Which ports a
@@ -86,7 +90,6 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             "--host", HOST, "--port", str(ports.api),
             "--tensor-parallel-size", str(entry.tp),
             "--log-level", "warning",
-            "--grammar-backend", "xgrammar",
             "--enable-output-logprobs",
             "--gpu-memory-utilization", f"{util:g}"]
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus))}
