@@ -235,6 +235,7 @@ def eval_data():
 def record(request):
     """A dict the test fills; written as results/tests/<test>.json with the cluster's facts."""
     rec: dict = {"test": request.node.nodeid, "started": time.time()}
+    request.node._e2e_recorded = True
     yield rec
     rec["outcome"] = getattr(request.node, "_e2e_outcome", "unknown")
     if "cluster" in request.fixturenames:
@@ -250,6 +251,21 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if rep.when == "call" or (rep.when == "setup" and rep.outcome != "passed"):
         item._e2e_outcome = rep.outcome
+    if (rep.when == "setup" and rep.failed and "record" in getattr(item, "fixturenames", ())
+            and not getattr(item, "_e2e_recorded", False)):
+        # A fixture before `record` failed (a topology that did not start): still leave a
+        # result record, so the failure is in the result files and not only in the log.
+        ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key") or ()
+        item.config._e2e_records.append({
+            "test": item.nodeid, "outcome": "error", "started": time.time(),
+            **({"engine": ck[0], "topology": ck[1]} if len(ck) == 2 else {}),
+            "error": _error_line(rep)})
+
+
+def _error_line(rep) -> str:
+    crash = getattr(rep.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(rep.longrepr)
+    return text.strip().splitlines()[0][:500] if text and text.strip() else ""
 
 
 def pytest_sessionfinish(session, exitstatus):

