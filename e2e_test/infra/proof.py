@@ -117,6 +117,27 @@ def pd_transfer(cluster, n: int = 4, min_external_fraction: float = 0.9,
 TS_PREFIX = "tokenspeed:"
 
 
+def _gateway_dispatch(before: dict, after: dict) -> dict:
+    """smg's per-role worker selections and its PD/EPD failure counters, as deltas."""
+    sel = "smg_worker_selection_total"
+    return {**{f"gateway_{role}_selections": metrics.delta(before, after, sel, worker_type=role)
+               for role in ("encode", "prefill", "decode")},
+            "gateway_transfer_failures": (
+                metrics.delta(before, after, "smg_pd_bootstrap_failures_total")
+                + metrics.delta(before, after, "smg_pd_kv_transfer_failures_total"))}
+
+
+def _dispatch_problems(proof, n: int) -> list[str]:
+    problems = []
+    if proof.gateway_prefill_selections < n or proof.gateway_decode_selections < n:
+        problems.append(f"the gateway picked prefill {proof.gateway_prefill_selections:.0f} and "
+                        f"decode {proof.gateway_decode_selections:.0f} times for {n} requests")
+    if proof.gateway_transfer_failures:
+        problems.append(f"the gateway counted {proof.gateway_transfer_failures:.0f} bootstrap/"
+                        "transfer failures")
+    return problems
+
+
 @dataclass
 class TokenSpeedPDProof:
     requests: int
@@ -149,27 +170,17 @@ def pd_transfer_tokenspeed(cluster, n: int = 4,
             raise HarnessError(f"PD proof request {i}: HTTP {r.status_code} {r.text[:200]}")
         prompt_tokens += r.json()["usage"]["prompt_tokens"]
     a_d, a_p, a_g = _scrape_all(decode), _scrape_all(prefill), cluster.gateway_metrics()
-    sel = "smg_worker_selection_total"
+    gw = _gateway_dispatch(b_g, a_g)
+    gw.pop("gateway_encode_selections")
     proof = TokenSpeedPDProof(
-        requests=n, prompt_tokens=prompt_tokens,
-        gateway_prefill_selections=metrics.delta(b_g, a_g, sel, worker_type="prefill"),
-        gateway_decode_selections=metrics.delta(b_g, a_g, sel, worker_type="decode"),
-        gateway_transfer_failures=(
-            metrics.delta(b_g, a_g, "smg_pd_bootstrap_failures_total")
-            + metrics.delta(b_g, a_g, "smg_pd_kv_transfer_failures_total")),
+        requests=n, prompt_tokens=prompt_tokens, **gw,
         prefill_forward_tokens=_sum_delta(b_p, a_p, TS_PREFIX + "iteration_tokens_total_sum"),
         prefill_finished=_sum_delta(b_p, a_p, TS_PREFIX + "num_requests_total"),
         decode_success=_sum_delta(b_d, a_d, TS_PREFIX + "request_success_total"),
         decode_generation_tokens=_sum_delta(b_d, a_d, TS_PREFIX + "generation_tokens_total"),
         decode_prompt_tokens=_sum_delta(b_d, a_d, TS_PREFIX + "prompt_tokens_total"),
     )
-    problems = []
-    if proof.gateway_prefill_selections < n or proof.gateway_decode_selections < n:
-        problems.append(f"the gateway picked prefill {proof.gateway_prefill_selections:.0f} and "
-                        f"decode {proof.gateway_decode_selections:.0f} times for {n} requests")
-    if proof.gateway_transfer_failures:
-        problems.append(f"the gateway counted {proof.gateway_transfer_failures:.0f} bootstrap/"
-                        "KV-transfer failures")
+    problems = _dispatch_problems(proof, n)
     if proof.prefill_forward_tokens < min_prefill_fraction * prompt_tokens:
         problems.append(f"prefill ran only {proof.prefill_forward_tokens:.0f} of "
                         f"{prompt_tokens} prompt tokens forward")
@@ -252,7 +263,7 @@ def epd_encoder_ran(cluster, n: int = 3) -> EncoderProof:
     def enc_lines():
         try:
             return sum(w.process.log_text().count(ENCODE_LOG_LINE) for w in enc)
-        except Exception:
+        except (OSError, AttributeError):   # no process or log yet
             return None
     b_g, b_p, b_d, b_l = (cluster.gateway_metrics(), _scrape_all(prefill), _scrape_all(decode),
                           enc_lines())
@@ -269,29 +280,16 @@ def epd_encoder_ran(cluster, n: int = 3) -> EncoderProof:
         prompt_tokens += r.json()["usage"]["prompt_tokens"]
     a_g, a_p, a_d, a_l = (cluster.gateway_metrics(), _scrape_all(prefill), _scrape_all(decode),
                           enc_lines())
-    sel = "smg_worker_selection_total"
     proof = EncoderProof(
-        requests=n, image_items=n, prompt_tokens=prompt_tokens,
-        gateway_encode_selections=metrics.delta(b_g, a_g, sel, worker_type="encode"),
-        gateway_prefill_selections=metrics.delta(b_g, a_g, sel, worker_type="prefill"),
-        gateway_decode_selections=metrics.delta(b_g, a_g, sel, worker_type="decode"),
-        gateway_transfer_failures=(
-            metrics.delta(b_g, a_g, "smg_pd_bootstrap_failures_total")
-            + metrics.delta(b_g, a_g, "smg_pd_kv_transfer_failures_total")),
+        requests=n, image_items=n, prompt_tokens=prompt_tokens, **_gateway_dispatch(b_g, a_g),
         prefill_forward_tokens=_sum_delta(b_p, a_p, TS_PREFIX + "iteration_tokens_total_sum"),
         decode_success=_sum_delta(b_d, a_d, TS_PREFIX + "request_success_total"),
         encode_log_lines=(a_l - b_l) if a_l is not None and b_l is not None else None,
     )
-    problems = []
+    problems = _dispatch_problems(proof, n)
     if proof.gateway_encode_selections < proof.image_items:
         problems.append(f"the gateway sent {proof.gateway_encode_selections:.0f} of "
                         f"{proof.image_items} image items to an encode worker")
-    if proof.gateway_prefill_selections < n or proof.gateway_decode_selections < n:
-        problems.append(f"the gateway picked prefill {proof.gateway_prefill_selections:.0f} and "
-                        f"decode {proof.gateway_decode_selections:.0f} times for {n} requests")
-    if proof.gateway_transfer_failures:
-        problems.append(f"the gateway counted {proof.gateway_transfer_failures:.0f} transfer "
-                        "failures")
     if proof.decode_success < n:
         problems.append(f"decode finished only {proof.decode_success:.0f} of {n} requests")
     if problems:

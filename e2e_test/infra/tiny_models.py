@@ -174,6 +174,27 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def _save_bf16(model, out: Path) -> tuple[Path, int]:
+    """Save `model` in bfloat16 safetensors to a fresh temporary sibling of `out`."""
+    import torch
+    model = model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    n_params = sum(p.numel() for p in model.parameters())
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    return tmp, n_params
+
+
+def _publish(tmp: Path, out: Path, marker_name: str, marker: dict) -> None:
+    """Write the marker into the finished temporary folder, then put it in place of `out`."""
+    (tmp / marker_name).write_text(json.dumps(marker, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+
+
 def build_tiny_moe(family: str, out_dir: Path | str, tokenizer_dir: Path | str,
                    seed: int = 0, force: bool = False, log=print) -> Path:
     """Build (or reuse) the tiny MoE checkpoint at `out_dir`; returns the folder.
@@ -211,14 +232,7 @@ def build_tiny_moe(family: str, out_dir: Path | str, tokenizer_dir: Path | str,
     suppressed = _suppressed_ids(tok)
     with torch.no_grad():
         model.get_output_embeddings().weight[suppressed] = 0.0
-    model = model.to(torch.bfloat16)
-    model.config.dtype = "bfloat16"
-    n_params = sum(p.numel() for p in model.parameters())
-
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp, n_params = _save_bf16(model, out)
     for f in tok_files:
         shutil.copy2(f, tmp / f.name)
     # vLLM's DeepSeek loader (and the plugin's per-role weight filter) read the checkpoint
@@ -254,10 +268,7 @@ def build_tiny_moe(family: str, out_dir: Path | str, tokenizer_dir: Path | str,
                      "transformers": __import__("transformers").__version__},
         "seconds": round(time.monotonic() - t0, 2),
     }
-    (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    _publish(tmp, out, MARKER, marker)
     log(f"tiny {family} MoE ({n_params / 1e6:.1f}M parameters, vocab {vocab}) at {out} "
         f"in {marker['seconds']:.1f} s")
     return out
@@ -445,14 +456,7 @@ def build_tiny_vlm(out_dir: Path | str, tokenizer_dir: Path | str, seed: int = 0
             raise ConfigError("tiny VLM: lm_head is not tied to the input embedding")
         emb[suppressed] *= SUPPRESS_SCALE
         emb[n_tok:] = 0.0
-    model = model.to(torch.bfloat16)
-    model.config.dtype = "bfloat16"
-    n_params = sum(p.numel() for p in model.parameters())
-
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp, n_params = _save_bf16(model, out)
     GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id,
                      do_sample=False).save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -498,10 +502,7 @@ def build_tiny_vlm(out_dir: Path | str, tokenizer_dir: Path | str, seed: int = 0
         "versions": _versions(),
         "seconds": round(time.monotonic() - t0, 2),
     }
-    (tmp / VLM_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    _publish(tmp, out, VLM_MARKER, marker)
     log(f"tiny {VLM_FAMILY} VLM ({n_params / 1e6:.1f}M parameters, vocab {vocab}) at {out} "
         f"in {marker['seconds']:.1f} s")
     return out
