@@ -1,0 +1,370 @@
+"""scripts/stage_offline.py: profile validation, selection, slimming, packing, setup.sh.
+
+No network: nothing here resolves or downloads (pip_download is made to fail where a test
+would reach it)."""
+
+import hashlib
+import importlib.util
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILE = REPO / "scripts" / "stage_profiles" / "tokenspeed-0.1.0.yaml"
+LOCK = REPO / "scripts" / "stage_profiles" / "tokenspeed-0.1.0.lock"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("stage_offline",
+                                                  REPO / "scripts" / "stage_offline.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["stage_offline"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+so = _load()
+
+
+def _minimal(**over):
+    prof = {"engine": "fakeeng", "version": "0.1", "roots": ["fakeeng==0.1"],
+            "exclude_newer": "2026-07-25", "keep": ["fakeeng", "dep-a"], "stage": "/tmp/s",
+            "site": "/tmp/site", "env": "/tmp/env.sh", "import_check": "import fakeeng"}
+    prof.update(over)
+    return {k: v for k, v in prof.items() if v is not None}
+
+
+def _raw_profile():
+    return yaml.safe_load(PROFILE.read_text())
+
+
+@pytest.fixture
+def no_download(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a download was attempted")
+    monkeypatch.setattr(so, "pip_download", boom)
+    monkeypatch.setattr(so, "resolve", boom)
+    monkeypatch.setattr(so, "syslibs", boom)
+
+
+# ------------------------------------------------------------------------------ the profile
+def test_tokenspeed_profile_loads():
+    prof = so.load_profile(PROFILE)
+    assert prof["engine"] == "tokenspeed" and prof["version"] == "0.1.0"
+    assert prof["exclude_newer"] == "2026-07-25"
+    assert prof["module"] == "tokenspeed"
+    assert set(prof["force"]) == {"grpcio", "protobuf"}
+    assert len(prof["keep"]) == 36
+    assert "tokenspeed-smg" in prof["dropped"]
+    assert "tokenspeed-triton" in prof["slim"]
+    assert prof["env_vars"] == {"MC_FORCE_TCP": "1"}
+
+
+def test_tokenspeed_lock_covers_keep():
+    pins = so.read_lock(LOCK)
+    prof = so.load_profile(PROFILE)
+    assert {so.cn(k) for k in prof["keep"]} == set(pins)
+
+
+def test_minimal_profile_gets_defaults():
+    prof = so.validate_profile(_minimal())
+    assert prof["module"] == "fakeeng"
+    assert prof["python"] == "3.12" and prof["force"] == [] and prof["slim"] == {}
+    assert prof["pip_platforms"] == so.PIP_PLATFORMS
+
+
+@pytest.mark.parametrize("data, needle", [
+    (_minimal(keep=None), "missing key(s): keep"),
+    (_minimal(site=None, env=None), "missing key(s): site, env"),
+    (_minimal(colour="blue"), "unknown key(s): colour"),
+    (_minimal(keep="fakeeng"), "keep must be a list"),
+    (_minimal(keep=[]), "must not be empty"),
+    (_minimal(version=1.0), "version must be a str, got float (quote it)"),
+    (_minimal(exclude_newer="last tuesday"), "is not a date"),
+    (_minimal(force=["grpcio"]), "force names not in keep: grpcio"),
+    (_minimal(slim={"other": ["x/*"]}), "slim names not in keep: other"),
+    (_minimal(slim={"dep-a": "x/*"}), "slim: dep-a must map to a list of globs"),
+    (_minimal(dropped={"dep_a": "why"}), "names both kept and dropped: dep_a"),
+    (_minimal(site="relative/site"), "site 'relative/site' must be an absolute path"),
+    (_minimal(import_check="import 'x'"), "without single quotes"),
+    (_minimal(env_vars={"A B": "1"}), "is not a variable name"),
+    (_minimal(env_vars={"A": "$(rm -rf /)"}), "must be a plain string"),
+    (_minimal(pythonpath=["../up"]), "relative path under site"),
+    (_minimal(python="3"), "must be 3.X"),
+    (["not", "a", "mapping"], "not a mapping"),
+])
+def test_profile_validation_errors(data, needle):
+    with pytest.raises(so.StageError) as e:
+        so.validate_profile(data, "p.yaml")
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg and msg.startswith("p.yaml: ")
+
+
+def test_unquoted_yaml_date_is_accepted(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text(yaml.safe_dump(_minimal()).replace("'2026-07-25'", "2026-07-25"))
+    assert "exclude_newer: 2026-07-25\n" in p.read_text()
+    assert so.load_profile(p)["exclude_newer"] == "2026-07-25"
+
+
+def test_bad_yaml_and_missing_profile(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("engine: [unclosed\n")
+    with pytest.raises(so.StageError, match="not valid YAML"):
+        so.load_profile(p)
+    with pytest.raises(so.StageError, match="profile not found"):
+        so.load_profile(tmp_path / "nope.yaml")
+
+
+# ---------------------------------------------------------------------------- the CLI errors
+def _cli(capsys, *args):
+    rc = so.main(list(args))
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def test_cli_missing_profile_is_one_line(tmp_path, capsys, no_download):
+    rc, err = _cli(capsys, "--profile", str(tmp_path / "x.yaml"), "--out", str(tmp_path / "o"))
+    assert rc == 2 and err.count("\n") == 1 and "profile not found" in err
+
+
+def test_cli_unknown_key_is_one_line(tmp_path, capsys, no_download):
+    p = tmp_path / "p.yaml"
+    p.write_text(yaml.safe_dump(_minimal(extra=1)))
+    rc, err = _cli(capsys, "--profile", str(p), "--out", str(tmp_path / "o"),
+                   "--image-packages", str(p))
+    assert rc == 2 and err.count("\n") == 1 and "unknown key(s): extra" in err
+
+
+def test_cli_missing_files_fail_before_any_download(tmp_path, capsys, no_download):
+    img = tmp_path / "img.txt"
+    img.write_text("torch numpy\n")
+    base = ["--profile", str(PROFILE), "--out", str(tmp_path / "o"), "--cache", str(tmp_path / "c")]
+    rc, err = _cli(capsys, *base, "--image-packages", str(tmp_path / "none.txt"))
+    assert rc == 2 and "image packages file not found" in err and err.count("\n") == 1
+    rc, err = _cli(capsys, *base, "--image-packages", str(img), "--lock", str(tmp_path / "no.lock"))
+    assert rc == 2 and "lock file not found" in err and err.count("\n") == 1
+    short = tmp_path / "short.lock"
+    short.write_text("tokenspeed==0.1.0\n")
+    rc, err = _cli(capsys, *base, "--image-packages", str(img), "--lock", str(short))
+    assert rc == 2 and "keep names not in the resolved closure" in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_image_packages_default(tmp_path, capsys, monkeypatch, no_download):
+    monkeypatch.setattr(so, "DEFAULT_IMAGE_PACKAGES", tmp_path / "absent.txt")
+    rc, err = _cli(capsys, "--profile", str(PROFILE), "--out", str(tmp_path / "o"),
+                   "--lock", str(LOCK))
+    assert rc == 2 and err.count("\n") == 1
+    assert "--image-packages FILE is required" in err and "absent.txt" in err
+
+
+def test_cli_setup_only_needs_no_image_packages(tmp_path, capsys, monkeypatch, no_download):
+    monkeypatch.setattr(so, "DEFAULT_IMAGE_PACKAGES", tmp_path / "absent.txt")
+    assert so.main(["--profile", str(PROFILE), "--out", str(tmp_path / "o"), "--setup-only"]) == 0
+    assert (tmp_path / "o" / "setup.sh").is_file()
+
+
+# --------------------------------------------------------------------------------- selection
+def test_read_lock_and_image_packages(tmp_path):
+    lock = tmp_path / "l"
+    lock.write_text("# comment\nFoo_Bar==1.0 ; python_version >= '3'\n"
+                    "    # via x\nbaz.qux==2.0.post1\n-e ./local\n")
+    assert so.read_lock(lock) == {"foo-bar": "1.0", "baz-qux": "2.0.post1"}
+    img = tmp_path / "i"
+    img.write_text("torch numpy Jinja2\ngrpcio==1.70 # pinned\n# all\n")
+    assert so.read_image_packages(img) == {"torch", "numpy", "jinja2", "grpcio"}
+
+
+def test_select_closure_keep_image_force():
+    pins = {"eng": "1", "dep-a": "1", "dep-b": "1", "grpcio": "1", "numpy": "1", "notkept": "1"}
+    image = {"dep-b", "grpcio", "numpy", "torch"}
+    chosen = so.select(pins, ["Eng", "dep_a", "dep-b", "grpcio", "numpy"], image, ["grpcio"])
+    # kept and in the closure, minus the image (dep-b, numpy), plus forced grpcio; never notkept
+    assert chosen == ["dep-a", "eng", "grpcio"]
+
+
+def test_select_full_and_errors():
+    pins = {"eng": "1", "dep-a": "1", "numpy": "1"}
+    assert so.select(pins, ["eng"], {"numpy"}, [], full=True) == ["dep-a", "eng"]
+    with pytest.raises(so.StageError, match="keep names not in the resolved closure: typo"):
+        so.select(pins, ["eng", "typo"], set(), [])
+    with pytest.raises(so.StageError, match="nothing to carry"):
+        so.select(pins, ["numpy"], {"numpy"}, [])
+
+
+def test_select_tokenspeed_lock_against_an_image():
+    prof = so.load_profile(PROFILE)
+    pins = so.read_lock(LOCK)
+    image = {"grpcio", "protobuf", "pydantic", "fastapi", "torch"}
+    chosen = so.select(pins, prof["keep"], image, prof["force"])
+    assert "grpcio" in chosen and "protobuf" in chosen  # forced
+    assert "pydantic" not in chosen and "fastapi" not in chosen
+    assert len(chosen) == 34
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("a-1.0-py3-none-any.whl", True),
+    ("a-1.0-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl", True),
+    ("a-1.0-cp39-abi3-manylinux2014_x86_64.whl", True),
+    ("a-1.0-cp311-cp311-manylinux_2_17_x86_64.whl", False),
+    ("a-1.0-cp313-abi3-manylinux_2_17_x86_64.whl", False),
+    ("a-1.0-cp312-cp312-manylinux_2_28_aarch64.whl", False),
+    ("a-1.0-cp312-cp312-win_amd64.whl", False),
+    ("a-1.0-py2.py3-none-manylinux_2_5_x86_64.manylinux1_x86_64.whl", True),
+])
+def test_wheel_fits(name, ok):
+    assert so.wheel_fits(name, "3.12", so.PIP_PLATFORMS) is ok
+
+
+# ----------------------------------------------------------------------------- slim and pack
+def _wheel(path, files):
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return path
+
+
+def test_slim_store_drops_and_stores_uncompressed(tmp_path):
+    files = {"pkg/__init__.py": b"x = 1\n" * 100, "pkg/web_dist/index.html": b"<html>" * 500,
+             "pkg/web_dist/app.js": b"js" * 300, "pkg/bin/ptxas-blackwell": b"\0" * 1000,
+             "pkg/bin/ptxas": b"\1" * 700, "pkg-1.0.dist-info/RECORD": b"r\n"}
+    src = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", files)
+    dst = tmp_path / "out.whl"
+    dropped = so.slim_store(src, dst, ["pkg/web_dist/*", "pkg/bin/ptxas-blackwell"])
+    assert dropped == 3000 + 600 + 1000
+    with zipfile.ZipFile(dst) as z:
+        assert sorted(z.namelist()) == ["pkg-1.0.dist-info/RECORD", "pkg/__init__.py",
+                                        "pkg/bin/ptxas"]
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
+        assert z.read("pkg/bin/ptxas") == files["pkg/bin/ptxas"]
+    assert so.slim_store(src, tmp_path / "same.whl", []) == 0
+
+
+def _fake_pack_dir(root):
+    (root / "whl").mkdir(parents=True)
+    (root / "syslibs").mkdir()
+    noise = b"".join(hashlib.sha256(str(i).encode()).digest() for i in range(200))  # 6.4 kB
+    (root / "whl" / "a.whl").write_bytes(noise)
+    (root / "syslibs" / "libx.so.1").write_bytes(b"\x7fELF" + b"\3" * 5000)
+    (root / "wheels.lock").write_text("a==1\n")
+    return root
+
+
+def test_pack_split_manifest_round_trip(tmp_path):
+    src = _fake_pack_dir(tmp_path / "pack")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "p9").write_bytes(b"stale part")
+    packed = so.pack(src, tmp_path / "work", out, part_size=1000, xz_preset=0)
+    n = -(-packed["xz_bytes"] // 1000)
+    assert n >= 2 and packed["parts"] == [f"p{i}" for i in range(n)]
+    assert sorted(p.name for p in out.glob("p*")) == sorted(packed["parts"])  # stale p9 gone
+    assert all((out / p).stat().st_size == 1000 for p in packed["parts"][:-1])
+    data = b"".join((out / p).read_bytes() for p in packed["parts"])
+    assert len(data) == packed["xz_bytes"]
+    assert hashlib.sha256(data).hexdigest() == packed["sha256"]
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as t:
+        names = {m.name.lstrip("./") for m in t.getmembers() if m.isfile()}
+        assert names == {"whl/a.whl", "syslibs/libx.so.1", "wheels.lock"}
+        assert t.extractfile("./whl/a.whl").read() == (src / "whl" / "a.whl").read_bytes()
+    again = so.pack(src, tmp_path / "work2", tmp_path / "out2", part_size=1000, xz_preset=0)
+    assert again["sha256"] == packed["sha256"]  # deterministic tar: same inputs, same bundle
+
+
+def test_split_exact_multiple(tmp_path):
+    f = tmp_path / "blob"
+    f.write_bytes(b"z" * 3000)
+    parts, sha = so.split(f, tmp_path, part_size=1000)
+    assert parts == ["p0", "p1", "p2"] and sha == hashlib.sha256(b"z" * 3000).hexdigest()
+
+
+# ---------------------------------------------------------------------------------- setup.sh
+def test_setup_sh_passes_bash_n(tmp_path):
+    for prof in (so.load_profile(PROFILE), so.validate_profile(_minimal())):
+        path = so.write_setup(prof, tmp_path / prof["engine"])
+        r = subprocess.run(["bash", "-n", str(path)], check=False, capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        assert "@" not in path.read_text().replace("$@", "")  # every placeholder filled
+
+
+def test_setup_sh_tokenspeed_content():
+    text = so.render_setup(so.load_profile(PROFILE))
+    assert "S=/root/stage/ts; T=/tmp/ts-site;" in text
+    assert "cat > /root/stage/ts-env.sh <<ENV" in text
+    assert "export PYTHONPATH=$T:$T/nvidia_cutlass_dsl/dsl_packages\n" in text
+    assert "export MC_FORCE_TCP=\\${MC_FORCE_TCP:-1}\n" in text
+    assert "ldd $T/mooncake/engine.so" in text and "[ -d $T/tokenspeed ]" in text
+    assert "READY tokenspeed" in text
+
+
+def test_setup_sh_matches_the_one_used_on_the_h200():
+    """.ts-stage/setup.sh is the (git-ignored) script that installed TokenSpeed on 2026-11-30."""
+    used = REPO / ".ts-stage" / "setup.sh"
+    if not used.is_file():
+        pytest.skip("no .ts-stage/setup.sh here")
+    assert so.render_setup(so.load_profile(PROFILE)) == used.read_text()
+
+
+def test_setup_sh_minimal_profile_drops_optional_lines():
+    text = so.render_setup(so.validate_profile(_minimal()))
+    assert "ldd " not in text and "export PYTHONPATH=$T\n" in text
+    assert "cat > /tmp/env.sh <<ENV\nexport PYTHONPATH" in text
+    assert "export CUDA_HOME=/usr/local/cuda\nENV\n. /tmp/env.sh\nout=$(" in text
+
+
+def _fake_engine_wheel(path):
+    files = {"fakeeng/__init__.py": "", "fakeeng/version.py": "__version__ = '0.1'\n",
+             "fakeeng-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: fakeeng\nVersion: 0.1\n",
+             "fakeeng-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\n"
+                                            "Root-Is-Purelib: true\nTag: py3-none-any\n"}
+    files["fakeeng-0.1.dist-info/RECORD"] = "".join(f"{n},,\n" for n in files) + \
+        "fakeeng-0.1.dist-info/RECORD,,\n"
+    return _wheel(path, files)
+
+
+@pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs sha256sum")
+def test_setup_sh_assembles_parts_carried_one_at_a_time(tmp_path):
+    """The device flow on this machine: each call brings one part; the last one installs."""
+    r = subprocess.run(["python3", "-m", "pip", "--version"], check=False, capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("python3 has no pip")
+    prof = so.validate_profile(_minimal(stage=str(tmp_path / "stage"), site=str(tmp_path / "site"),
+                                        env=str(tmp_path / "env.sh"), env_vars={"MC_FORCE_TCP": "1"},
+                                        keep=["fakeeng"]))
+    src = tmp_path / "pack"
+    (src / "whl").mkdir(parents=True)
+    _fake_engine_wheel(src / "whl" / "fakeeng-0.1-py3-none-any.whl")
+    built = tmp_path / "built"
+    packed = so.pack(src, tmp_path / "work", built, part_size=300, xz_preset=0)
+    assert len(packed["parts"]) >= 2
+    (built / "manifest.json").write_text(json.dumps(packed))
+    so.write_setup(prof, built)
+    outs = []
+    for p in packed["parts"]:  # a fresh checkout per call, carrying one part
+        call = tmp_path / f"call-{p}" / ".stage"
+        call.mkdir(parents=True)
+        for f in (p, "setup.sh", "manifest.json"):
+            shutil.copy(built / f, call / f)
+        r = subprocess.run(["bash", str(call / "setup.sh")], check=False, capture_output=True,
+                           text=True, cwd=call.parent)
+        outs.append((r.returncode, r.stdout + r.stderr))
+    for rc, out in outs[:-1]:
+        assert rc == 0 and "missing:" in out, out
+    rc, out = outs[-1]
+    assert (tmp_path / "site" / ".stage-ready").is_file(), out
+    assert (tmp_path / "site" / "fakeeng" / "version.py").is_file()
+    env = (tmp_path / "env.sh").read_text()
+    assert f"export PYTHONPATH={tmp_path / 'site'}\n" in env
+    assert "export MC_FORCE_TCP=${MC_FORCE_TCP:-1}\n" in env
+    # the READY check imports torch: passes where torch is installed, exit 6 otherwise
+    assert (rc == 0 and "READY fakeeng 0.1" in out) or (rc == 6 and "IMPORT CHECK FAILED" in out)
