@@ -62,8 +62,9 @@ def test_table_has_the_required_lanes():
     assert set(table["e2e-1gpu-chat"].engines) == {"vllm", "tokenspeed"}
     assert table["e2e-1gpu-chat"].topologies == ("1",)
     pd = table["e2e-2gpu-pd"]
-    assert set(pd.engines) == {"vllm", "tokenspeed"} and pd.topologies == ("1p1d",)
-    assert pd.markers.startswith("pd")
+    # `1` rides along for its evals: test_pd compares 1p1d's answers with them.
+    assert set(pd.engines) == {"vllm", "tokenspeed"} and pd.topologies == ("1", "1p1d")
+    assert pd.markers == "(pd or eval) and not bench"
     epd = table["e2e-4gpu-epd"]
     assert epd.engines == ("tokenspeed",) and epd.gpus == 4
     assert epd.topologies == ("1e1p1d", "1e2p1d", "2e1p1d", "1e1p2d")
@@ -338,7 +339,7 @@ def test_run_lane_command_and_env(tmp_path):
                         "--e2e-min-tests", str(lane.min_tests), "-x", "-k", "chat"]
     assert env["KEEP_ME"] == "1"                       # merged, never scrubbed
     assert env["E2E_ENGINES"] == "vllm,tokenspeed"     # the lane wins over the caller
-    assert env["E2E_TOPOLOGIES"] == "1p1d" and env["E2E_LANE"] == "e2e-2gpu-pd"
+    assert env["E2E_TOPOLOGIES"] == "1,1p1d" and env["E2E_LANE"] == "e2e-2gpu-pd"
 
     lanes.run_lane("e2e-8gpu-afd-large", [], environ={}, runner=runner)
     assert seen["argv"][-1] == "--e2e-no-skips"

@@ -10,7 +10,7 @@ import pytest
 
 from e2e_test.infra.evals import gsm8k, mmlu
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.eval]
 CONCURRENCY = int(os.environ.get("E2E_EVAL_CONCURRENCY", "16"))
 
 
