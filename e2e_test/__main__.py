@@ -4,7 +4,7 @@
   models list                            the registry as a table
   models tiny-moe --out DIR [--family deepseek_v2] [--tokenizer DIR]
                                          random-weight tiny MoE (AFD tests)
-  models tiny-vlm [--out DIR] [--tokenizer DIR] [--seed N] [--force]
+  models tiny-vlm [--out DIR] [--tokenizer DIR] [--seed N] [--force] [--attention full|hybrid]
                                          random-weight tiny Qwen3.5 VLM (EPD tests); --out
                                          defaults to the registry path of tiny-random/Qwen3.5-VL
   datasets download | check              fetch the public GSM8K/MMLU copies / check the folder
@@ -58,7 +58,8 @@ def cmd_models(a) -> int:
             model_specs.get_spec("tiny-random/Qwen3.5-VL").weights.path)
         tok = a.tokenizer or str(models.prepared_dir(model_specs.get_spec(
             "SmolLM2-135M-Instruct")))
-        path = tiny_models.build_tiny_vlm(out, tok, seed=a.seed, force=a.force)
+        path = tiny_models.build_tiny_vlm(out, tok, seed=a.seed, force=a.force,
+                                          attention=a.attention)
         marker = tiny_models.read_marker(path, tiny_models.VLM_MARKER)
         print(f"{path} ({marker['parameters'] / 1e6:.1f}M parameters, vision tokens "
               f"{json.dumps(marker['vision_token_ids'])})")
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", help="tiny-moe/tiny-vlm: output folder (tiny-vlm default: the "
                    "registry path of tiny-random/Qwen3.5-VL)")
     m.add_argument("--family", default="deepseek_v2", help="tiny-moe: model family")
+    m.add_argument("--attention", default="full", choices=["full", "hybrid"],
+                   help="tiny-vlm: text layers all full attention (default; TokenSpeed's PyPI "
+                   "scheduler refuses PD/EPD with GDN layers) or the released 3:1 GDN interleave")
     m.add_argument("--tokenizer", help="tiny-moe/tiny-vlm: tokenizer folder (default: the prepared "
                    "SmolLM2-135M-Instruct folder)")
     m.add_argument("--seed", type=int, default=0, help="tiny-moe/tiny-vlm: weight seed")

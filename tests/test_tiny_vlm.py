@@ -34,12 +34,14 @@ def built(tmp_path_factory):
 def test_config(built):
     path, logs = built
     cfg = json.loads((path / "config.json").read_text())
-    dims = tiny_models.QWEN3_5_VL_TINY
+    dims = tiny_models.vlm_dims()
     assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     assert cfg["model_type"] == "qwen3_5"
     text, vision = cfg["text_config"], cfg["vision_config"]
     assert vision["out_hidden_size"] == text["hidden_size"] == 256
-    assert text["layer_types"].count("full_attention") == 1 and text["num_hidden_layers"] == 4
+    # Default "full": every text layer full attention, interval 1 (TokenSpeed reads only that).
+    assert text["layer_types"] == ["full_attention"] * 4 and text["num_hidden_layers"] == 4
+    assert text["full_attention_interval"] == 1
     assert vision["depth"] == dims["vision"]["depth"] and vision["patch_size"] == 16
     assert vision["spatial_merge_size"] == 2 and vision["temporal_patch_size"] == 2
     assert text["max_position_embeddings"] >= get_spec("tiny-random/Qwen3.5-VL").max_model_len
@@ -128,7 +130,7 @@ def test_idempotent_and_deterministic(built, tmp_path):
     from safetensors.torch import load_file
     a, b = load_file(str(path / "model.safetensors")), load_file(str(other / "model.safetensors"))
     for key in ("model.visual.blocks.1.attn.qkv.weight",
-                "model.language_model.layers.2.linear_attn.in_proj_qkv.weight"):
+                "model.language_model.layers.2.self_attn.q_proj.weight"):
         assert torch.equal(a[key], b[key]), key
     assert not list(tmp_path.glob("t2.tmp*"))      # the temporary folder was renamed
 
@@ -142,3 +144,15 @@ def test_registry_entry():
     args = spec.tokenspeed_args
     assert args[args.index("--disaggregation-layerwise-interval") + 1] == "0"
     assert spec.weights.source == "path" and spec.weights.path.endswith("tiny-qwen3_5-vl")
+
+
+def test_vlm_dims_attention_variants():
+    hybrid = tiny_models.vlm_dims("hybrid")["text"]
+    assert hybrid["layer_types"].count("linear_attention") == 3
+    assert hybrid["full_attention_interval"] == 4
+    full = tiny_models.vlm_dims()["text"]
+    assert full["layer_types"] == ["full_attention"] * 4 and full["full_attention_interval"] == 1
+    assert tiny_models.QWEN3_5_VL_TINY["text"]["full_attention_interval"] == 4   # not mutated
+    import pytest as _pytest
+    with _pytest.raises(tiny_models.ConfigError, match="attention 'gdn'"):
+        tiny_models.vlm_dims("gdn")

@@ -41,8 +41,10 @@ model_type "qwen3_5" (and "qwen3_5_moe") to its Qwen3-VL preprocessing (patch 16
 vision_end_token_id from config.json and mapping them back to strings through the tokenizer.
 transformers has the architecture natively (no remote code; 5.x).
 
-Dimensions (QWEN3_5_VL_TINY): text model of 4 layers, 3 Gated-DeltaNet linear-attention layers
-and 1 full-attention layer (the real 3:1 interleave, full_attention_interval 4), hidden 256,
+Dimensions (QWEN3_5_VL_TINY): text model of 4 layers, by default all full attention
+(`attention="full"`, see vlm_dims: TokenSpeed's PyPI scheduler refuses PD/EPD with GDN state
+layers); `attention="hybrid"` gives 3 Gated-DeltaNet linear-attention layers and 1
+full-attention layer (the real 3:1 interleave, full_attention_interval 4); hidden 256,
 MLP 512; the per-head geometry the kernels see is the real model's: full attention head_dim 256
 with the output gate and partial rotary 0.25 (rotary dim 64 = 2 * sum(mrope_section
 [11, 11, 10]), interleaved M-RoPE), 2 query heads / 1 KV head; GDN key/value head dims 128 with
@@ -382,15 +384,41 @@ def _files_digest() -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+VLM_ATTENTION = ("full", "hybrid")
+
+
+def vlm_dims(attention: str = "full") -> dict:
+    """QWEN3_5_VL_TINY with the text layers' attention pattern chosen.
+
+    "hybrid": the released 3:1 Gated-DeltaNet / full-attention interleave. "full": every text
+    layer full attention (layer_types and full_attention_interval 1; TokenSpeed derives its
+    layer pattern from full_attention_interval alone, configs/qwen3_5_text_base_config.py
+    layers_block_type). The default is "full" because TokenSpeed 0.1.0's PyPI scheduler (flat
+    build) refuses PD/EPD for a model with GDN state layers ("flat GDN layout has no per-layer
+    KV on state layers"), seen on an H200 on 2026-11-30 with the hybrid model; the full variant
+    has not yet run on an engine.
+    """
+    if attention not in VLM_ATTENTION:
+        raise ConfigError(f"tiny VLM attention {attention!r}: use one of "
+                          f"{', '.join(VLM_ATTENTION)}")
+    dims = json.loads(json.dumps(QWEN3_5_VL_TINY))     # a deep copy, JSON-shaped like the marker
+    if attention == "full":
+        n = dims["text"]["num_hidden_layers"]
+        dims["text"]["layer_types"] = ["full_attention"] * n
+        dims["text"]["full_attention_interval"] = 1
+    return dims
+
+
 def build_tiny_vlm(out_dir: Path | str, tokenizer_dir: Path | str, seed: int = 0,
-                   force: bool = False, log=print) -> Path:
+                   force: bool = False, log=print, attention: str = "full") -> Path:
     """Build (or reuse) the tiny Qwen3.5 vision-language checkpoint at `out_dir`.
 
     Idempotent like build_tiny_moe: a folder whose marker (.e2e_tiny_vlm.json) records the same
-    family, dimensions, seed, tokenizer and template/processor files is returned as is unless
-    `force`. Written to a sibling temporary folder, then renamed.
+    family, dimensions (incl. the attention pattern, see vlm_dims), seed, tokenizer and
+    template/processor files is returned as is unless `force`. Written to a sibling temporary
+    folder, then renamed.
     """
-    dims = json.loads(json.dumps(QWEN3_5_VL_TINY))     # a deep copy, JSON-shaped like the marker
+    dims = vlm_dims(attention)
     out, tok_dir = Path(out_dir), Path(tokenizer_dir)
     tok_files = _checked_tokenizer(tok_dir)
     want = {"family": VLM_FAMILY, "dims": dims, "seed": seed,
@@ -471,8 +499,10 @@ def build_tiny_vlm(out_dir: Path | str, tokenizer_dir: Path | str, seed: int = 0
     for f in tmp.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
             keys |= set(st.keys())
-    for k in ("model.language_model.embed_tokens.weight",
-              "model.language_model.layers.0.linear_attn.in_proj_qkv.weight",
+    first = ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight"
+             if dims["text"]["layer_types"][0] == "linear_attention"
+             else "model.language_model.layers.0.self_attn.q_proj.weight")
+    for k in ("model.language_model.embed_tokens.weight", first,
               "model.language_model.layers.3.self_attn.q_proj.weight",
               "model.visual.patch_embed.proj.weight", "model.visual.merger.linear_fc2.weight"):
         if k not in keys:
