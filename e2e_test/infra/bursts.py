@@ -140,6 +140,13 @@ def tokenspeed_server_info(port: int, timeout: float = 5.0) -> dict:
     return MessageToDict(resp, preserving_proto_field_name=True)
 
 
+def _window_from_log(log_text: str, **extra) -> dict:
+    m = re.search(r"max_num_seqs['\"]?[:=]\s*(\d+)", log_text)
+    if m:
+        return {"max_num_seqs": int(m.group(1)), "source": "log"}
+    return {"max_num_seqs": None, "source": "unknown", **extra}
+
+
 def effective_window(worker_url: str, log_text: str = "") -> dict:
     """The engine's resolved running window, read from the worker itself: vLLM's
     /server_info (dev mode) max_num_seqs; TokenSpeed's gRPC GetServerInfo
@@ -147,19 +154,16 @@ def effective_window(worker_url: str, log_text: str = "") -> dict:
     if worker_url.startswith("grpc://"):
         try:
             info = tokenspeed_server_info(int(worker_url.rsplit(":", 1)[1]))
-            sched = info.get("scheduler_info", {})
-            def num(v):
-                return int(v) if isinstance(v, (int, float)) else None
-            return {"max_num_seqs": num(sched.get("max_num_seqs")),
-                    "max_total_num_tokens": num(sched.get("max_total_num_tokens")),
-                    "chunked_prefill_size": num(sched.get("chunked_prefill_size")),
-                    "source": "grpc GetServerInfo"}
         except Exception as e:       # stubs missing, worker gone: say so, fall back to the log
-            err = f"{type(e).__name__}: {e}"[:200]
-        m = re.search(r"max_num_seqs['\"]?[:=]\s*(\d+)", log_text)
-        if m:
-            return {"max_num_seqs": int(m.group(1)), "source": "log"}
-        return {"max_num_seqs": None, "source": "unknown", "error": err}
+            return _window_from_log(log_text, error=f"{type(e).__name__}: {e}"[:200])
+        sched = info.get("scheduler_info", {})
+
+        def num(v):
+            return int(v) if isinstance(v, (int, float)) else None
+        return {"max_num_seqs": num(sched.get("max_num_seqs")),
+                "max_total_num_tokens": num(sched.get("max_total_num_tokens")),
+                "chunked_prefill_size": num(sched.get("chunked_prefill_size")),
+                "source": "grpc GetServerInfo"}
     try:
         r = httpx.get(f"{worker_url}/server_info", params={"config_format": "json"}, timeout=5)
         if r.status_code == 200:
@@ -172,10 +176,7 @@ def effective_window(worker_url: str, log_text: str = "") -> dict:
                     "source": "/server_info"}
     except (httpx.HTTPError, ValueError, AttributeError):
         pass
-    m = re.search(r"max_num_seqs['\"]?[:=]\s*(\d+)", log_text)
-    if m:
-        return {"max_num_seqs": int(m.group(1)), "source": "log"}
-    return {"max_num_seqs": None, "source": "unknown"}
+    return _window_from_log(log_text)
 
 
 def histogram(res: BurstResult, path: Path) -> Path | None:

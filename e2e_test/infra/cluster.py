@@ -107,11 +107,11 @@ class Worker:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.ports.api}"
 
-    def metrics(self) -> dict:
+    def metrics(self, timeout: float = 5.0) -> dict:
         prom_dir = self.command.metadata.get("prometheus_multiproc_dir")
         if prom_dir:       # TokenSpeed: no /metrics endpoint, multiprocess files instead
             return metrics.read_multiproc_dir(prom_dir)
-        return metrics.scrape(f"{self.http_url}/metrics")
+        return metrics.scrape(f"{self.http_url}/metrics", timeout=timeout)
 
 
 @dataclass
@@ -158,9 +158,11 @@ class Cluster:
             raise ConfigError(f"topology {self.topology.name!r}: AFD attention and FFN need "
                               f"separate devices; {len(self.plan.devices)} device(s) are too few")
         self.builder = _builder(engine, self.topology)
-        self._packed_starts = {}
-        if engine == "tokenspeed" and self.backend == "cuda":
-            self._packed_starts = self.builder.packed_schedule(self.plan.entries)
+        # Engines that size their memory from what is free at start (TokenSpeed) say how
+        # workers sharing a GPU must start: {name: (stage, memory utilization)}.
+        schedule = getattr(self.builder, "packed_schedule", None)
+        self._packed_starts = (schedule(self.plan.entries)
+                               if schedule and self.backend == "cuda" else {})
         if self.topology.kind == "afd" and not self.topology.native_baseline:
             # The FFN binds the connector port and the next num_ffn_ranks ports; attention
             # connects to the same base port.
@@ -479,10 +481,7 @@ class Cluster:
         total, answered = 0.0, False
         for w in self.workers:
             try:
-                if w.command.metadata.get("prometheus_multiproc_dir"):
-                    s = w.metrics()
-                else:
-                    s = metrics.scrape(f"{w.http_url}/metrics", timeout=2.0)
+                s = w.metrics(timeout=2.0)
             except Exception:
                 continue
             answered = True

@@ -55,20 +55,37 @@ def _sum_delta(before: list[dict], after: list[dict], name: str, **labels) -> fl
     return sum(metrics.delta(b, a, name, **labels) for b, a in zip(before, after))
 
 
+def _post_all(cluster, what: str, path: str, bodies) -> list[dict]:
+    """POST each body through the gateway; any non-200 or empty answer fails the proof.
+    Returns each answer's usage."""
+    usages = []
+    for i, body in enumerate(bodies):
+        r = cluster.client.post(path, json=body)
+        if r.status_code != 200:
+            raise HarnessError(f"{what} request {i}: HTTP {r.status_code} {r.text[:200]}")
+        if not r.json().get("choices"):
+            raise HarnessError(f"{what} request {i}: no choices in {r.text[:200]}")
+        usages.append(r.json().get("usage", {}))
+    return usages
+
+
+def _verdict(what: str, cluster, problems: list[str], proof):
+    if problems:
+        raise HarnessError(f"{what} failed on {cluster.topology.name}: "
+                           + "; ".join(problems) + f" ({proof.to_dict()})")
+    return proof
+
+
 def pd_transfer(cluster, n: int = 4, min_external_fraction: float = 0.9,
                 max_local_fraction: float = 0.1) -> TransferProof:
     decode, prefill = cluster.role("decode"), cluster.role("prefill")
     if not decode or not prefill:
         raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
     b_d, b_p = _scrape_all(decode), _scrape_all(prefill)
-    prompt_tokens = 0
-    for i in range(n):
-        r = cluster.client.post("/v1/completions", json={
-            "model": cluster.model_name, "prompt": long_unique_prompt(seed=i), "max_tokens": 8,
-            "temperature": 0})
-        if r.status_code != 200:
-            raise HarnessError(f"PD proof request {i}: HTTP {r.status_code} {r.text[:200]}")
-        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+    prompt_tokens = sum(u["prompt_tokens"] for u in _post_all(
+        cluster, "PD proof", "/v1/completions",
+        ({"model": cluster.model_name, "prompt": long_unique_prompt(seed=i), "max_tokens": 8,
+          "temperature": 0} for i in range(n))))
     a_d, a_p = _scrape_all(decode), _scrape_all(prefill)
     proof = TransferProof(
         requests=n, prompt_tokens=prompt_tokens,
@@ -90,10 +107,7 @@ def pd_transfer(cluster, n: int = 4, min_external_fraction: float = 0.9,
         problems.append(f"prefill computed only {proof.prefill_local_compute:.0f} prompt tokens")
     if proof.failed_transfers:
         problems.append(f"{proof.failed_transfers:.0f} failed KV transfers")
-    if problems:
-        raise HarnessError(f"PD transfer proof failed on {cluster.topology.name}: "
-                           + "; ".join(problems) + f" ({proof.to_dict()})")
-    return proof
+    return _verdict("PD transfer proof", cluster, problems, proof)
 
 
 # -- PD on TokenSpeed -------------------------------------------------------------------------
@@ -161,14 +175,11 @@ def pd_transfer_tokenspeed(cluster, n: int = 4,
     if not decode or not prefill:
         raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
     b_d, b_p, b_g = _scrape_all(decode), _scrape_all(prefill), cluster.gateway_metrics()
-    prompt_tokens = 0
-    for i in range(n):
-        r = cluster.client.post("/v1/chat/completions", json={
-            "model": cluster.model_name, "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": long_unique_prompt(seed=i)}]})
-        if r.status_code != 200:
-            raise HarnessError(f"PD proof request {i}: HTTP {r.status_code} {r.text[:200]}")
-        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+    prompt_tokens = sum(u["prompt_tokens"] for u in _post_all(
+        cluster, "PD proof", "/v1/chat/completions",
+        ({"model": cluster.model_name, "max_tokens": 8, "temperature": 0,
+          "messages": [{"role": "user", "content": long_unique_prompt(seed=i)}]}
+         for i in range(n))))
     a_d, a_p, a_g = _scrape_all(decode), _scrape_all(prefill), cluster.gateway_metrics()
     gw = _gateway_dispatch(b_g, a_g)
     gw.pop("gateway_encode_selections")
@@ -189,10 +200,7 @@ def pd_transfer_tokenspeed(cluster, n: int = 4,
                         "successfully")
     if proof.decode_generation_tokens <= 0:
         problems.append("decode generated no tokens")
-    if problems:
-        raise HarnessError(f"PD transfer proof failed on {cluster.topology.name} (tokenspeed): "
-                           + "; ".join(problems) + f" ({proof.to_dict()})")
-    return proof
+    return _verdict("PD transfer proof (tokenspeed)", cluster, problems, proof)
 
 
 # -- EPD on TokenSpeed: the encoder ran for the request --------------------------------------
@@ -267,17 +275,11 @@ def epd_encoder_ran(cluster, n: int = 3) -> EncoderProof:
             return None
     b_g, b_p, b_d, b_l = (cluster.gateway_metrics(), _scrape_all(prefill), _scrape_all(decode),
                           enc_lines())
-    prompt_tokens = 0
     salt = uuid.uuid4().int % 2**31
-    for i in range(n):
-        body = image_chat_body(cluster.model_name, f"[{uuid.uuid4().hex[:8]}] Describe the image.",
-                               random_png_data_uri(salt + i))
-        r = cluster.client.post("/v1/chat/completions", json=body)
-        if r.status_code != 200:
-            raise HarnessError(f"EPD proof request {i}: HTTP {r.status_code} {r.text[:300]}")
-        if not r.json().get("choices"):
-            raise HarnessError(f"EPD proof request {i}: no choices in {r.text[:200]}")
-        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+    prompt_tokens = sum(u["prompt_tokens"] for u in _post_all(
+        cluster, "EPD proof", "/v1/chat/completions",
+        (image_chat_body(cluster.model_name, f"[{uuid.uuid4().hex[:8]}] Describe the image.",
+                         random_png_data_uri(salt + i)) for i in range(n))))
     a_g, a_p, a_d, a_l = (cluster.gateway_metrics(), _scrape_all(prefill), _scrape_all(decode),
                           enc_lines())
     proof = EncoderProof(
@@ -292,10 +294,7 @@ def epd_encoder_ran(cluster, n: int = 3) -> EncoderProof:
                         f"{proof.image_items} image items to an encode worker")
     if proof.decode_success < n:
         problems.append(f"decode finished only {proof.decode_success:.0f} of {n} requests")
-    if problems:
-        raise HarnessError(f"EPD encoder proof failed on {cluster.topology.name}: "
-                           + "; ".join(problems) + f" ({proof.to_dict()})")
-    return proof
+    return _verdict("EPD encoder proof", cluster, problems, proof)
 
 
 # -- AFD: the FFN server really ran the FFN ----------------------------------------------------
@@ -418,17 +417,12 @@ def afd_ffn_served(cluster, n: int = 4, max_tokens: int = 16, settle_s: float = 
     attention = cluster.role("attention")
     b_att = _scrape_all(attention)
     before = _traces(dirs)
-    prompt_tokens = completion_tokens = 0
-    for i in range(n):
-        r = cluster.client.post("/v1/completions", json={
-            "model": cluster.model_name, "prompt": long_unique_prompt(words=40, seed=i),
-            "max_tokens": max_tokens, "temperature": 0})
-        if r.status_code != 200:
-            raise HarnessError(f"AFD FFN proof request {i}: HTTP {r.status_code} "
-                               f"{r.text[:200]}")
-        usage = r.json().get("usage", {})
-        prompt_tokens += usage.get("prompt_tokens", 0)
-        completion_tokens += usage.get("completion_tokens", 0)
+    usages = _post_all(cluster, "AFD FFN proof", "/v1/completions",
+                       ({"model": cluster.model_name,
+                         "prompt": long_unique_prompt(words=40, seed=i),
+                         "max_tokens": max_tokens, "temperature": 0} for i in range(n)))
+    prompt_tokens = sum(u.get("prompt_tokens", 0) for u in usages)
+    completion_tokens = sum(u.get("completion_tokens", 0) for u in usages)
     # Sequential requests: each is one prefill step plus completion_tokens - 1 decode steps,
     # one FFN step each. A trace is saved when the step after its active step starts.
     expected = max(1, completion_tokens // every - 1)

@@ -356,25 +356,18 @@ VLM_CHAT_TEMPLATE = r"""{%- for message in messages -%}
 
 # Qwen3.5 / Qwen3-VL image processing (patch 16, merge 2, temporal 2, mean/std 0.5);
 # longest_edge lowered from 16777216 to 262144 pixels (512x512: at most 256 merged tokens).
-VLM_PREPROCESSOR = {
-    "image_processor_type": "Qwen2VLImageProcessor",
-    "processor_class": "Qwen3VLProcessor",
-    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-    "rescale_factor": 1.0 / 255.0,
-    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "resample": 3,
-    "size": {"shortest_edge": 65536, "longest_edge": 262144},
-}
-VLM_VIDEO_PREPROCESSOR = {
-    "video_processor_type": "Qwen3VLVideoProcessor",
+_VLM_PIXELS = {   # shared by the image and the video processor
     "processor_class": "Qwen3VLProcessor",
     "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
     "rescale_factor": 1.0 / 255.0,
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
     "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-    "size": {"shortest_edge": 4096, "longest_edge": 262144},
-    "fps": 2, "do_sample_frames": True,
 }
+VLM_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", **_VLM_PIXELS,
+                    "resample": 3, "size": {"shortest_edge": 65536, "longest_edge": 262144}}
+VLM_VIDEO_PREPROCESSOR = {"video_processor_type": "Qwen3VLVideoProcessor", **_VLM_PIXELS,
+                          "size": {"shortest_edge": 4096, "longest_edge": 262144},
+                          "fps": 2, "do_sample_frames": True}
 
 
 def _files_digest() -> str:

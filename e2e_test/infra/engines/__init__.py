@@ -5,6 +5,8 @@ No process is started here; every builder is unit-tested for its exact argv and 
 
 from __future__ import annotations
 
+import os
+import shlex
 from dataclasses import dataclass, field
 
 
@@ -45,8 +47,6 @@ class EngineOptions:
 def options_from_env(environ=None, **overrides) -> EngineOptions:
     """EngineOptions from the harness's env (E2E_ENFORCE_EAGER=1, E2E_MOONCAKE_TRANSPORT,
     E2E_ENGINE_ARGS: extra worker flags, shell-quoted), with explicit overrides on top."""
-    import os
-    import shlex
     env = os.environ if environ is None else environ
     base = {"enforce_eager": env.get("E2E_ENFORCE_EAGER") == "1",
             "mooncake_transport": env.get("E2E_MOONCAKE_TRANSPORT") or "nvlink",
