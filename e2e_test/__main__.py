@@ -108,7 +108,8 @@ def cmd_plan(a) -> int:
 
 def cmd_main(a) -> int:
     """The main job: prepare the model, bring the topology up behind smg, run the suites."""
-    from .infra import lifecycle, model_specs, models, results
+    from .infra import comparisons, lifecycle, model_specs, models, results
+    from .infra.errors import HarnessError
     from .infra.evals import gsm8k, mmlu
     lifecycle.install()
     spec = model_specs.get_spec(a.model)
@@ -132,7 +133,16 @@ def cmd_main(a) -> int:
             r = mod.run(c.gateway_url, c.model_name, n=n, concurrency=a.concurrency,
                         watchdog=c.watchdog(name), **kw)
             evals[name] = r.summary()
+            try:
+                r.check_spec(acc.get(name))
+                evals[name]["floors"] = "ok"
+            except HarnessError as e:
+                evals[name]["floors"] = str(e)
         summary["evals"] = evals
+        if c.topology.kind == "pd":
+            summary["oracle"] = comparisons.against_one_worker(
+                c, c.role("prefill")[0], {name: evals[name]["n"] for name in evals},
+                concurrency=a.concurrency)
         summary["versions"] = results.versions()
     summary["teardown"] = c.teardown_report.to_dict()
     out = results.results_root()
@@ -146,11 +156,14 @@ def cmd_main(a) -> int:
     print(f"  chat: {summary['chat']!r}")
     for name, e in evals.items():
         print(f"  {name:<6} accuracy {e['accuracy']:.3f}  n={e['n']} scored={e['scored']} "
-              f"correct={e['correct']} errors={e['errors']}  ({e['wall_s']:.1f} s)")
+              f"correct={e['correct']} format={e['formatted']}/{e['scored']} "
+              f"errors={e['errors']}  ({e['wall_s']:.1f} s); floors: {e['floors']}")
+    for name, v in summary.get("oracle", {}).items():
+        print(f"  answers: {v['message']}")
     print(f"  teardown: {summary['teardown']['verdict']}")
     print(f"results: {out / 'main.json'}")
-    failed = any(e["errors"] > 0.02 * e["n"] for e in evals.values()) or \
-        not summary["teardown"]["ok"]
+    failed = (any(e["floors"] != "ok" for e in evals.values()) or not summary["teardown"]["ok"]
+              or not all(v["ok"] for v in summary.get("oracle", {}).values()))
     return 1 if failed else 0
 
 

@@ -197,3 +197,49 @@ def test_mmlu_requests_use_subject_dev_shots(real_datasets):
     short, _ = mmlu.requests("m", 4, k_shot=5, max_prompt_tokens=50)
     assert short[2].body["prompt"].count("\nAnswer: ") < 5
     assert short[2].body["prompt"].endswith("Answer:")
+
+
+# --- floors of the registry fail on plausible broken outputs -------------------------------
+
+from e2e_test.infra.errors import HarnessError as _HarnessError  # noqa: E402
+from e2e_test.infra.evals import collect as _collect  # noqa: E402
+from e2e_test.infra.load import RequestResult as _RR, RunReport as _Report  # noqa: E402
+from e2e_test.infra.model_specs import get_spec as _get_spec  # noqa: E402
+
+_BROKEN = {
+    "truncated": lambda good: good[: len(good) // 3],
+    "garbled": lambda good: "\ufffd\ufffd q#z\u0000 ~~ " * 3,
+    "empty": lambda good: "",
+}
+_GOOD = {"gsm8k": "She sells 16 - 3 - 4 = 9 eggs. 9 * 2 = 18.\n#### 18",
+         "mmlu": " B"}
+
+
+def _scored(name, texts):
+    from e2e_test.infra.evals import gsm8k as g, mmlu as m
+    rep = _Report([_RR(index=i, tag=i, status=200, text=t) for i, t in enumerate(texts)], 1.0)
+    if name == "gsm8k":
+        return _collect(name, rep, lambda r: (g.extract(r.text), False))
+    return _collect(name, rep, lambda r: (m.extract(r.text), m.extract(r.text) == "B"))
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
+def test_default_model_floors_pass_healthy_output(name):
+    acc = _get_spec("SmolLM2-135M-Instruct").accuracy[name]
+    _scored(name, [_GOOD[name]] * acc.n).check_spec(acc)
+
+
+@pytest.mark.parametrize("broken", sorted(_BROKEN))
+@pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
+def test_default_model_floors_fail_on_broken_output(name, broken):
+    acc = _get_spec("SmolLM2-135M-Instruct").accuracy[name]
+    texts = [_BROKEN[broken](_GOOD[name])] * acc.n
+    with pytest.raises(_HarnessError, match="format floor"):
+        _scored(name, texts).check_spec(acc)
+
+
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen3-4B-Instruct-2507"])
+def test_real_model_accuracy_floor_fails_on_wrong_answers(model):
+    acc = _get_spec(model).accuracy["mmlu"]
+    with pytest.raises(_HarnessError, match="below floor"):
+        _scored("mmlu", [" C"] * acc.n).check_spec(acc)       # well formatted, all wrong

@@ -67,7 +67,7 @@ def test_table_has_the_required_lanes():
     assert pd.markers == "(pd or eval) and not bench"
     epd = table["e2e-4gpu-epd"]
     assert epd.engines == ("tokenspeed",) and epd.gpus == 4
-    assert epd.topologies == ("1e1p1d", "1e2p1d", "2e1p1d", "1e1p2d")
+    assert epd.topologies == ("1", "1e1p1d", "1e2p1d", "2e1p1d", "1e1p2d")
     afd = table["e2e-4gpu-afd"]
     assert afd.engines == ("vllm",) and afd.topologies == ("native-dp4", "2a2f")
     large = table["e2e-8gpu-afd-large"]

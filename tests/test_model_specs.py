@@ -210,23 +210,41 @@ def test_bad_weights(weights, expected):
 @pytest.mark.parametrize("accuracy,expected", [
     ([0.5], "accuracy: expected a mapping of eval"),
     ({"hellaswag": {"floor": 0.5, "n": 8}}, "accuracy.hellaswag: unknown eval"),
-    ({"gsm8k": {"floor": 0.5}}, "accuracy.gsm8k: expected {floor: <0..1>, n: <int>}"),
-    ({"gsm8k": {"floor": 0.5, "n": 8, "k": 5}}, "accuracy.gsm8k: expected {floor"),
-    ({"gsm8k": 0.5}, "accuracy.gsm8k: expected {floor"),
+    ({"gsm8k": {"floor": 0.5}}, "accuracy.gsm8k: expected {n: <int>, floor"),
+    ({"gsm8k": {"floor": 0.5, "n": 8, "k": 5}}, "accuracy.gsm8k: expected {n"),
+    ({"gsm8k": 0.5}, "accuracy.gsm8k: expected {n"),
     ({"gsm8k": {"floor": "high", "n": 8}}, "accuracy.gsm8k.floor: expected int or float"),
     ({"gsm8k": {"floor": 0.5, "n": 8.0}}, "accuracy.gsm8k.n: expected int, got float"),
     ({"gsm8k": {"floor": 0.5, "n": True}}, "accuracy.gsm8k.n: expected int, got bool"),
-    ({"mmlu": {"floor": 1.2, "n": 8}}, "accuracy.mmlu: floor must be in [0, 1] and n positive"),
-    ({"mmlu": {"floor": 0.5, "n": 0}}, "accuracy.mmlu: floor must be in [0, 1] and n positive"),
+    ({"mmlu": {"floor": 1.2, "n": 8}}, "accuracy.mmlu.floor: must be in (0, 1]"),
+    ({"mmlu": {"floor": 0, "n": 8}}, "a floor of 0 cannot fail"),
+    ({"mmlu": {"floor": 0.5, "n": 0}}, "accuracy.mmlu.n: must be positive"),
+    ({"mmlu": {"floor": 0.5, "measured": [3, 8], "n": 8}}, "give exactly one of floor"),
+    ({"mmlu": {"measured": [9, 8], "n": 8}}, "measured: expected [k, N]"),
+    ({"mmlu": {"measured": [0, 32], "n": 32}}, "no floor that can fail at n=32"),
+    ({"mmlu": {"n": 32, "format": {"measured": [1, 32]}}}, "no floor that can fail"),
+    ({"mmlu": {"n": 32, "format": 0.5}}, "accuracy.mmlu.format: expected {floor"),
 ])
 def test_bad_accuracy(accuracy, expected):
     assert expected in config_error({"weights": HF, "accuracy": accuracy})
 
 
 def test_good_accuracy():
-    s = spec(accuracy={"gsm8k": {"floor": 0, "n": 32}, "mmlu": {"floor": 0.5, "n": 64}})
-    assert s.accuracy == {"gsm8k": AccuracyFloor(0.0, 32), "mmlu": AccuracyFloor(0.5, 64)}
-    assert isinstance(s.accuracy["gsm8k"].floor, float)
+    s = spec(accuracy={"gsm8k": {"n": 32, "measured": [0, 32], "format": {"measured": [26, 32]}},
+                       "mmlu": {"floor": 0.5, "n": 64}})
+    assert s.accuracy["mmlu"] == AccuracyFloor(0.5, 64)
+    g = s.accuracy["gsm8k"]
+    assert g.floor is None and g.format_floor == pytest.approx(13 / 32)
+    assert g.measured == (0, 32) and g.format_measured == (26, 32)
+    assert isinstance(s.accuracy["mmlu"].floor, float)
+
+
+def test_every_floor_in_the_registry_can_fail():
+    """A floor can fail only above 0; every model with accuracy entries has one."""
+    for model_id, s in load_registry().items():
+        for ev, acc in s.accuracy.items():
+            floors = [f for f in (acc.floor, acc.format_floor) if f is not None]
+            assert floors and all(0 < f <= 1 for f in floors), (model_id, ev, acc)
 
 
 def test_parse_registry_names_the_entry():

@@ -20,6 +20,7 @@ from typing import Callable
 import httpx
 
 from .errors import StallError, WorkerDied
+from .oracle import merge_stream_logprobs
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RequestResult:
     start_s: float = 0.0               # relative to the run's start
     chunks: int = 0
     itl_s: list[float] = field(default_factory=list)   # gaps between streamed chunks
+    logprobs: dict | None = None       # the choice's `logprobs` (streamed chunks merged)
 
     @property
     def tpot_s(self) -> float | None:
@@ -58,6 +60,7 @@ class RequestResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("logprobs", None)
         d["tag"] = str(self.tag) if self.tag is not None else None
         return d
 
@@ -181,6 +184,7 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
                     res.error, res.error_code = text[:500] or f"HTTP {r.status_code}", _error_code(text)
                     return res
                 parts = []
+                lp_parts = []
                 last_chunk = None
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):
@@ -199,6 +203,8 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
                         return res
                     progress.tick()
                     for ch in chunk.get("choices") or []:
+                        if ch.get("logprobs"):
+                            lp_parts.append(ch["logprobs"])
                         t = _extract_text(ch)
                         if t:
                             now = time.monotonic()
@@ -213,6 +219,8 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
                         res.output_tokens = chunk["usage"].get("completion_tokens", 0) or 0
                         res.prompt_tokens = chunk["usage"].get("prompt_tokens", 0) or 0
                 res.text = "".join(parts)
+                if lp_parts:
+                    res.logprobs = merge_stream_logprobs(lp_parts)
                 if not res.output_tokens:
                     res.error = "stream ended without usage counts"
         else:
@@ -228,6 +236,7 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
                 res.error = f"no choices in response: {r.text[:200]}"
                 return res
             res.text = _extract_text(choices[0])
+            res.logprobs = choices[0].get("logprobs")
             usage = j.get("usage") or {}
             res.output_tokens = usage.get("completion_tokens", 0) or 0
             res.prompt_tokens = usage.get("prompt_tokens", 0) or 0

@@ -37,8 +37,15 @@ class Weights:
 
 @dataclass(frozen=True)
 class AccuracyFloor:
-    floor: float
+    """Floors for one eval at a sample of n items. `floor` is the accuracy floor, `format_floor`
+    the floor on the fraction of outputs whose answer can be extracted (GSM8K `#### N`, MMLU a
+    letter). Each is given (real models, from their published scores) or derived from a measured
+    baseline (stats.derived_floor); a derived floor of 0 cannot fail and is kept as None."""
+    floor: float | None
     n: int
+    format_floor: float | None = None
+    measured: tuple[int, int] | None = None          # accuracy baseline: (correct, of)
+    format_measured: tuple[int, int] | None = None   # format baseline: (extractable, of)
 
 
 @dataclass(frozen=True)
@@ -160,21 +167,58 @@ def _parse_weights(where: str, raw: Any) -> Weights:
     return Weights(**raw)
 
 
+def _parse_measured(w: str, v: Any) -> tuple[int, int]:
+    if (not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, int) for x in v)
+            or not 0 <= v[0] <= v[1] or v[1] <= 0):
+        raise ConfigError(f"{w}: expected [k, N] with 0 <= k <= N, N > 0, got {v!r}")
+    return v[0], v[1]
+
+
+def _floor_of(w: str, v: dict, n: int) -> tuple[float | None, tuple[int, int] | None]:
+    """(floor, measured) from {floor: f} or {measured: [k, N]} (exactly one of them)."""
+    if ("floor" in v) == ("measured" in v):
+        raise ConfigError(f"{w}: give exactly one of floor: <0..1> or measured: [k, N], got {v!r}")
+    if "floor" in v:
+        _check_type(f"{w}.floor", v["floor"], (int, float))
+        if not 0.0 < v["floor"] <= 1.0:
+            raise ConfigError(f"{w}.floor: must be in (0, 1] (a floor of 0 cannot fail), "
+                              f"got {v['floor']!r}")
+        return float(v["floor"]), None
+    from .stats import derived_floor
+    k, N = _parse_measured(f"{w}.measured", v["measured"])
+    f = derived_floor(k, N, n)
+    return (f or None), (k, N)
+
+
 def _parse_accuracy(where: str, raw: Any) -> dict[str, AccuracyFloor]:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}.accuracy: expected a mapping of eval -> {{floor, n}}")
+        raise ConfigError(f"{where}.accuracy: expected a mapping of eval -> {{n, floor|measured, "
+                          "format}}")
     out = {}
     for ev, v in raw.items():
         w = f"{where}.accuracy.{ev}"
         if ev not in EVALS:
             raise ConfigError(f"{w}: unknown eval (known: {', '.join(EVALS)})")
-        if not isinstance(v, dict) or set(v) != {"floor", "n"}:
-            raise ConfigError(f"{w}: expected {{floor: <0..1>, n: <int>}}, got {v!r}")
-        _check_type(f"{w}.floor", v["floor"], (int, float))
+        if not isinstance(v, dict) or "n" not in v or set(v) - {"n", "floor", "measured",
+                                                                 "format"}:
+            raise ConfigError(f"{w}: expected {{n: <int>, floor: <0..1> | measured: [k, N], "
+                              f"format: {{floor | measured}}}}, got {v!r}")
         _check_type(f"{w}.n", v["n"], int)
-        if not 0.0 <= v["floor"] <= 1.0 or v["n"] <= 0:
-            raise ConfigError(f"{w}: floor must be in [0, 1] and n positive, got {v!r}")
-        out[ev] = AccuracyFloor(float(v["floor"]), v["n"])
+        if v["n"] <= 0:
+            raise ConfigError(f"{w}.n: must be positive, got {v['n']!r}")
+        floor, measured = (_floor_of(w, v, v["n"]) if ("floor" in v or "measured" in v)
+                           else (None, None))
+        fmt_floor, fmt_measured = None, None
+        if "format" in v:
+            if not isinstance(v["format"], dict) or set(v["format"]) - {"floor", "measured"}:
+                raise ConfigError(f"{w}.format: expected {{floor: f}} or {{measured: [k, N]}}, "
+                                  f"got {v['format']!r}")
+            fmt_floor, fmt_measured = _floor_of(f"{w}.format", v["format"], v["n"])
+        if floor is None and fmt_floor is None:
+            raise ConfigError(f"{w}: no floor that can fail at n={v['n']} (accuracy "
+                              f"{measured} and format {fmt_measured} derive 0): measure a "
+                              "larger baseline or drop the entry")
+        out[ev] = AccuracyFloor(floor, v["n"], fmt_floor, measured, fmt_measured)
     return out
 
 

@@ -65,17 +65,38 @@ def _details(t: dict) -> str:
         p = t["afd_ffn_proof"]
         out.append(f"FFN proof: {p.get('new_traces')} new FFN step traces for {p.get('requests')} "
                    f"requests ({p.get('moe_kernel_events')} MoE kernel events)")
-    for name, v in (t.get("afd_vs_native") or {}).items():
-        out.append(f"vs {name}: {v['same_text']}/{v['prompts']} identical outputs, "
-                   f"{v['same_first_token']}/{v['prompts']} same first token")
+    if "message" in (t.get("afd_vs_native") or {}):
+        out.append(_oracle_line(t["afd_vs_native"]))
+    else:                                   # result files from before the oracle
+        for name, v in (t.get("afd_vs_native") or {}).items():
+            out.append(f"vs {name}: {v['same_text']}/{v['prompts']} identical outputs, "
+                       f"{v['same_first_token']}/{v['prompts']} same first token")
     for name, v in (t.get("pd_vs_regular") or {}).items():
+        if "message" in v:
+            out.append(_oracle_line(v))
+            continue
         tol = f" (tolerance {v['tolerance']:.0%})" if "tolerance" in v else ""
         out.append(f"{name} vs `1`: {v['same_prediction']}/{v['items']} same answers{tol}")
+    for name, c in (t.get("oracle_control") or {}).items():
+        out.append("control arm " + "; ".join(
+            f"{x['b']}: {x['counts']['identical']} identical, {x['counts']['numerics']} numerics, "
+            f"{x['counts']['mismatch']} mismatch" for x in c["comparisons"]))
+    if t.get("oracle_negative_control"):
+        out.append("negative control: " + _oracle_line(t["oracle_negative_control"]))
+    for name, vs in (t.get("oracle_dp") or {}).items():
+        out.extend(_oracle_line(v) for v in vs)
     if t.get("error"):
         out.append(f"error: {t['error']}")
     if t.get("chat"):
         out.append(f"chat {t['chat']['usage']['completion_tokens']} tokens")
     return "; ".join(out)
+
+
+def _oracle_line(v: dict) -> str:
+    """An oracle verdict (oracle.Verdict.to_dict()) in one line."""
+    fs = v.get("comparison", {}).get("max_first_step_delta")
+    return (("ok: " if v.get("ok") else "FAILED: ") + v["message"]
+            + (f"; max first-step delta {fs} nats" if fs is not None else ""))
 
 
 def render(dirs: list[Path]) -> str:

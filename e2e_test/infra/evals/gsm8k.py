@@ -11,6 +11,7 @@ import re
 
 from .. import load
 from ..datasets import GSM8KRow, load_gsm8k
+from ..oracle import TOP_K
 from . import EvalResult, collect
 
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -42,18 +43,24 @@ def build_prompt(prefix: str, row: GSM8KRow) -> str:
     return f"{prefix}Question: {row.question}\nAnswer:"
 
 
-def requests(model: str, n: int, k_shot: int = 5, max_tokens: int = 256) -> tuple[list, list]:
+def requests(model: str, n: int, k_shot: int = 5, max_tokens: int = 256,
+             logprobs: int | None = TOP_K, shot_offset: int = 0) -> tuple[list, list]:
+    """`logprobs`: top-k per generated token, for the comparison oracle (None: none asked).
+    `shot_offset`: take the exemplars from that train row on (the oracle's negative control
+    asks with other exemplars)."""
     test = load_gsm8k("test")[:n]
-    prefix = fewshot_prefix(load_gsm8k("train"), k_shot)
+    prefix = fewshot_prefix(load_gsm8k("train")[shot_offset:], k_shot)
+    extra = {"logprobs": logprobs} if logprobs else {}
     reqs = [load.Request("/v1/completions", {
         "model": model, "prompt": build_prompt(prefix, row), "max_tokens": max_tokens,
-        "temperature": 0, "stop": STOP}, tag=i) for i, row in enumerate(test)]
+        "temperature": 0, "stop": STOP, **extra}, tag=i) for i, row in enumerate(test)]
     return reqs, test
 
 
 def run(base_url: str, model: str, n: int = 32, concurrency: int = 16, k_shot: int = 5,
-        max_tokens: int = 256, watchdog: load.Watchdog | None = None) -> EvalResult:
-    reqs, rows = requests(model, n, k_shot, max_tokens)
+        max_tokens: int = 256, watchdog: load.Watchdog | None = None,
+        logprobs: int | None = TOP_K) -> EvalResult:
+    reqs, rows = requests(model, n, k_shot, max_tokens, logprobs)
     report = load.run(base_url, reqs, concurrency=concurrency, stream=True, watchdog=watchdog)
 
     def score(r):

@@ -12,6 +12,7 @@ import re
 
 from .. import load
 from ..datasets import MMLURow, load_mmlu
+from ..oracle import TOP_K
 from . import EvalResult, collect
 
 LETTER = re.compile(r"\b([ABCD])\b")
@@ -55,8 +56,9 @@ def fitted_prompt(row: MMLURow, shots: list[MMLURow], max_prompt_tokens: int | N
         k -= 1
 
 
-def requests(model: str, n: int, k_shot: int = 5,
-             max_prompt_tokens: int | None = None) -> tuple[list, list]:
+def requests(model: str, n: int, k_shot: int = 5, max_prompt_tokens: int | None = None,
+             logprobs: int | None = TOP_K) -> tuple[list, list]:
+    """`logprobs`: top-k per generated token, for the comparison oracle (None: none asked)."""
     dev: dict[str, list[MMLURow]] = {}
     for r in load_mmlu("dev"):
         dev.setdefault(r.subject, []).append(r)
@@ -64,14 +66,15 @@ def requests(model: str, n: int, k_shot: int = 5,
     reqs = [load.Request("/v1/completions", {
         "model": model,
         "prompt": fitted_prompt(row, dev.get(row.subject, [])[:k_shot], max_prompt_tokens),
-        "max_tokens": 2, "temperature": 0}, tag=i) for i, row in enumerate(rows)]
+        "max_tokens": 2, "temperature": 0, **({"logprobs": logprobs} if logprobs else {})},
+        tag=i) for i, row in enumerate(rows)]
     return reqs, rows
 
 
 def run(base_url: str, model: str, n: int = 64, concurrency: int = 16, k_shot: int = 5,
         watchdog: load.Watchdog | None = None,
-        max_prompt_tokens: int | None = None) -> EvalResult:
-    reqs, rows = requests(model, n, k_shot, max_prompt_tokens)
+        max_prompt_tokens: int | None = None, logprobs: int | None = TOP_K) -> EvalResult:
+    reqs, rows = requests(model, n, k_shot, max_prompt_tokens, logprobs)
     report = load.run(base_url, reqs, concurrency=concurrency, stream=True, watchdog=watchdog)
 
     def score(r):

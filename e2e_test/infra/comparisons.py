@@ -1,0 +1,88 @@
+"""Run the passes the comparison oracle needs, through any base URL (gateway or one worker).
+
+    items = eval_pass(url, model, "gsm8k", n=32)                  # index -> steps | None
+    control = control_arm(url, model, "gsm8k", items, label="vllm/1")
+    verdict = oracle.judge(oracle.compare("gsm8k", "vllm/1", "vllm/1p1d", items, other),
+                           control)
+
+A pass sends an eval's requests (greedy, top-k logprobs) and keeps each item's steps. The
+control arm is the baseline against itself in the same run: a second pass at the same
+concurrency and a serial pass, both capped at the oracle's window of tokens (nothing past the
+first divergence is compared, so the cap costs nothing in verdicts and most of the time).
+"""
+
+from __future__ import annotations
+
+from . import load, oracle
+from .evals import gsm8k, mmlu
+
+EVALS = ("gsm8k", "mmlu")
+
+
+def requests(name: str, model: str, n: int, *, max_tokens: int | None = None,
+             shot_offset: int = 0, max_prompt_tokens: int | None = None) -> list[load.Request]:
+    """The eval's own requests (same prompts as its scored run), optionally capped."""
+    if name == "gsm8k":
+        reqs, _ = gsm8k.requests(model, n, max_tokens=max_tokens or 256, shot_offset=shot_offset)
+    elif name == "mmlu":
+        if shot_offset:
+            raise ValueError("shot_offset is for gsm8k")
+        reqs, _ = mmlu.requests(model, n, max_prompt_tokens=max_prompt_tokens)
+        if max_tokens:
+            for r in reqs:
+                r.body["max_tokens"] = min(r.body["max_tokens"], max_tokens)
+    else:
+        raise ValueError(f"unknown eval {name!r} (known: {', '.join(EVALS)})")
+    return reqs
+
+
+def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
+             watchdog: load.Watchdog | None = None) -> dict:
+    """index -> list[Step] (None where the request failed: an error, never a verdict)."""
+    rep = load.run(base_url, reqs, concurrency=concurrency, stream=False, watchdog=watchdog)
+    return {r.tag: (oracle.steps_from_openai(r.logprobs) if r.ok else None) for r in rep.results}
+
+
+def eval_pass(base_url: str, model: str, name: str, n: int, *, concurrency: int = 16,
+              max_tokens: int | None = oracle.WINDOW, shot_offset: int = 0,
+              max_prompt_tokens: int | None = None,
+              watchdog: load.Watchdog | None = None) -> dict:
+    return run_pass(base_url, requests(name, model, n, max_tokens=max_tokens,
+                                       shot_offset=shot_offset,
+                                       max_prompt_tokens=max_prompt_tokens),
+                    concurrency, watchdog)
+
+
+def control_arm(base_url: str, model: str, name: str, baseline: dict, label: str, n: int,
+                *, concurrency: int = 16, max_prompt_tokens: int | None = None,
+                watchdog: load.Watchdog | None = None) -> oracle.ControlArm:
+    """The baseline (`baseline`, its scored pass) against a second pass at the same
+    concurrency and against a serial pass, on the same server."""
+    arm = oracle.ControlArm()
+    for tag, conc in (("second pass", concurrency), ("serial", 1)):
+        again = eval_pass(base_url, model, name, n, concurrency=conc,
+                          max_prompt_tokens=max_prompt_tokens, watchdog=watchdog)
+        arm.comparisons.append(oracle.compare(name, label, f"{label} {tag}", baseline, again))
+    return arm
+
+
+def against_one_worker(cluster, worker, sizes: dict, concurrency: int = 16) -> dict:
+    """A disaggregated topology's answers through the gateway against one of its own workers
+    serving alone (a vLLM prefill worker with a kv_both connector serves a plain request
+    itself): baseline and control arm on that worker, then the gateway's pass, judged.
+    sizes: eval -> n. Returns eval -> Verdict.to_dict(), for the main job."""
+    out = {}
+    label = f"{cluster.engine}/{worker.name} alone"
+    for name, n in sizes.items():
+        mpt = (cluster.spec.max_model_len or 4096) - 8 if name == "mmlu" else None
+        base = eval_pass(worker.http_url, cluster.model_name, name, n, concurrency=concurrency,
+                         max_prompt_tokens=mpt)
+        arm = control_arm(worker.http_url, cluster.model_name, name, base, label, n,
+                          concurrency=concurrency, max_prompt_tokens=mpt)
+        mine = eval_pass(cluster.gateway_url, cluster.model_name, name, n,
+                         concurrency=concurrency, max_prompt_tokens=mpt,
+                         watchdog=cluster.watchdog(f"{name} oracle pass"))
+        v = oracle.judge(oracle.compare(name, label, f"{cluster.engine}/{cluster.topology.name}",
+                                        base, mine), arm)
+        out[name] = v.to_dict()
+    return out

@@ -1,0 +1,107 @@
+"""The comparison oracle's control arm, its negative control, and DP workers against each other.
+
+On the regular topology (`1`): the eval prompts again, a second pass at the same concurrency and
+a serial pass, compared token by token with the scored pass of test_evals.py: the control arm,
+the noise floor of every comparison in the session (oracle.py says how a budget comes from it).
+It must hold no `mismatch` itself, or the engine is noisier than the oracle's thresholds.
+Then the negative control: GSM8K asked with other few-shot exemplars must be a `mismatch`.
+On DP topologies: the same prompts sent to each worker directly, compared with worker 0.
+"""
+
+import pytest
+
+from e2e_test.infra import comparisons, oracle
+from e2e_test.router.test_evals import CONCURRENCY, eval_n, max_prompt_tokens
+
+EVALS = ["gsm8k", "mmlu"]
+
+
+def _label(cluster, suffix=""):
+    return f"{cluster.engine}/{cluster.topology.name}{suffix}"
+
+
+def _baseline(cluster, oracle_store, name):
+    """The scored pass of test_evals.py on this cluster, or a pass of its own if that did not
+    run in this session."""
+    key = (cluster.engine, cluster.topology.name, name)
+    if key not in oracle_store.passes:
+        oracle_store.passes[key] = comparisons.eval_pass(
+            cluster.gateway_url, cluster.model_name, name, eval_n(cluster, name),
+            concurrency=CONCURRENCY, max_prompt_tokens=max_prompt_tokens(cluster, name),
+            watchdog=cluster.watchdog(f"{name} baseline"))
+    return oracle_store.passes[key]
+
+
+@pytest.mark.eval
+@pytest.mark.topology_kinds("regular")
+@pytest.mark.parametrize("name", EVALS)
+def test_control_arm(cluster, record, oracle_store, name):
+    base = _baseline(cluster, oracle_store, name)
+    arm = comparisons.control_arm(cluster.gateway_url, cluster.model_name, name, base,
+                                  _label(cluster), eval_n(cluster, name), concurrency=CONCURRENCY,
+                                  max_prompt_tokens=max_prompt_tokens(cluster, name),
+                                  watchdog=cluster.watchdog(f"{name} control arm"))
+    oracle_store.control[(cluster.engine, name)] = arm
+    record["oracle_control"] = {name: {**arm.summary(),
+                                       "items": [c.to_dict()["items"] for c in arm.comparisons]}}
+    for c in arm.comparisons:
+        print(c.line(), f"(max first-step delta {c.summary()['max_first_step_delta']})")
+    errors = sum(c.counts()["error"] for c in arm.comparisons)
+    assert not errors, f"{name} control arm: {errors} requests failed"
+    problems = arm.problems()
+    assert not problems, problems[0]
+
+
+@pytest.mark.eval
+@pytest.mark.topology_kinds("regular")
+def test_oracle_negative_control(cluster, record, oracle_store):
+    """Other few-shot exemplars (train rows 5-9 instead of 0-4) make other prompts: the
+    oracle must call that a mismatch, or it cannot fail at all."""
+    base = _baseline(cluster, oracle_store, "gsm8k")
+    n = eval_n(cluster, "gsm8k")
+    other = comparisons.eval_pass(cluster.gateway_url, cluster.model_name, "gsm8k", n,
+                                  concurrency=CONCURRENCY, shot_offset=5,
+                                  watchdog=cluster.watchdog("gsm8k negative control"))
+    cmp = oracle.compare("gsm8k", _label(cluster), _label(cluster, " other exemplars"), base, other)
+    control = oracle_store.control.get((cluster.engine, "gsm8k"), oracle.ControlArm())
+    verdict = oracle.judge(cmp, control if control.comparisons else
+                           oracle.ControlArm([oracle.compare("gsm8k", "x", "x", base, base)]))
+    record["oracle_negative_control"] = verdict.to_dict()
+    print(verdict.message)
+    assert cmp.counts()["mismatch"] > 0 and not verdict.ok, (
+        f"the oracle did not fail on prompts with other exemplars: {verdict.message}")
+
+
+@pytest.mark.topology_kinds("dp")
+@pytest.mark.parametrize("name", EVALS)
+def test_dp_workers_agree(cluster, record, oracle_store, name):
+    """Each DP worker, asked directly, against worker 0; a single engine with internal DP
+    ranks (`dpN-engine`) has one endpoint, so its gateway pass is held against `1` instead."""
+    control = oracle_store.control.get((cluster.engine, name))
+    if control is None:
+        pytest.skip(f"needs the control arm of `1` in this session (select `1` with "
+                    f"{cluster.topology.name})")
+    n = eval_n(cluster, name)
+
+    def run(url, what):
+        return comparisons.eval_pass(url, cluster.model_name, name, n, concurrency=CONCURRENCY,
+                                     max_prompt_tokens=max_prompt_tokens(cluster, name),
+                                     watchdog=cluster.watchdog(f"{name} on {what}"))
+
+    if len(cluster.workers) > 1:
+        base_label, base = cluster.workers[0].name, run(cluster.workers[0].http_url,
+                                                        cluster.workers[0].name)
+        others = [(w.name, run(w.http_url, w.name)) for w in cluster.workers[1:]]
+    else:
+        base_label = f"{cluster.engine}/1"
+        base = oracle_store.passes.get((cluster.engine, "1", name))
+        if base is None:
+            pytest.skip("needs the eval pass of `1` in this session")
+        others = [(_label(cluster), run(cluster.gateway_url, "the gateway"))]
+    verdicts = [oracle.judge(oracle.compare(name, base_label, label, base, p), control)
+                for label, p in others]
+    record["oracle_dp"] = {name: [v.to_dict() for v in verdicts]}
+    for v in verdicts:
+        print(v.message)
+    bad = [v.message for v in verdicts if not v.ok]
+    assert not bad, bad[0]
