@@ -204,10 +204,17 @@ def _check_consistency(where: str, lane: Lane, topologies: list) -> None:
             if engine in KIND_ENGINES[topo.kind] and not spec.supports(engine, topo.kind):
                 raise ConfigError(f"{where}: model {spec.id!r} cannot run {engine} on "
                                   f"{topo.name!r} ({topo.kind}); set env.E2E_MODEL")
-        need = topo.num_devices * spec.tp
-        if lane.gpus and need > lane.gpus:
-            raise ConfigError(f"{where}: topology {topo.name!r} needs {need} GPU(s) with "
-                              f"{spec.id!r}; the runner has {lane.gpus}")
+        if lane.gpus:
+            # The planner decides (it packs small workers on one GPU by memory fraction).
+            from .infra.plan import make_plan
+            need = topo.num_devices * spec.tp
+            try:
+                plan = make_plan(topo, spec, "cuda", devices=tuple(range(lane.gpus)))
+            except ConfigError:
+                plan = None
+            if plan is None or (topo.kind == "afd" and plan.packed):
+                raise ConfigError(f"{where}: topology {topo.name!r} needs {need} GPU(s) with "
+                                  f"{spec.id!r}; the runner has {lane.gpus}")
 
 
 def parse_lanes(raw: Any) -> dict[str, Lane]:

@@ -14,9 +14,9 @@ first divergence is compared, so the cap costs nothing in verdicts and most of t
 from __future__ import annotations
 
 from . import load, oracle
-from .evals import gsm8k, mmlu
+from .evals import gsm8k, mmlu, recall
 
-EVALS = ("gsm8k", "mmlu")
+EVALS = ("gsm8k", "mmlu", "recall")
 
 
 def requests(name: str, model: str, n: int, *, max_tokens: int | None = None,
@@ -31,15 +31,20 @@ def requests(name: str, model: str, n: int, *, max_tokens: int | None = None,
         if max_tokens:
             for r in reqs:
                 r.body["max_tokens"] = min(r.body["max_tokens"], max_tokens)
+    elif name == "recall":
+        reqs = recall.requests(model, n)
     else:
         raise ValueError(f"unknown eval {name!r} (known: {', '.join(EVALS)})")
     return reqs
 
 
 def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
-             watchdog: load.Watchdog | None = None) -> dict:
-    """index -> list[Step] (None where the request failed: an error, never a verdict)."""
+             watchdog: load.Watchdog | None = None, texts: dict | None = None) -> dict:
+    """index -> list[Step] (None where the request failed: an error, never a verdict);
+    `texts`, when given, receives index -> output text."""
     rep = load.run(base_url, reqs, concurrency=concurrency, stream=False, watchdog=watchdog)
+    if texts is not None:
+        texts.update({r.tag: r.text for r in rep.results if r.ok})
     return {r.tag: (oracle.steps_from_openai(r.logprobs) if r.ok else None) for r in rep.results}
 
 

@@ -11,6 +11,8 @@ class OracleStore:
     passes: dict = field(default_factory=dict)
     # (engine, eval) -> oracle.ControlArm measured on the regular topology in this session
     control: dict = field(default_factory=dict)
+    # (engine, topology) -> indices of the recall prompts whose pass code came back
+    recall: dict = field(default_factory=dict)
 
 
 @pytest.fixture(scope="session")

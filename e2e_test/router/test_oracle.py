@@ -11,6 +11,7 @@ On DP topologies: the same prompts sent to each worker directly, compared with w
 import pytest
 
 from e2e_test.infra import comparisons, oracle
+from e2e_test.infra.evals import recall
 from e2e_test.router.test_evals import CONCURRENCY, eval_n, max_prompt_tokens
 
 EVALS = ["gsm8k", "mmlu"]
@@ -105,3 +106,33 @@ def test_dp_workers_agree(cluster, record, oracle_store, name):
         print(v.message)
     bad = [v.message for v in verdicts if not v.ok]
     assert not bad, bad[0]
+
+
+RECALL_N = 8
+
+
+@pytest.mark.eval
+@pytest.mark.topology_kinds("regular")
+def test_kv_recall_baseline(cluster, record, oracle_store):
+    """A ~2k-token prompt hiding a pass code (evals/recall.py), on `1`: how reliably the model
+    copies it, and the control arm of these long prompts. test_pd.py then requires every code
+    that `1` reproduced of the disaggregated topology, whose decode sees the code only in the
+    transferred KV."""
+    texts: dict = {}
+    reqs = comparisons.requests("recall", cluster.model_name, RECALL_N)
+    base = comparisons.run_pass(cluster.gateway_url, reqs, CONCURRENCY, texts=texts,
+                                watchdog=cluster.watchdog("recall"))
+    arm = comparisons.control_arm(cluster.gateway_url, cluster.model_name, "recall", base,
+                                  _label(cluster), RECALL_N, concurrency=CONCURRENCY,
+                                  watchdog=cluster.watchdog("recall control arm"))
+    copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
+    oracle_store.passes[(cluster.engine, cluster.topology.name, "recall")] = base
+    oracle_store.control[(cluster.engine, "recall")] = arm
+    oracle_store.recall[(cluster.engine, cluster.topology.name)] = copied
+    prompt_tokens = len(reqs[0].body["prompt"].split())
+    record["kv_recall"] = {"copied": copied, "of": RECALL_N, "outputs": texts,
+                           "prompt_words": prompt_tokens, "control": arm.summary()}
+    print(f"recall on {cluster.topology.name}: {len(copied)}/{RECALL_N} pass codes copied; "
+          + "; ".join(c.line() for c in arm.comparisons))
+    assert len(texts) == RECALL_N, f"{RECALL_N - len(texts)} recall requests failed"
+    assert not arm.problems(), arm.problems()[0]

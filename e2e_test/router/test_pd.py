@@ -8,7 +8,8 @@ on `1` in the same session. No tolerance is set by hand.
 
 import pytest
 
-from e2e_test.infra import oracle, proof
+from e2e_test.infra import comparisons, oracle, proof
+from e2e_test.infra.evals import recall
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd")]
 
@@ -34,4 +35,30 @@ def test_pd_answers_match_regular(cluster, record, oracle_store, name):
     record["pd_vs_regular"] = {name: verdict.to_dict()}
     record["oracle"] = verdict.to_dict()
     print(verdict.message)
+    assert verdict.ok, verdict.message
+
+
+def test_pd_kv_recall(cluster, record, oracle_store):
+    """The long pass-code prompts of test_oracle.py through the disaggregated topology: the
+    oracle's verdict against `1` (first step included), and every pass code that `1` copied
+    must come back here too, where the decode sees it only in the transferred KV."""
+    base = oracle_store.passes.get((cluster.engine, "1", "recall"))
+    control = oracle_store.control.get((cluster.engine, "recall"))
+    if base is None or control is None:
+        pytest.skip("needs test_kv_recall_baseline on `1` in this session")
+    texts: dict = {}
+    reqs = comparisons.requests("recall", cluster.model_name, len(base))
+    mine = comparisons.run_pass(cluster.gateway_url, reqs, 16, texts=texts,
+                                watchdog=cluster.watchdog("recall"))
+    copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
+    want = oracle_store.recall.get((cluster.engine, "1"), [])
+    verdict = oracle.judge(oracle.compare("recall", f"{cluster.engine}/1",
+                                          f"{cluster.engine}/{cluster.topology.name}", base, mine),
+                           control)
+    record["kv_recall"] = {"copied": copied, "baseline_copied": want, "of": len(base),
+                           "outputs": texts, "oracle": verdict.to_dict()}
+    print(f"recall: {len(copied)}/{len(base)} copied (`1`: {len(want)}); {verdict.message}")
+    lost = sorted(set(want) - set(copied))
+    assert not lost, (f"pass codes that `1` copied and {cluster.topology.name} did not: items "
+                      f"{lost} (outputs: {[texts.get(i) for i in lost]})")
     assert verdict.ok, verdict.message
