@@ -20,15 +20,16 @@ from typing import Any, Callable
 
 import yaml
 
+from .infra.engines import engine_names, kind_engines
 from .infra.errors import ConfigError
-from .infra.topology import KIND_ENGINES
+from .infra.plan import devices_needed
 from .infra.topology import parse as parse_topology
 
 LANES_FILE = Path(__file__).with_name("lanes.yaml")
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILE = REPO / ".github" / "workflows" / "e2e-lanes.yml"
 
-ENGINES = tuple(sorted({e for es in KIND_ENGINES.values() for e in es}))
+ENGINES = tuple(sorted(engine_names()))
 GPU_COUNTS = (0, 1, 2, 4, 8)
 EXTRAS = ("cpu", "gpu", "tokenspeed")
 EVENTS = ("push", "pull_request", "workflow_dispatch")
@@ -133,14 +134,15 @@ def parse_lane(name: Any, raw: Any) -> Lane:
     engines = _str_list(f"{where}.engines", raw["engines"], ENGINES)
     topo_names = _str_list(f"{where}.topologies", raw["topologies"])
     topologies = []
+    kind_engine = kind_engines()
     for t in topo_names:
         try:
             topo = parse_topology(t)
         except ConfigError as e:
             raise ConfigError(f"{where}.topologies: {e.summary}") from None
-        if not set(engines) & set(KIND_ENGINES[topo.kind]):
+        if not set(engines) & set(kind_engine[topo.kind]):
             raise ConfigError(f"{where}.topologies: {t!r} ({topo.kind}) runs on "
-                              f"{', '.join(KIND_ENGINES[topo.kind])} only; lane engines are "
+                              f"{', '.join(kind_engine[topo.kind])} only; lane engines are "
                               f"{', '.join(engines)}")
         topologies.append(topo)
     sel = raw["pytest"]
@@ -199,12 +201,13 @@ def _check_consistency(where: str, lane: Lane, topologies: list) -> None:
         raise ConfigError(f"{where}.env.E2E_MODEL: {e.summary}") from None
     if spec.opt_in and not lane.opt_in:
         raise ConfigError(f"{where}: model {spec.id!r} is opt-in; the lane must be opt_in")
+    kind_engine = kind_engines()
     for topo in topologies:
         for engine in lane.engines:
-            if engine in KIND_ENGINES[topo.kind] and not spec.supports(engine, topo.kind):
+            if engine in kind_engine[topo.kind] and not spec.supports(engine, topo.kind):
                 raise ConfigError(f"{where}: model {spec.id!r} cannot run {engine} on "
                                   f"{topo.name!r} ({topo.kind}); set env.E2E_MODEL")
-        need = topo.num_devices * spec.tp
+        need = devices_needed(topo, spec)
         if lane.gpus and need > lane.gpus:
             raise ConfigError(f"{where}: topology {topo.name!r} needs {need} GPU(s) with "
                               f"{spec.id!r}; the runner has {lane.gpus}")

@@ -57,7 +57,7 @@ def test_cpu_too_many_workers():
         plan_cpu(parse("2p1d"), (0, 1))
     msg = str(ei.value)
     assert "\n" not in msg
-    assert msg == ("topology '2p1d' needs 3 workers with their own cores; only 2 core(s) "
+    assert msg == ("topology '2p1d' needs 3 worker(s) with their own cores; only 2 core(s) "
                    "available (0,1)")
 
 
@@ -102,7 +102,7 @@ def test_gpu_spec_tp2_needs_two_devices_per_worker():
     e = by_name(plan_gpu(parse("1p1d"), spec, (0, 1, 2, 3)))
     assert (e["prefill-0"].gpus, e["prefill-0"].tp) == ((0, 1), 2)
     assert (e["decode-0"].gpus, e["decode-0"].tp) == ((2, 3), 2)
-    with pytest.raises(ConfigError, match="needs 4 device"):
+    with pytest.raises(ConfigError, match="needs 4 GPU"):
         plan_gpu(parse("1p1d"), spec, (0, 1, 2))
 
 
@@ -178,7 +178,7 @@ def test_gpu_cannot_pack():
     msg = str(ei.value)
     assert "\n" not in msg
     assert msg == ("topology '1p1d' with model 'meta-llama/Llama-3.1-8B-Instruct' needs 2 "
-                   "device(s) at memory fraction 0.85; 1 device(s) (0) cannot hold it even "
+                   "GPU(s) at memory fraction 0.85; 1 device(s) (0) cannot hold it even "
                    "packed")
 
 

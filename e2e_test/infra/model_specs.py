@@ -6,7 +6,6 @@ is a ConfigError with one line naming the entry and the key.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ import yaml
 
 from .errors import ConfigError
 
-ENGINES = ("vllm", "tokenspeed", "sglang")
 TOPOLOGY_KINDS = ("regular", "dp", "pd", "epd", "afd")
 FEATURES = ("chat", "moe", "reasoning", "multimodal")
 EVALS = ("gsm8k", "mmlu")
@@ -54,20 +52,20 @@ class ModelSpec:
     gpu_memory_fraction: float = 0.85
     vllm_args: tuple[str, ...] = ()
     tokenspeed_args: tuple[str, ...] = ()
-    sglang_args: tuple[str, ...] = ()
     accuracy: dict[str, AccuracyFloor] = field(default_factory=dict)
     opt_in: bool = False
 
     def engine_args(self, engine: str) -> tuple[str, ...]:
-        return {"vllm": self.vllm_args, "tokenspeed": self.tokenspeed_args,
-                "sglang": self.sglang_args}[engine]
+        """The registry's `<engine>_args` (none for an engine without such a key)."""
+        return getattr(self, f"{engine}_args", ())
 
     def supports(self, engine: str, kind: str) -> bool:
         return engine in self.engines and kind in self.topologies
 
     def require(self, engine: str, kind: str) -> None:
-        if engine not in ENGINES:
-            raise ConfigError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+        known = known_engines()
+        if engine not in known:
+            raise ConfigError(f"unknown engine {engine!r} (known: {', '.join(known)})")
         if engine not in self.engines:
             raise ConfigError(f"model {self.id!r} does not run on engine {engine!r} "
                               f"(registry allows: {', '.join(self.engines)})")
@@ -76,11 +74,17 @@ class ModelSpec:
                               f"(registry allows: {', '.join(self.topologies)})")
 
 
+def known_engines() -> tuple[str, ...]:
+    """The engine names of the registry in engines/ (imported late: engines import this)."""
+    from .engines import engine_names
+    return engine_names()
+
+
 _SCALARS: dict[str, type | tuple[type, ...]] = {
     "tp": int, "max_model_len": int, "startup_timeout_s": (int, float),
     "gpu_memory_fraction": (int, float), "opt_in": bool,
 }
-_STR_LISTS = ("features", "engines", "topologies", "vllm_args", "tokenspeed_args", "sglang_args")
+_STR_LISTS = ("features", "engines", "topologies", "vllm_args", "tokenspeed_args")
 _ALLOWED = set(_SCALARS) | set(_STR_LISTS) | {"weights", "accuracy"}
 
 
@@ -121,7 +125,8 @@ def parse_spec(model_id: str, raw: Any) -> ModelSpec:
         if key in raw:
             _check_type(f"{where}.{key}", raw[key], t)
             kwargs[key] = raw[key]
-    allowed_values = {"features": FEATURES, "engines": ENGINES, "topologies": TOPOLOGY_KINDS}
+    allowed_values = {"features": FEATURES, "engines": known_engines(),
+                      "topologies": TOPOLOGY_KINDS}
     for key in _STR_LISTS:
         if key in raw:
             kwargs[key] = _str_list(f"{where}.{key}", raw[key], allowed_values.get(key))
@@ -208,7 +213,3 @@ def get_spec(name: str, registry: dict[str, ModelSpec] | None = None) -> ModelSp
         return matches[0]
     raise ConfigError(f"unknown model {name!r} (registry has: {', '.join(reg)})")
 
-
-def model_root() -> Path | None:
-    v = os.environ.get(MODEL_ROOT_ENV)
-    return Path(v) if v else None

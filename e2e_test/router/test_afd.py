@@ -2,7 +2,7 @@
 
 Every AFD-kind topology (`XaYf` and `native-dpN`): chat completes through smg, a small GSM8K
 sample completes without errors (no accuracy floor: the suite is meant to run on a tiny
-random-weight MoE, see e2e_test/infra/tiny_models.py), and the same greedy prompts are
+random-weight MoE, see e2e_test/tools/tiny_models.py), and the same greedy prompts are
 compared between the native baseline and AFD. On `XaYf` only: the FFN server really served
 the requests (proof.afd_ffn_served, from the plugin's FFN step traces).
 """
@@ -75,7 +75,13 @@ def _greedy(cluster, prompt: str, max_tokens: int) -> dict:
             "completion_tokens": body.get("usage", {}).get("completion_tokens")}
 
 
-def test_afd_outputs_vs_native(cluster, record, request):
+@pytest.fixture(scope="session")
+def afd_outputs() -> dict:
+    """(engine, topology name) -> that topology's greedy outputs, for the session."""
+    return {}
+
+
+def test_afd_outputs_vs_native(cluster, record, request, afd_outputs):
     """Same 8 prompts, greedy, max_tokens 16, on the native baseline and on AFD.
 
     Criterion: both topologies answer every prompt (asserted). Agreement (identical 16-token
@@ -96,7 +102,7 @@ def test_afd_outputs_vs_native(cluster, record, request):
     assert not failed, f"prompts without an answer on {cluster.topology.name}: {failed}"
     assert all(o["text"] for o in outs), "an empty completion"
 
-    store = request.config.__dict__.setdefault("_e2e_afd_outputs", {})
+    store = afd_outputs
     store[(cluster.engine, cluster.topology.name)] = outs
     native = cluster.topology.native_baseline
     others = {t: o for (e, t), o in store.items()

@@ -21,7 +21,7 @@ def _n_floor(cluster, name):
 
 
 @pytest.mark.parametrize("name,module", [("gsm8k", gsm8k), ("mmlu", mmlu)], ids=["gsm8k", "mmlu"])
-def test_eval(eval_data, cluster, record, request, name, module):
+def test_eval(eval_data, cluster, record, eval_items, name, module):
     n, floor = _n_floor(cluster, name)
     res = module.run(cluster.gateway_url, cluster.model_name, n=n, concurrency=CONCURRENCY,
                      watchdog=cluster.watchdog(name),
@@ -29,7 +29,6 @@ def test_eval(eval_data, cluster, record, request, name, module):
                         if name == "mmlu" else {}))
     record.setdefault("evals", {})[name] = res.summary()
     record.setdefault("eval_items", {})[name] = res.items
-    store = request.config.__dict__.setdefault("_e2e_eval_items", {})
-    store[(cluster.engine, cluster.topology.name, name)] = res.items
+    eval_items[(cluster.engine, cluster.topology.name, name)] = res.items
     print(f"{name} on {cluster.topology.name}: {res.summary()}")
     res.check(floor=floor)

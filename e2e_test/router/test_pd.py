@@ -31,10 +31,9 @@ def test_pd_kv_transfer_proof(cluster, record):
 
 
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
-def test_pd_answers_match_regular(cluster, record, request, name):
-    store = getattr(request.config, "_e2e_eval_items", {})
-    mine = store.get((cluster.engine, cluster.topology.name, name))
-    base = store.get((cluster.engine, "1", name))
+def test_pd_answers_match_regular(cluster, record, eval_items, name):
+    mine = eval_items.get((cluster.engine, cluster.topology.name, name))
+    base = eval_items.get((cluster.engine, "1", name))
     if mine is None or base is None:
         pytest.skip(f"needs {name} results of both `1` and `{cluster.topology.name}` in this "
                     "session (select both topologies)")
