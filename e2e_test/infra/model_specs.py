@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .schema import check_type, mapping, str_list
 
 TOPOLOGY_KINDS = ("regular", "dp", "pd", "epd", "afd")
 FEATURES = ("chat", "moe", "reasoning", "multimodal")
@@ -85,51 +86,24 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "gpu_memory_fraction": (int, float), "opt_in": bool,
 }
 _STR_LISTS = ("features", "engines", "topologies", "vllm_args", "tokenspeed_args")
-_ALLOWED = set(_SCALARS) | set(_STR_LISTS) | {"weights", "accuracy"}
-
-
-def _type_name(t: type | tuple[type, ...]) -> str:
-    return " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
-
-
-def _check_type(where: str, value: Any, t: type | tuple[type, ...]) -> None:
-    # bool is an int subclass: refuse it where a number is expected.
-    bad_bool = isinstance(value, bool) and t is not bool
-    if bad_bool or not isinstance(value, t):
-        raise ConfigError(f"{where}: expected {_type_name(t)}, got {type(value).__name__} {value!r}")
-
-
-def _str_list(where: str, value: Any, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
-    if allowed is not None:
-        for v in value:
-            if v not in allowed:
-                raise ConfigError(f"{where}: unknown value {v!r} (known: {', '.join(allowed)})")
-    return tuple(value)
+_ALLOWED = (*_SCALARS, *_STR_LISTS, "weights", "accuracy")
+_WEIGHT_KEYS = ("source", "hf_id", "path", "package", "file")
 
 
 def parse_spec(model_id: str, raw: Any) -> ModelSpec:
     """Validate one registry entry and build its ModelSpec."""
     where = f"model spec {model_id!r}"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _ALLOWED)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} "
-                          f"(allowed: {', '.join(sorted(_ALLOWED))})")
-    if "weights" not in raw:
-        raise ConfigError(f"{where}: missing required key 'weights'")
+    mapping(where, raw, _ALLOWED, required=("weights",))
     kwargs: dict[str, Any] = {"id": model_id, "weights": _parse_weights(where, raw["weights"])}
     for key, t in _SCALARS.items():
         if key in raw:
-            _check_type(f"{where}.{key}", raw[key], t)
+            check_type(f"{where}.{key}", raw[key], t)
             kwargs[key] = raw[key]
     allowed_values = {"features": FEATURES, "engines": known_engines(),
                       "topologies": TOPOLOGY_KINDS}
     for key in _STR_LISTS:
         if key in raw:
-            kwargs[key] = _str_list(f"{where}.{key}", raw[key], allowed_values.get(key))
+            kwargs[key] = str_list(f"{where}.{key}", raw[key], allowed_values.get(key))
     if "accuracy" in raw:
         kwargs["accuracy"] = _parse_accuracy(where, raw["accuracy"])
     spec = ModelSpec(**kwargs)
@@ -148,14 +122,9 @@ def parse_spec(model_id: str, raw: Any) -> ModelSpec:
 
 def _parse_weights(where: str, raw: Any) -> Weights:
     where = f"{where}.weights"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
-    allowed = {"source", "hf_id", "path", "package", "file"}
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    mapping(where, raw, _WEIGHT_KEYS)
     for k, v in raw.items():
-        _check_type(f"{where}.{k}", v, str)
+        check_type(f"{where}.{k}", v, str)
     source = raw.get("source")
     if source not in WEIGHT_SOURCES:
         raise ConfigError(f"{where}.source: {source!r} is not one of {', '.join(WEIGHT_SOURCES)}")
@@ -175,8 +144,8 @@ def _parse_accuracy(where: str, raw: Any) -> dict[str, AccuracyFloor]:
             raise ConfigError(f"{w}: unknown eval (known: {', '.join(EVALS)})")
         if not isinstance(v, dict) or set(v) != {"floor", "n"}:
             raise ConfigError(f"{w}: expected {{floor: <0..1>, n: <int>}}, got {v!r}")
-        _check_type(f"{w}.floor", v["floor"], (int, float))
-        _check_type(f"{w}.n", v["n"], int)
+        check_type(f"{w}.floor", v["floor"], (int, float))
+        check_type(f"{w}.n", v["n"], int)
         if not 0.0 <= v["floor"] <= 1.0 or v["n"] <= 0:
             raise ConfigError(f"{w}: floor must be in [0, 1] and n positive, got {v!r}")
         out[ev] = AccuracyFloor(float(v["floor"]), v["n"])
