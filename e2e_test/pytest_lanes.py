@@ -40,7 +40,13 @@ def device_shortfall(model: str, topology, backend: str, devices: str | None,
 
 
 def require_devices(config, topology, backend: str, engine: str | None = None) -> None:
-    """Too few devices: the test is skipped in ordinary lanes, fails under --e2e-no-skips."""
+    """An engine that does not run on this backend: the test is skipped. Too few devices:
+    skipped in ordinary lanes, fails under --e2e-no-skips."""
+    if engine is not None:
+        driver = for_topology(engine, parse_topology(topology))
+        if backend not in driver.backends:
+            pytest.skip(f"{engine} ({driver.name}) runs on {' or '.join(driver.backends)} "
+                        f"only (backend is {backend})")
     cache = state(config).shortfall
     key = (config.getoption("--model"), str(topology), backend, config.getoption("--devices"),
            engine)

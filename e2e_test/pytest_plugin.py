@@ -14,7 +14,7 @@ pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
 from .infra import lifecycle, results
 from .infra.cluster import Cluster, default_backend
-from .infra.engines import engine_names, kind_engines, options_from_env
+from .infra.engines import DEFAULT_ENGINE, engine_names, kind_engines, options_from_env
 from .infra.errors import HarnessError
 from .infra.model_specs import DEFAULT_MODEL
 from .infra.topology import parse as parse_topology
@@ -190,8 +190,6 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
     if cluster_key is None:
         pytest.skip("no topology")
     engine, topo = cluster_key
-    if engine == "tokenspeed" and e2e_backend != "cuda":
-        pytest.skip("TokenSpeed needs a GPU (backend is cpu)")
     require_devices(request.config, topo, e2e_backend, engine)
     return cluster_pool.get(cluster_key, lambda: make_cluster(request.config, engine, topo,
                                                               e2e_backend))
@@ -204,9 +202,7 @@ def own_cluster(request, e2e_backend, cluster_pool):
     cluster_pool.release()
     made: list[Cluster] = []
 
-    def factory(topology: str, engine: str = "vllm", **kw) -> Cluster:
-        if engine == "tokenspeed" and e2e_backend != "cuda":
-            pytest.skip("TokenSpeed needs a GPU (backend is cpu)")
+    def factory(topology: str, engine: str = DEFAULT_ENGINE, **kw) -> Cluster:
         require_devices(request.config, topology, e2e_backend, engine)
         c = make_cluster(request.config, engine, topology, e2e_backend, **kw)
         state(request.config).clusters[c.name] = c

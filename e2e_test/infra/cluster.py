@@ -5,10 +5,16 @@
         gsm8k.run(c.gateway_url, c.model_name, n=32)
 
 Construction validates everything (registry, topology x engine, weights, devices) and raises a
-one-line ConfigError before any process starts. `start()` launches every worker at once, waits
-for each one's health AND liveness (a worker that exits fails the topology at once, naming role,
-argv, exit code, error line and log tail), then starts the gateway and probes it with a real
-completion. `stop()` stops everything in parallel and verifies teardown.
+one-line ConfigError before any process starts. `start()` launches every worker of a start
+stage at once, waits for each one's readiness AND liveness (a worker that exits fails the
+topology at once, naming role, argv, exit code, error line and log tail), then starts the
+gateway and probes it with a real completion. `stop()` stops everything in parallel and
+verifies teardown.
+
+The Cluster orchestrates only: what a worker runs, how it is ready, which ports it binds and
+which counters show it working come from its engine (engines.for_topology -> Engine); how a
+command becomes a process, and what the host looks like afterwards, from its launcher
+(launcher.LocalLauncher by default); where it goes from plan.place.
 """
 
 from __future__ import annotations

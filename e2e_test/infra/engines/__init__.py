@@ -115,6 +115,7 @@ class Engine:
     name: str = ""                      # registry key ("vllm", "tokenspeed", "afd")
     runtime: str = ""                   # the --engine name it serves; "" = its own name
     kinds: tuple[str, ...] = ()         # topology kinds it builds
+    backends: tuple[str, ...] = ("cpu", "cuda")   # where it runs
     packable: bool = True               # its workers may share a GPU
     # Prometheus counters whose sum grows while it processes tokens (the watchdog's progress
     # signal, Cluster.engine_work); empty: the watchdog sees no engine progress.

@@ -160,6 +160,7 @@ class AfdEngine(Engine):
     name = "afd"
     runtime = "vllm"
     kinds = ("afd",)
+    backends = ("cuda",)
     packable = False
     work_counters = VLLM_WORK_COUNTERS
 

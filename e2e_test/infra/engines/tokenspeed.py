@@ -46,7 +46,7 @@ from . import Engine, EngineOptions, Ports, WorkerCommand
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 DISAGG_ROLES = ("encode", "prefill", "decode")
-KINDS = ("regular", "dp", "pd", "epd")
+KINDS = ("regular", "dp", "pd", "epd")     # smg's EPD mode speaks gRPC to TokenSpeed only
 HOST = "127.0.0.1"
 TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"}, "tcp": {"MC_FORCE_TCP": "1"}}
 
@@ -175,6 +175,7 @@ WORK_COUNTERS = ("tokenspeed:iteration_tokens_total_sum",)
 class TokenSpeedEngine(Engine):
     name = "tokenspeed"
     kinds = KINDS
+    backends = ("cuda",)
     work_counters = WORK_COUNTERS
 
     def aux_ports(self, topology, entry, options):
