@@ -44,6 +44,7 @@ from .topology import Topology, parse
 
 PORT_RETRIES = 2
 STOP_GRACE_S = 15.0
+REQUEST_TIMEOUT_S = 120.0     # one request of Cluster.client (chat, evals through it)
 _ids = itertools.count(1)
 
 
@@ -349,7 +350,7 @@ class Cluster:
     @property
     def client(self) -> httpx.Client:
         if self._client is None:
-            self._client = httpx.Client(base_url=self.gateway_url, timeout=120.0)
+            self._client = httpx.Client(base_url=self.gateway_url, timeout=REQUEST_TIMEOUT_S)
         return self._client
 
     def chat(self, content: str, max_tokens: int = 32, **kw) -> dict:

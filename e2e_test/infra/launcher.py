@@ -23,7 +23,9 @@ from .process import ManagedProcess, StopReport
 
 
 class Handle(Protocol):
-    """One launched process as the Cluster sees it (ManagedProcess implements it)."""
+    """One launched process as the Cluster sees it (ManagedProcess implements it). Local
+    handles also offer `tree()` (the psutil processes of the worker's session), which only
+    the local tools use: stack dumps (diagnostics.py), `cycles`, the fault tests."""
     name: str
     argv: list[str]
     log_path: Path

@@ -17,7 +17,7 @@ The timeouts are named here once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
@@ -36,10 +36,21 @@ class Readiness(Protocol):
 
 
 @dataclass(frozen=True)
-class HttpGet:
+class PortBound:
+    """Something listens on the port (the base of the checks that ask a port)."""
     port: int
+    host: str = field(default="127.0.0.1", kw_only=True)
+
+    def ready(self, client: httpx.Client | None = None) -> bool:
+        return not ports.is_free(self.port, self.host)
+
+    def pending(self) -> str:
+        return f"nothing listening on port {self.port}"
+
+
+@dataclass(frozen=True)
+class HttpGet(PortBound):
     path: str = "/health"
-    host: str = "127.0.0.1"
 
     def ready(self, client: httpx.Client) -> bool:
         try:
@@ -52,14 +63,12 @@ class HttpGet:
 
 
 @dataclass(frozen=True)
-class GrpcHealth:
+class GrpcHealth(PortBound):
     """The standard gRPC health check (grpc.health.v1) answers SERVING."""
-    port: int
     service: str = ""
-    host: str = "127.0.0.1"
 
     def ready(self, client: httpx.Client | None = None) -> bool:
-        if ports.is_free(self.port, self.host):
+        if not super().ready():
             return False
         try:
             import grpc
@@ -76,18 +85,6 @@ class GrpcHealth:
 
     def pending(self) -> str:
         return f"gRPC health on port {self.port} not SERVING"
-
-
-@dataclass(frozen=True)
-class PortBound:
-    port: int
-    host: str = "127.0.0.1"
-
-    def ready(self, client: httpx.Client | None = None) -> bool:
-        return not ports.is_free(self.port, self.host)
-
-    def pending(self) -> str:
-        return f"nothing listening on port {self.port}"
 
 
 @dataclass(frozen=True)
