@@ -61,10 +61,6 @@ class Topology:
     def group(self, role: str) -> RoleGroup | None:
         return next((g for g in self.roles if g.role == role), None)
 
-    def check_engine(self, engine: str) -> None:
-        from .engines import for_topology  # the registry imports this module
-        for_topology(engine, self)
-
     def __str__(self) -> str:
         return self.name
 

@@ -20,15 +20,9 @@ import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..readiness import Alive, HttpGet, Readiness
-
-if TYPE_CHECKING:
-    from ..model_specs import ModelSpec
-    from ..plan import PlanEntry
-    from ..topology import Topology
 
 
 @dataclass(frozen=True)
@@ -110,7 +104,11 @@ def core_list(cores: tuple[int, ...]) -> str:
 
 class Engine:
     """One engine's knowledge. A module subclasses this, overrides what differs and exposes
-    an instance as ENGINE. Everything here is pure except where a method says otherwise."""
+    an instance as ENGINE. Everything here is pure except where a method says otherwise.
+
+    Arguments by name: `spec` a model_specs.ModelSpec, `topology` a topology.Topology,
+    `entry` a plan.PlanEntry (not imported here: this module sits below them all, so that
+    model_specs can ask it for the engine names)."""
 
     name: str = ""                      # registry key ("vllm", "tokenspeed", "afd")
     runtime: str = ""                   # the --engine name it serves; "" = its own name
@@ -125,8 +123,7 @@ class Engine:
     def engine(self) -> str:
         return self.runtime or self.name
 
-    def aux_ports(self, topology: Topology, entry: PlanEntry,
-                  options: EngineOptions) -> list[str]:
+    def aux_ports(self, topology, entry, options: EngineOptions) -> list[str]:
         """Names of the extra ports a worker needs, allocated by the cluster."""
         return []
 
@@ -135,18 +132,18 @@ class Engine:
         again per worker."""
         return {}
 
-    def prepare(self, topology: Topology, spec: ModelSpec, options: EngineOptions,
+    def prepare(self, topology, spec, options: EngineOptions,
                 run_dir: Path, allocate_block) -> EngineOptions:
         """Options for this topology, before any worker is built: may allocate shared ports
         (`allocate_block(k)` -> base of k consecutive free ports) and name folders under
         `run_dir` (the cluster's results folder)."""
         return options
 
-    def build(self, spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
+    def build(self, spec, topology, entry, ports: Ports,
               model_path: str, options: EngineOptions) -> WorkerCommand:
         raise NotImplementedError
 
-    def worker_command(self, spec: ModelSpec, topology: Topology, entry: PlanEntry,
+    def worker_command(self, spec, topology, entry,
                        ports: Ports, model_path: str, options: EngineOptions,
                        run_dir: Path) -> WorkerCommand:
         """The command the cluster launches: `build` plus what depends on the run folder."""
@@ -210,7 +207,7 @@ def kind_engines() -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def for_topology(engine: str, topology: Topology) -> Engine:
+def for_topology(engine: str, topology) -> Engine:
     """The engine that builds `topology`'s workers for --engine `engine` (one-line
     ConfigError when none does)."""
     for e in all_engines():
