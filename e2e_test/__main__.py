@@ -26,12 +26,14 @@ import os
 import sys
 import time
 
+from .infra.engines import DEFAULT_ENGINE
 from .infra.errors import HarnessError
+from .infra.model_specs import DEFAULT_MODEL
 
 
 def _common(p: argparse.ArgumentParser, topology: str | None = "1") -> None:
-    p.add_argument("--model", default=os.environ.get("E2E_MODEL", "SmolLM2-135M-Instruct"))
-    p.add_argument("--engine", default="vllm")
+    p.add_argument("--model", default=os.environ.get("E2E_MODEL", DEFAULT_MODEL))
+    p.add_argument("--engine", default=DEFAULT_ENGINE)
     if topology is not None:
         p.add_argument("--topology", default=topology)
     p.add_argument("--backend", default=os.environ.get("E2E_BACKEND"))
@@ -43,21 +45,21 @@ def _common(p: argparse.ArgumentParser, topology: str | None = "1") -> None:
 def cmd_models(a) -> int:
     from .infra import model_specs, models
     if a.action == "tiny-moe":
-        from .infra import tiny_models
         from .infra.errors import ConfigError
+        from .tools import tiny_models
         if not a.out:
             raise ConfigError("models tiny-moe needs --out DIR")
         tok = a.tokenizer or str(models.prepared_dir(model_specs.get_spec(
-            "SmolLM2-135M-Instruct")))
+            DEFAULT_MODEL)))
         path = tiny_models.build_tiny_moe(a.family, a.out, tok, seed=a.seed, force=a.force)
         print(f"{path} ({json.dumps(tiny_models.read_marker(path)['dims'])})")
         return 0
     if a.action == "tiny-vlm":
-        from .infra import tiny_models
+        from .tools import tiny_models
         out = a.out or os.path.expanduser(
             model_specs.get_spec("tiny-random/Qwen3.5-VL").weights.path)
         tok = a.tokenizer or str(models.prepared_dir(model_specs.get_spec(
-            "SmolLM2-135M-Instruct")))
+            DEFAULT_MODEL)))
         path = tiny_models.build_tiny_vlm(out, tok, seed=a.seed, force=a.force,
                                           attention=a.attention)
         marker = tiny_models.read_marker(path, tiny_models.VLM_MARKER)
@@ -188,6 +190,7 @@ def cmd_bench(a) -> int:
 
 def cmd_report(a) -> int:
     from pathlib import Path
+
     from .infra import report
     text = report.render([Path(d) for d in a.dirs])
     if a.out:
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("models")
     m.add_argument("action", choices=["prepare", "list", "tiny-moe", "tiny-vlm"])
-    m.add_argument("--model", default="SmolLM2-135M-Instruct")
+    m.add_argument("--model", default=DEFAULT_MODEL)
     m.add_argument("--force", action="store_true")
     m.add_argument("--out", help="tiny-moe/tiny-vlm: output folder (tiny-vlm default: the "
                    "registry path of tiny-random/Qwen3.5-VL)")
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="tiny-vlm: text layers all full attention (default; TokenSpeed's PyPI "
                    "scheduler refuses PD/EPD with GDN layers) or the released 3:1 GDN interleave")
     m.add_argument("--tokenizer", help="tiny-moe/tiny-vlm: tokenizer folder (default: the prepared "
-                   "SmolLM2-135M-Instruct folder)")
+                   f"{DEFAULT_MODEL} folder)")
     m.add_argument("--seed", type=int, default=0, help="tiny-moe/tiny-vlm: weight seed")
     m.set_defaults(fn=cmd_models)
     d = sub.add_parser("datasets")

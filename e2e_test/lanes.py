@@ -20,15 +20,17 @@ from typing import Any, Callable
 
 import yaml
 
+from .infra.engines import engine_names, kind_engines
 from .infra.errors import ConfigError
-from .infra.topology import KIND_ENGINES
+from .infra.plan import devices_needed
+from .infra.schema import integer, mapping, str_list
 from .infra.topology import parse as parse_topology
 
 LANES_FILE = Path(__file__).with_name("lanes.yaml")
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILE = REPO / ".github" / "workflows" / "e2e-lanes.yml"
 
-ENGINES = tuple(sorted({e for es in KIND_ENGINES.values() for e in es}))
+ENGINES = tuple(sorted(engine_names()))
 GPU_COUNTS = (0, 1, 2, 4, 8)
 EXTRAS = ("cpu", "gpu", "tokenspeed")
 EVENTS = ("push", "pull_request", "workflow_dispatch")
@@ -80,72 +82,38 @@ class Lane:
 
 # -- loading and validation ----------------------------------------------------------------
 
-def _str_list(where: str, value: Any, allowed: tuple[str, ...] | None = None,
-              nonempty: bool = True) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
-    if nonempty and not value:
-        raise ConfigError(f"{where}: must not be empty")
-    if allowed is not None:
-        bad = [v for v in value if v not in allowed]
-        if bad:
-            raise ConfigError(f"{where}: unknown {', '.join(map(repr, bad))} "
-                              f"(known: {', '.join(allowed)})")
-    dup = sorted({v for v in value if value.count(v) > 1})
-    if dup:
-        raise ConfigError(f"{where}: duplicate {', '.join(map(repr, dup))}")
-    return tuple(value)
-
-
-def _keys(where: str, raw: Any, known: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    unknown = [k for k in raw if k not in known]
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} "
-                          f"(known: {', '.join(known)})")
-    missing = [k for k in known if k not in raw and k not in optional]
-    if missing:
-        raise ConfigError(f"{where}: missing key(s) {', '.join(missing)}")
-
-
-def _int(where: str, value: Any, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"{where}: expected an integer >= {lo}, got {value!r}")
-    return value
-
-
 def parse_lane(name: Any, raw: Any) -> Lane:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigError(f"lanes.yaml: bad lane name {name!r} (lowercase letters, digits, -)")
     where = f"lanes.yaml {name}"
-    _keys(where, raw, LANE_KEYS, OPTIONAL_KEYS)
+    mapping(where, raw, LANE_KEYS, required=[k for k in LANE_KEYS if k not in OPTIONAL_KEYS])
     desc = raw["description"]
     if not isinstance(desc, str) or not desc.strip() or "\n" in desc.strip():
         raise ConfigError(f"{where}.description: expected one line of text")
     runner = raw["runner"]
-    _keys(f"{where}.runner", runner, RUNNER_KEYS)
+    mapping(f"{where}.runner", runner, RUNNER_KEYS, required=RUNNER_KEYS)
     gpus = runner["gpus"]
     if gpus not in GPU_COUNTS or isinstance(gpus, bool):
         raise ConfigError(f"{where}.runner.gpus: {gpus!r} must be one of "
                           f"{', '.join(map(str, GPU_COUNTS))}")
-    runs_on = _str_list(f"{where}.runner.runs_on", runner["runs_on"])
-    engines = _str_list(f"{where}.engines", raw["engines"], ENGINES)
-    topo_names = _str_list(f"{where}.topologies", raw["topologies"])
+    runs_on = str_list(f"{where}.runner.runs_on", runner["runs_on"], nonempty=True, unique=True)
+    engines = str_list(f"{where}.engines", raw["engines"], ENGINES, nonempty=True, unique=True)
+    topo_names = str_list(f"{where}.topologies", raw["topologies"], nonempty=True, unique=True)
     topologies = []
+    kind_engine = kind_engines()
     for t in topo_names:
         try:
             topo = parse_topology(t)
         except ConfigError as e:
             raise ConfigError(f"{where}.topologies: {e.summary}") from None
-        if not set(engines) & set(KIND_ENGINES[topo.kind]):
+        if not set(engines) & set(kind_engine[topo.kind]):
             raise ConfigError(f"{where}.topologies: {t!r} ({topo.kind}) runs on "
-                              f"{', '.join(KIND_ENGINES[topo.kind])} only; lane engines are "
+                              f"{', '.join(kind_engine[topo.kind])} only; lane engines are "
                               f"{', '.join(engines)}")
         topologies.append(topo)
     sel = raw["pytest"]
-    _keys(f"{where}.pytest", sel, PYTEST_KEYS)
-    paths = _str_list(f"{where}.pytest.paths", sel["paths"])
+    mapping(f"{where}.pytest", sel, PYTEST_KEYS, required=PYTEST_KEYS)
+    paths = str_list(f"{where}.pytest.paths", sel["paths"], nonempty=True, unique=True)
     for p in paths:   # checked in a source checkout (not in an installed copy)
         if (REPO / "pyproject.toml").is_file() and not (REPO / p).exists():
             raise ConfigError(f"{where}.pytest.paths: {p!r} does not exist under {REPO}")
@@ -162,10 +130,10 @@ def parse_lane(name: Any, raw: Any) -> Lane:
             raise ConfigError(f"{where}.env: {k} is set from the lane's engines/topologies")
         if not isinstance(v, str):
             raise ConfigError(f"{where}.env.{k}: expected a string (quote it), got {v!r}")
-    timeout = _int(f"{where}.timeout_minutes", raw["timeout_minutes"], lo=1)
-    min_tests = _int(f"{where}.min_tests", raw["min_tests"])
-    trigger = _str_list(f"{where}.trigger", raw["trigger"], EVENTS)
-    extras = _str_list(f"{where}.extras", raw["extras"], EXTRAS)
+    timeout = integer(f"{where}.timeout_minutes", raw["timeout_minutes"], lo=1)
+    min_tests = integer(f"{where}.min_tests", raw["min_tests"])
+    trigger = str_list(f"{where}.trigger", raw["trigger"], EVENTS, nonempty=True, unique=True)
+    extras = str_list(f"{where}.extras", raw["extras"], EXTRAS, nonempty=True, unique=True)
     opt_in = raw["opt_in"]
     if not isinstance(opt_in, bool):
         raise ConfigError(f"{where}.opt_in: expected true or false, got {opt_in!r}")
@@ -199,15 +167,16 @@ def _check_consistency(where: str, lane: Lane, topologies: list) -> None:
         raise ConfigError(f"{where}.env.E2E_MODEL: {e.summary}") from None
     if spec.opt_in and not lane.opt_in:
         raise ConfigError(f"{where}: model {spec.id!r} is opt-in; the lane must be opt_in")
+    kind_engine = kind_engines()
     for topo in topologies:
         for engine in lane.engines:
-            if engine in KIND_ENGINES[topo.kind] and not spec.supports(engine, topo.kind):
+            if engine in kind_engine[topo.kind] and not spec.supports(engine, topo.kind):
                 raise ConfigError(f"{where}: model {spec.id!r} cannot run {engine} on "
                                   f"{topo.name!r} ({topo.kind}); set env.E2E_MODEL")
         if lane.gpus:
             # The planner decides (it packs small workers on one GPU by memory fraction).
             from .infra.plan import make_plan
-            need = topo.num_devices * spec.tp
+            need = devices_needed(topo, spec)
             try:
                 plan = make_plan(topo, spec, "cuda", devices=tuple(range(lane.gpus)))
             except ConfigError:

@@ -9,13 +9,14 @@ from e2e_test.infra.engines import EngineOptions, Ports, afd
 from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.model_specs import get_spec
 from e2e_test.infra.plan import plan_gpu
+from e2e_test.infra.readiness import HttpGet, PortBound
 from e2e_test.infra.topology import parse
 
 SPEC = get_spec("deepseek-ai/DeepSeek-V2-Lite")   # max_model_len 4096, fraction 0.85
 CUDA = EngineOptions(backend="cuda")
 SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
-UNSET = ["VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK",
-         "AFD_FORCE_BALANCED_TOPK_IDS", "AFD_PLUGIN_EARLY_ENGINE_PATCH"]
+UNSET = ("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK",
+         "AFD_FORCE_BALANCED_TOPK_IDS", "AFD_PLUGIN_EARLY_ENGINE_PATCH")
 
 
 @pytest.fixture(autouse=True)
@@ -54,9 +55,8 @@ def test_ffn():
         "--enforce-eager", "--host", "127.0.0.1", "--port", "21001"] + TAIL
     assert cmd.env == env("2")
     assert (cmd.protocol, cmd.health_path, cmd.worker_type) == ("http", None, "none")
-    assert cmd.metadata == {"engine": "afd", "unset_env": UNSET, "start_stage": 0,
-                            "ready_port": 21100, "afd_port": 21100,
-                            "afd_ports": [21100, 21101]}
+    assert (cmd.unset_env, cmd.start_stage, cmd.readiness, cmd.owned_ports) == (
+        UNSET, 0, PortBound(21100), (21100, 21101))
 
 
 def test_attention():
@@ -74,8 +74,8 @@ def test_attention():
         "--max-num-seqs", "8", "--trust-remote-code"]
     assert cmd.env == env("0,1")
     assert (cmd.protocol, cmd.health_path, cmd.worker_type) == ("http", "/health", "regular")
-    assert cmd.metadata == {"engine": "afd", "unset_env": UNSET, "start_stage": 1,
-                            "afd_port": 21100}
+    assert (cmd.unset_env, cmd.start_stage, cmd.readiness, cmd.owned_ports) == (
+        UNSET, 1, HttpGet(21000, "/health"), ())
 
 
 def test_2a2f_rank_counts_and_shared_port():
@@ -89,7 +89,7 @@ def test_2a2f_rank_counts_and_shared_port():
                                "host": "127.0.0.1", "port": 25000,
                                "num_attention_ranks": 2, "num_ffn_ranks": 2}}
     assert f.env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    assert f.metadata["afd_ports"] == [25000, 25001, 25002]
+    assert f.owned_ports == (25000, 25001, 25002)
 
 
 def test_attention_without_port_is_an_error():
@@ -114,7 +114,7 @@ def test_native_baseline(monkeypatch):
                         "--host", "127.0.0.1", "--port", "22000"] + TAIL
     assert cmd.env == env("0,1,2,3", plugins="")
     assert (cmd.health_path, cmd.worker_type) == ("/health", "regular")
-    assert cmd.metadata == {"engine": "afd", "unset_env": UNSET}
+    assert (cmd.unset_env, cmd.start_stage, cmd.owned_ports) == (UNSET, 0, ())
 
 
 def test_refuses_cpu_and_wrong_roles():

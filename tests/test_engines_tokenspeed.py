@@ -1,6 +1,7 @@
 """TokenSpeed command builder: exact argv and env per role (no process is started)."""
 
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -156,7 +157,7 @@ def test_metrics_dir_and_tcp_transport():
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "5", "MC_FORCE_TCP": "1",
                        "TOKENSPEED_SKIP_GRPC_WARMUP": "1", "NO_PROXY": "*", "no_proxy": "*",
                        "PROMETHEUS_MULTIPROC_DIR": "/r/state/prometheus/decode-0"}
-    assert cmd.metadata["prometheus_multiproc_dir"] == "/r/state/prometheus/decode-0"
+    assert cmd.metrics_dir == "/r/state/prometheus/decode-0"
     with pytest.raises(ConfigError, match="mooncake transport 'rdma'"):
         tokenspeed.build(SPEC, t, e["decode"], Ports(api=1, aux={"dist_init": 2}), "/m",
                          EngineOptions(backend="cuda", mooncake_transport="rdma"))
@@ -175,13 +176,12 @@ def test_packed_schedule_is_cumulative_and_sequential():
         [fracs[0], fracs[0] + fracs[1], sum(fracs)])
     # Alone on its GPU: not listed.
     assert tokenspeed.packed_schedule(plan_gpu(parse("1p1d"), small, (0, 1)).entries) == {}
-    # The override reaches the argv, the stage the metadata.
-    en = plan.entries[1]
+    # The plan entry carries both: the share reaches the argv, the stage the command.
+    en = replace(plan.entries[1], start_stage=1, mem_fraction=0.5)
     cmd = tokenspeed.build(small, t, en, Ports(api=1, aux={"bootstrap": 2, "dist_init": 3}),
-                           "/m", EngineOptions(backend="cuda", start_stage=1,
-                                               gpu_memory_utilization=0.5))
+                           "/m", EngineOptions(backend="cuda"))
     assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.5"
-    assert cmd.metadata["start_stage"] == 1
+    assert cmd.start_stage == 1
 
 
 def test_packed_schedule_refuses_overcommit():

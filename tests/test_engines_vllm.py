@@ -9,6 +9,7 @@ from e2e_test.infra.engines import EngineOptions, Ports, core_list, vllm
 from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.model_specs import get_spec
 from e2e_test.infra.plan import plan_cpu, plan_gpu
+from e2e_test.infra.readiness import HttpGet
 from e2e_test.infra.topology import parse
 
 SMOL = get_spec("SmolLM2-135M-Instruct")              # max_model_len 4096, --dtype bfloat16
@@ -51,7 +52,8 @@ def test_regular_cpu_worker():
     assert (cmd.protocol, cmd.health_path, cmd.worker_type, cmd.kv_connector) == (
         "http", "/health", "regular", None)
     assert cmd.bootstrap_port is None
-    assert cmd.metadata == {"engine": "vllm"}
+    assert (cmd.readiness, cmd.start_stage, cmd.metrics_dir, cmd.unset_env) == (
+        HttpGet(20100, "/health"), 0, None, ())
 
 
 def test_dp2_cpu_workers_get_their_own_cores():

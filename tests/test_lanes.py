@@ -327,7 +327,7 @@ def test_run_lane_command_and_env(tmp_path):
         seen.update(argv=argv, env=env)
         return 3
 
-    environ = {"KEEP_ME": "1", "E2E_RESULTS_DIR": str(tmp_path), "E2E_ENGINES": "sglang"}
+    environ = {"KEEP_ME": "1", "E2E_RESULTS_DIR": str(tmp_path), "E2E_ENGINES": "other"}
     rc = lanes.run_lane("e2e-2gpu-pd", ["--", "-x", "-k", "chat"], environ=environ,
                         runner=runner)
     assert rc == 3
@@ -380,6 +380,7 @@ def test_device_shortfall_keeps_real_config_errors(monkeypatch):
 class _Config:
     def __init__(self, no_skips: bool):
         self.opts = {"--model": "Qwen/Qwen3.5-9B", "--devices": "0", "--e2e-no-skips": no_skips}
+        self.stash = pytest.Stash()
 
     def getoption(self, name):
         return self.opts[name]

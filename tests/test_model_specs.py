@@ -110,12 +110,12 @@ def test_parse_spec_defaults():
 
 def test_unknown_key():
     msg = config_error({"weights": HF, "tensor_parallel": 2})
-    assert "unknown key(s) tensor_parallel" in msg
+    assert "unknown key(s) 'tensor_parallel'" in msg
 
 
 def test_unknown_weights_key():
     msg = config_error({"weights": {**HF, "revision": "main"}})
-    assert "org/m'.weights: unknown key(s) revision" in msg
+    assert "org/m'.weights: unknown key(s) 'revision'" in msg
 
 
 @pytest.mark.parametrize("key,value,expected", [
@@ -141,16 +141,16 @@ def test_wrong_list_type():
 
 def test_unknown_engine():
     msg = config_error({"weights": HF, "engines": ["vllm", "trtllm"]})
-    assert "org/m'.engines: unknown value 'trtllm'" in msg
+    assert "org/m'.engines: unknown 'trtllm'" in msg
 
 
 def test_unknown_topology_kind():
     msg = config_error({"weights": HF, "topologies": ["regular", "pp"]})
-    assert "org/m'.topologies: unknown value 'pp'" in msg
+    assert "org/m'.topologies: unknown 'pp'" in msg
 
 
 def test_unknown_feature():
-    assert "features: unknown value 'vision'" in config_error({"weights": HF,
+    assert "features: unknown 'vision'" in config_error({"weights": HF,
                                                                "features": ["vision"]})
 
 
@@ -187,7 +187,7 @@ def test_empty_engines():
 
 
 def test_missing_weights():
-    assert "missing required key 'weights'" in config_error({"tp": 1})
+    assert "missing key(s) weights" in config_error({"tp": 1})
 
 
 def test_not_a_mapping():
@@ -264,7 +264,7 @@ def test_require_errors():
     s = get_spec("Qwen/Qwen3.5-9B")
     with pytest.raises(ConfigError) as ei:
         s.require("trtllm", "regular")
-    assert str(ei.value) == "unknown engine 'trtllm' (known: vllm, tokenspeed, sglang)"
+    assert str(ei.value) == "unknown engine 'trtllm' (known: vllm, tokenspeed)"
     with pytest.raises(ConfigError) as ei:
         s.require("vllm", "regular")
     assert str(ei.value) == ("model 'Qwen/Qwen3.5-9B' does not run on engine 'vllm' "
@@ -276,6 +276,6 @@ def test_require_errors():
 
 
 def test_engine_args():
-    s = spec(vllm_args=["--a"], tokenspeed_args=["--b"], sglang_args=["--c"])
-    assert (s.engine_args("vllm"), s.engine_args("tokenspeed"), s.engine_args("sglang")) == (
-        ("--a",), ("--b",), ("--c",))
+    s = spec(vllm_args=["--a"], tokenspeed_args=["--b"])
+    assert (s.engine_args("vllm"), s.engine_args("tokenspeed"), s.engine_args("other")) == (
+        ("--a",), ("--b",), ())

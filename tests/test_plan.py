@@ -57,7 +57,7 @@ def test_cpu_too_many_workers():
         plan_cpu(parse("2p1d"), (0, 1))
     msg = str(ei.value)
     assert "\n" not in msg
-    assert msg == ("topology '2p1d' needs 3 workers with their own cores; only 2 core(s) "
+    assert msg == ("topology '2p1d' needs 3 worker(s) with their own cores; only 2 core(s) "
                    "available (0,1)")
 
 
@@ -102,7 +102,7 @@ def test_gpu_spec_tp2_needs_two_devices_per_worker():
     e = by_name(plan_gpu(parse("1p1d"), spec, (0, 1, 2, 3)))
     assert (e["prefill-0"].gpus, e["prefill-0"].tp) == ((0, 1), 2)
     assert (e["decode-0"].gpus, e["decode-0"].tp) == ((2, 3), 2)
-    with pytest.raises(ConfigError, match="needs 4 device"):
+    with pytest.raises(ConfigError, match="needs 4 GPU"):
         plan_gpu(parse("1p1d"), spec, (0, 1, 2))
 
 
@@ -178,7 +178,7 @@ def test_gpu_cannot_pack():
     msg = str(ei.value)
     assert "\n" not in msg
     assert msg == ("topology '1p1d' with model 'meta-llama/Llama-3.1-8B-Instruct' needs 2 "
-                   "device(s) at memory fraction 0.85; 1 device(s) (0) cannot hold it even "
+                   "GPU(s) at memory fraction 0.85; 1 device(s) (0) cannot hold it even "
                    "packed")
 
 
@@ -318,3 +318,30 @@ def test_afd_large_profile_order_on_eight_gpus():
                                                       "ffn-0": (1, 3, 5, 7)}
     base = make_plan(parse("native-dp4"), spec, "cuda", devices=devs[:4])
     assert base.entries[0].gpus == (0, 2, 4, 6)
+
+
+# -- place(): the one placement check -----------------------------------------------------------
+
+def test_place_refuses_packing_for_an_engine_that_cannot_share_a_gpu():
+    from e2e_test.infra.engines import afd
+    from e2e_test.infra.plan import TooFewDevices, place
+    small = parse_spec("s", {"weights": {"source": "path", "path": "/m"}, "engines": ["vllm"],
+                             "topologies": ["afd"], "gpu_memory_fraction": 0.3})
+    with pytest.raises(TooFewDevices, match=r"'1a1f' \(afd\) needs 2 separate GPU\(s\)"):
+        place(parse("1a1f"), small, "cuda", "0", afd.ENGINE)
+    # Control: with two devices it is placed, one per role.
+    plan = place(parse("1a1f"), small, "cuda", "0,1", afd.ENGINE)
+    assert not plan.packed and [e.gpus for e in plan.entries] == [(0,), (1,)]
+
+
+def test_place_gives_packed_workers_the_engines_start_stages():
+    from e2e_test.infra.engines import tokenspeed, vllm
+    from e2e_test.infra.plan import place
+    small = parse_spec("s", {"weights": {"source": "path", "path": "/m"},
+                             "engines": ["vllm", "tokenspeed"], "topologies": ["pd"],
+                             "gpu_memory_fraction": 0.25})
+    ts = place(parse("1p1d"), small, "cuda", "0", tokenspeed.ENGINE)
+    assert [(e.start_stage, e.mem_fraction) for e in ts.entries] == [(0, 0.25), (1, 0.5)]
+    # Control: vLLM workers packed the same way all start at once with their own share.
+    v = place(parse("1p1d"), small, "cuda", "0", vllm.ENGINE)
+    assert [(e.start_stage, e.mem_fraction) for e in v.entries] == [(0, 0.25), (0, 0.25)]

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from e2e_test.infra import tiny_models
 from e2e_test.infra.errors import ConfigError
+from e2e_test.tools import tiny_models
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

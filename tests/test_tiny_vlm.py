@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e_test.infra import tiny_models
 from e2e_test.infra.model_specs import get_spec
+from e2e_test.tools import tiny_models
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -111,16 +111,20 @@ def test_non_string():
 
 
 def test_check_engine():
-    parse("1e1p1d").check_engine("tokenspeed")
-    parse("2a2f").check_engine("vllm")
-    parse("1p1d").check_engine("vllm")
-    parse("1p1d").check_engine("tokenspeed")
+    """Which engine builds which kind: the engine registry (engines.for_topology)."""
+    from e2e_test.infra.engines import for_topology
+    assert for_topology("vllm", parse("2a2f")).name == "afd"
+    assert for_topology("vllm", parse("1p1d")).name == "vllm"
+    for_topology("tokenspeed", parse("1e1p1d"))
+    for_topology("vllm", parse("2a2f"))
+    for_topology("vllm", parse("1p1d"))
+    for_topology("tokenspeed", parse("1p1d"))
     with pytest.raises(ConfigError) as ei:
-        parse("1e1p1d").check_engine("vllm")
+        for_topology("vllm", parse("1e1p1d"))
     assert str(ei.value) == ("topology '1e1p1d' (epd) cannot run on engine 'vllm': "
                              "only tokenspeed")
     with pytest.raises(ConfigError) as ei:
-        parse("2a2f").check_engine("tokenspeed")
+        for_topology("tokenspeed", parse("2a2f"))
     assert str(ei.value) == "topology '2a2f' (afd) cannot run on engine 'tokenspeed': only vllm"
     with pytest.raises(ConfigError, match="only vllm"):
-        parse("native-dp4").check_engine("tokenspeed")
+        for_topology("tokenspeed", parse("native-dp4"))

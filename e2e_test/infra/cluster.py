@@ -1,14 +1,20 @@
 """Cluster: one context manager that owns a topology's whole life.
 
-    with Cluster(model="SmolLM2-135M-Instruct", engine="vllm", topology="1p1d") as c:
+    with Cluster(model=DEFAULT_MODEL, engine=DEFAULT_ENGINE, topology="1p1d") as c:
         c.chat("Say hi")
         gsm8k.run(c.gateway_url, c.model_name, n=32)
 
 Construction validates everything (registry, topology x engine, weights, devices) and raises a
-one-line ConfigError before any process starts. `start()` launches every worker at once, waits
-for each one's health AND liveness (a worker that exits fails the topology at once, naming role,
-argv, exit code, error line and log tail), then starts the gateway and probes it with a real
-completion. `stop()` stops everything in parallel and verifies teardown.
+one-line ConfigError before any process starts. `start()` launches every worker of a start
+stage at once, waits for each one's readiness AND liveness (a worker that exits fails the
+topology at once, naming role, argv, exit code, error line and log tail), then starts the
+gateway and probes it with a real completion. `stop()` stops everything in parallel and
+verifies teardown.
+
+The Cluster orchestrates only: what a worker runs, how it is ready, which ports it binds and
+which counters show it working come from its engine (engines.for_topology -> Engine); how a
+command becomes a process, and what the host looks like afterwards, from its launcher
+(launcher.LocalLauncher by default); where it goes from plan.place.
 """
 
 from __future__ import annotations
@@ -16,8 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,18 +30,21 @@ from pathlib import Path
 
 import httpx
 
+from . import engines, metrics, ports, teardown
 from . import gateway as gw
-from . import metrics, ports, teardown
-from .engines import EngineOptions, Ports, WorkerCommand
+from .engines import DEFAULT_ENGINE, Engine, EngineOptions, Ports, WorkerCommand
 from .errors import ConfigError, StartupError
+from .launcher import Baseline, Handle, Launcher, LocalLauncher
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
 from .models import weights_path
-from .plan import Plan, PlanEntry, make_plan, nvml_inventory, resolve_devices
-from .process import ManagedProcess, StopReport, classify_log
+from .plan import Plan, PlanEntry, nvml_inventory, place
+from .process import StopReport, classify_log
+from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step
 from .topology import Topology, parse
 
-POLL_S = 0.25
 PORT_RETRIES = 2
+STOP_GRACE_S = 15.0
+REQUEST_TIMEOUT_S = 120.0     # one request of Cluster.client (chat, evals through it)
 _ids = itertools.count(1)
 
 
@@ -54,43 +61,12 @@ def default_backend() -> str:
     return "cuda" if nvml_inventory() else "cpu"
 
 
-def _builder(engine: str, topology: Topology):
-    if topology.kind == "afd":
-        from .engines import afd
-        return afd
-    if engine == "vllm":
-        from .engines import vllm
-        return vllm
-    if engine == "tokenspeed":
-        from .engines import tokenspeed
-        return tokenspeed
-    raise ConfigError(f"no command builder for engine {engine!r}")
-
-
-def _grpc_serving(port: int, service: str = "") -> bool:
-    """The standard gRPC health check (grpc.health.v1) answers SERVING."""
-    if ports.is_free(port):
-        return False
-    try:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-    except ImportError:      # no grpc client here: an open port is the best we can tell
-        return True
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
 @dataclass
 class Worker:
     entry: PlanEntry
     ports: Ports
     command: WorkerCommand
-    process: ManagedProcess | None = None
+    process: Handle | None = None
     ready_s: float | None = None
     restarts: int = 0
 
@@ -108,9 +84,8 @@ class Worker:
         return f"http://127.0.0.1:{self.ports.api}"
 
     def metrics(self, timeout: float = 5.0) -> dict:
-        prom_dir = self.command.metadata.get("prometheus_multiproc_dir")
-        if prom_dir:       # TokenSpeed: no /metrics endpoint, multiprocess files instead
-            return metrics.read_multiproc_dir(prom_dir)
+        if self.command.metrics_dir:      # no /metrics endpoint, multiprocess files instead
+            return metrics.read_multiproc_dir(self.command.metrics_dir)
         return metrics.scrape(f"{self.http_url}/metrics", timeout=timeout)
 
 
@@ -122,92 +97,59 @@ class Timing:
     total_ready_s: float | None = None
     teardown_s: float | None = None
 
-    def slowest_worker_s(self) -> float | None:
-        return max(self.workers.values()) if self.workers else None
-
 
 class Cluster:
-    live: "set[Cluster]" = set()
+    live: set[Cluster] = set()
     _live_lock = threading.Lock()
 
-    def __init__(self, model: str = DEFAULT_MODEL, engine: str = "vllm",
+    def __init__(self, model: str | ModelSpec = DEFAULT_MODEL, engine: str = DEFAULT_ENGINE,
                  topology: str | Topology = "1", backend: str | None = None,
                  devices: str | None = None, options: EngineOptions | None = None,
                  admission: gw.Admission | None = None, policy: str = "round_robin",
                  startup_timeout: float | None = None, results_dir: Path | str | None = None,
-                 name: str | None = None, gateway_args: tuple[str, ...] = ()):
-        self.spec: ModelSpec = get_spec(model)
+                 name: str | None = None, gateway_args: tuple[str, ...] = (),
+                 launcher: Launcher | None = None):
+        self.spec: ModelSpec = model if isinstance(model, ModelSpec) else get_spec(model)
         self.engine = engine
         self.topology = parse(topology)
-        self.topology.check_engine(engine)
+        self.driver: Engine = engines.for_topology(engine, self.topology)
         self.spec.require(engine, self.topology.kind)
         self.backend = backend or default_backend()
-        base = options or EngineOptions()
-        self.options = replace(base, backend=self.backend)
         self.model_path = weights_path(self.spec)
-        if self.backend == "cuda":
-            devs = resolve_devices(self.topology, devices)
-            self.plan: Plan = make_plan(self.topology, self.spec, "cuda", devices=devs)
-        else:
-            cores = None
-            if devices:
-                from .plan import parse_device_list
-                cores = parse_device_list(devices, "--devices")
-            self.plan = make_plan(self.topology, self.spec, "cpu", cores=cores)
-        if self.topology.kind == "afd" and self.plan.packed:
-            raise ConfigError(f"topology {self.topology.name!r}: AFD attention and FFN need "
-                              f"separate devices; {len(self.plan.devices)} device(s) are too few")
-        self.builder = _builder(engine, self.topology)
-        # Engines that size their memory from what is free at start (TokenSpeed) say how
-        # workers sharing a GPU must start: {name: (stage, memory utilization)}.
-        schedule = getattr(self.builder, "packed_schedule", None)
-        self._packed_starts = (schedule(self.plan.entries)
-                               if schedule and self.backend == "cuda" else {})
-        if self.topology.kind == "afd" and not self.topology.native_baseline:
-            # The FFN binds the connector port and the next num_ffn_ranks ports; attention
-            # connects to the same base port.
-            ffn = self.topology.group("ffn")
-            self.options = replace(self.options, afd_port=ports.allocate_block(
-                ffn.dp * ffn.tp * self.spec.tp + 1))
+        self.plan: Plan = place(self.topology, self.spec, self.backend, devices, self.driver)
         self.admission = admission
         self.policy = policy
         self.gateway_args = tuple(gateway_args)
         self.startup_timeout = startup_timeout or self.spec.startup_timeout_s
         self.name = name or f"{self.engine}-{self.topology.name}-{os.getpid()}-{next(_ids)}"
         self.dir = Path(results_dir) if results_dir else results_root() / "clusters" / self.name
-        if not self.options.state_dir:
-            self.options = replace(self.options, state_dir=str(self.dir.resolve() / "state"))
+        self.launcher: Launcher = launcher or LocalLauncher()
+        opts = replace(options or EngineOptions(), backend=self.backend)
+        if not opts.state_dir:
+            opts = replace(opts, state_dir=str(self.dir.resolve() / "state"))
+        self.options = self.driver.prepare(self.topology, self.spec, opts, self.dir,
+                                           ports.allocate_block)
         self.workers: list[Worker] = [self._make_worker(e) for e in self.plan.entries]
         self.gateway_port, self.prometheus_port = ports.allocate(2)
-        self.gateway: ManagedProcess | None = None
+        self.gateway: Handle | None = None
+        self.gateway_argv: list[str] | None = None
         self.timing = Timing()
         self.teardown_report: teardown.TeardownReport | None = None
         self.stop_reports: list[StopReport] = []
-        self._shm_before: set[str] = set()
-        self._gpu_baseline: dict[int, float] = {}
+        self._baseline = Baseline()
         self._stopped = False
         self._client: httpx.Client | None = None
 
     # -- construction helpers -----------------------------------------------------------------
     def _make_worker(self, entry: PlanEntry) -> Worker:
-        names = self.builder.aux_ports(self.topology, entry, self.options)
-        preset = {"afd": self.options.afd_port} if self.options.afd_port else {}
+        names = self.driver.aux_ports(self.topology, entry, self.options)
+        preset = self.driver.fixed_ports(self.options)
         fresh = [n for n in names if n not in preset]
         allocated = ports.allocate(1 + len(fresh))
         aux = {**dict(zip(fresh, allocated[1:])), **{n: preset[n] for n in names if n in preset}}
         p = Ports(api=allocated[0], aux=aux)
-        opts = self.options
-        if entry.name in self._packed_starts:
-            stage, util = self._packed_starts[entry.name]
-            opts = replace(opts, start_stage=stage, gpu_memory_utilization=util)
-        if opts.kv_connector == "example" and not opts.kv_shared_path:
-            opts = replace(opts, kv_shared_path=str(self.dir.resolve() / "kv-store"))
-        cmd = self.builder.build(self.spec, self.topology, entry, p, str(self.model_path), opts)
-        if self.topology.kind == "afd" and entry.role == "ffn":
-            from .proof import afd_ffn_step_env, ffn_step_trace_enabled
-            if ffn_step_trace_enabled():   # the plugin's per-step FFN signal (proof.py)
-                trace_dir = self.dir.resolve() / "afd-ffn-steps" / entry.name
-                cmd = replace(cmd, env={**cmd.env, **afd_ffn_step_env(trace_dir)})
+        cmd = self.driver.worker_command(self.spec, self.topology, entry, p,
+                                         str(self.model_path), self.options, self.dir)
         return Worker(entry, p, cmd)
 
     @property
@@ -216,7 +158,7 @@ class Cluster:
         for w in self.workers:
             out.add(w.ports.api)
             out.update(w.ports.aux.values())
-            out.update(w.command.metadata.get("afd_ports", ()))
+            out.update(w.command.owned_ports)
         return out
 
     @property
@@ -244,13 +186,13 @@ class Cluster:
                          "log": str(w.process.log_path) if w.process else None}
                         for w in self.workers],
             "gateway": {"url": self.gateway_url, "metrics": self.gateway_metrics_url,
-                        "argv": self.gateway.argv if self.gateway else None},
+                        "argv": self.gateway_argv},
             "timing": vars(self.timing),
             "teardown": self.teardown_report.to_dict() if self.teardown_report else None,
         }
 
     # -- life ---------------------------------------------------------------------------------
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         try:
             self.start()
         except BaseException:
@@ -261,14 +203,13 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.stop(verify_strict=None if exc[0] is None else False)
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "plan.txt").write_text(self.plan.describe() + "\n")
         with Cluster._live_lock:
             Cluster.live.add(self)
-        self._shm_before = teardown.shm_snapshot()
-        if self.backend == "cuda":
-            self._gpu_baseline = teardown.gpu_memory_mib(self.plan.devices)
+        self._baseline = self.launcher.baseline(self.plan.devices if self.backend == "cuda"
+                                                else ())
         t0 = time.monotonic()
         self._start_workers(t0)
         self.timing.topology_ready_s = round(time.monotonic() - t0, 2)
@@ -279,45 +220,26 @@ class Cluster:
 
     def _launch(self, w: Worker) -> None:
         log = self.dir / "logs" / f"{w.name}{'.' + str(w.restarts) if w.restarts else ''}.log"
-        prom_dir = w.command.metadata.get("prometheus_multiproc_dir")
-        if prom_dir:       # must exist, and start empty (a restart starts its counters anew)
-            shutil.rmtree(prom_dir, ignore_errors=True)
-            Path(prom_dir).mkdir(parents=True)
-        w.process = ManagedProcess(w.name, w.command.argv, w.command.env, log,
-                                   unset_env=w.command.metadata.get("unset_env", ()),
-                                   cpu_affinity=w.entry.cores).start()
+        w.process = self.launcher.start(w.name, w.command, log, cores=w.entry.cores)
 
     def _start_workers(self, t0: float) -> None:
-        stages = sorted({w.command.metadata.get("start_stage", 0) for w in self.workers})
+        stages = sorted({w.command.start_stage for w in self.workers})
         deadline = t0 + self.startup_timeout
         with httpx.Client(timeout=2.0) as client:
             for stage in stages:
-                group = [w for w in self.workers
-                         if w.command.metadata.get("start_stage", 0) == stage]
-                for w in group:        # all at once: Popen returns immediately
+                group = [w for w in self.workers if w.command.start_stage == stage]
+                for w in group:        # all at once: launching returns immediately
                     self._launch(w)
-                self._wait_ready(group, client, t0, deadline)
+                self._wait_ready(group, client, deadline)
 
-    def _probe(self, w: Worker, client: httpx.Client) -> bool:
-        if w.command.health_path is None:     # no API of its own (AFD FFN): alive is ready
-            port = w.command.metadata.get("ready_port")
-            return port is None or not ports.is_free(port)
-        if w.command.protocol == "grpc":
-            return _grpc_serving(w.ports.api, w.command.metadata.get("grpc_health_service", ""))
-        try:
-            return client.get(f"{w.http_url}{w.command.health_path}").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def _wait_ready(self, group: list[Worker], client: httpx.Client, t0: float,
-                    deadline: float) -> None:
+    def _wait_ready(self, group: list[Worker], client: httpx.Client, deadline: float) -> None:
         pending = list(group)
         while pending:
             for w in list(pending):
                 if not w.process.alive():
                     self._handle_early_exit(w)
                     continue
-                if self._probe(w, client):
+                if w.command.readiness.ready(client):
                     w.ready_s = round(time.monotonic() - w.process.started_at, 2)
                     self.timing.workers[w.name] = w.ready_s
                     pending.remove(w)
@@ -326,7 +248,8 @@ class Cluster:
             self._check_others_alive(group)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(w.name for w in pending)
-                tails = "\n".join(f"--- {w.name} ({w.process.log_path}):\n"
+                tails = "\n".join(f"--- {w.name} ({w.process.log_path}): "
+                                  f"{w.command.readiness.pending()}\n"
                                   f"{w.process.log_tail(15)}" for w in pending)
                 raise StartupError(f"topology {self.topology.name}: {names} not ready within "
                                    f"{self.startup_timeout:.0f} s", tails)
@@ -366,36 +289,29 @@ class Cluster:
                                dp_aware=self.topology.engine_dp, admission=self.admission,
                                extra_args=self.gateway_args,
                                model_path=str(self.model_path))
-        self.gateway = ManagedProcess("gateway", gw.build_argv(cfg), {},
-                                      self.dir / "logs" / "gateway.log").start()
-        deadline = t0 + 120
+        self.gateway_argv = gw.build_argv(cfg)
+        self.gateway = self.launcher.start("gateway", WorkerCommand(self.gateway_argv, {}),
+                                           self.dir / "logs" / "gateway.log")
+        dynamic = [g for g in gws if g.register_dynamically]
+        ready = AllOf(HttpGet(self.gateway_port, "/health"),
+                      *([Step("registering workers", lambda: gw.register_workers(
+                          self.gateway_url, dynamic, timeout=GATEWAY_READY_S,
+                          alive=self.gateway.alive))] if dynamic else []),
+                      ModelServed(self.gateway_url, self.model_name))
+        deadline = t0 + GATEWAY_READY_S
         with httpx.Client(timeout=30.0) as client:
             while True:
                 if not self.gateway.alive():
                     head, _, details = self.gateway.failure_summary().partition("\n")
                     raise StartupError(head, details)
-                try:
-                    if client.get(f"{self.gateway_url}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise StartupError("gateway /health not answering within 120 s",
-                                       self.gateway.log_tail(20))
-                time.sleep(POLL_S)
-            dynamic = [g for g in gws if g.register_dynamically]
-            if dynamic:
-                gw.register_workers(self.gateway_url, dynamic, timeout=120,
-                                    alive=self.gateway.alive)
-            last = ""
-            while time.monotonic() < deadline:
                 self._check_others_alive([])
-                ok, last = gw.probe_ready(self.gateway_url, self.model_name, client)
-                if ok:
+                if ready.ready(client):
                     self.timing.gateway_ready_s = round(time.monotonic() - t0, 2)
                     return
-                time.sleep(POLL_S * 2)
-        raise StartupError(f"gateway not ready within 120 s: {last}", self.gateway.log_tail(20))
+                if time.monotonic() > deadline:
+                    raise StartupError(f"gateway not ready within {GATEWAY_READY_S:.0f} s: "
+                                       f"{ready.pending()}", self.gateway.log_tail(20))
+                time.sleep(POLL_S)
 
     def stop(self, verify_strict: bool | None = None) -> teardown.TeardownReport:
         if self._stopped:
@@ -408,15 +324,8 @@ class Cluster:
         if self.gateway:
             procs.insert(0, self.gateway)
         with ThreadPoolExecutor(max_workers=max(1, len(procs))) as ex:
-            self.stop_reports = list(ex.map(lambda p: p.stop(grace=15.0), procs))
-        rep = teardown.TeardownReport()
-        rep.escalated = [r.name for r in self.stop_reports if r.escalated]
-        rep.survivors = [s for r in self.stop_reports for s in r.survivors]
-        rep.busy_ports = teardown.listening_ports(self.allocated_ports)
-        if self._gpu_baseline:
-            rep.gpu_checked = True
-            rep.gpu_leaks = teardown.wait_gpu_baseline(self._gpu_baseline)
-        rep.shm_removed, rep.shm_left = teardown.clean_shm(self._shm_before)
+            self.stop_reports = list(ex.map(lambda p: p.stop(grace=STOP_GRACE_S), procs))
+        rep = self.launcher.verify(self.stop_reports, self.allocated_ports, self._baseline)
         rep.seconds = round(time.monotonic() - t0, 2)
         self.timing.teardown_s = rep.seconds
         self.teardown_report = rep
@@ -435,14 +344,13 @@ class Cluster:
         """Second Ctrl-C: SIGKILL every process tree at once, no grace."""
         for p in [self.gateway] + [w.process for w in self.workers]:
             if p:
-                p.remember_descendants()
-                p.signal_tree(signal.SIGKILL)
+                p.kill()
 
     # -- clients ------------------------------------------------------------------------------
     @property
     def client(self) -> httpx.Client:
         if self._client is None:
-            self._client = httpx.Client(base_url=self.gateway_url, timeout=120.0)
+            self._client = httpx.Client(base_url=self.gateway_url, timeout=REQUEST_TIMEOUT_S)
         return self._client
 
     def chat(self, content: str, max_tokens: int = 32, **kw) -> dict:
@@ -456,7 +364,7 @@ class Cluster:
         """One line naming every worker (or the gateway) that exited, with its exit code."""
         dead = []
         for name, p in [("gateway", self.gateway)] + [(w.name, w.process) for w in self.workers]:
-            if p is not None and p.proc is not None and not p.alive():
+            if p is not None and p.started_at is not None and not p.alive():
                 code = p.exit_code
                 how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 dead.append(f"{name} (pid {p.pid}) died: {how}")
@@ -476,8 +384,8 @@ class Cluster:
                         engine_progress=self.engine_work)
 
     def engine_work(self) -> float | None:
-        """Prompt + generated tokens all workers have processed (vLLM counters); None when
-        no worker answered. A worker that does not answer contributes nothing."""
+        """Tokens all workers have processed (the sum of the engine's work counters); None
+        when no worker answered. A worker that does not answer contributes nothing."""
         total, answered = 0.0, False
         for w in self.workers:
             try:
@@ -485,10 +393,7 @@ class Cluster:
             except Exception:
                 continue
             answered = True
-            total += metrics.total(s, "vllm:prompt_tokens_total")
-            total += metrics.total(s, "vllm:generation_tokens_total")
-            # TokenSpeed counts tokens per request at its end; per scheduler step, only this.
-            total += metrics.total(s, "tokenspeed:iteration_tokens_total_sum")
+            total += sum(metrics.total(s, name) for name in self.driver.work_counters)
         return total if answered else None
 
     def gateway_metrics(self) -> dict:

@@ -6,7 +6,6 @@ is a ConfigError with one line naming the entry and the key.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,8 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .schema import check_type, mapping, str_list
 
-ENGINES = ("vllm", "tokenspeed", "sglang")
 TOPOLOGY_KINDS = ("regular", "dp", "pd", "epd", "afd")
 FEATURES = ("chat", "moe", "reasoning", "multimodal")
 EVALS = ("gsm8k", "mmlu")
@@ -61,20 +60,20 @@ class ModelSpec:
     gpu_memory_fraction: float = 0.85
     vllm_args: tuple[str, ...] = ()
     tokenspeed_args: tuple[str, ...] = ()
-    sglang_args: tuple[str, ...] = ()
     accuracy: dict[str, AccuracyFloor] = field(default_factory=dict)
     opt_in: bool = False
 
     def engine_args(self, engine: str) -> tuple[str, ...]:
-        return {"vllm": self.vllm_args, "tokenspeed": self.tokenspeed_args,
-                "sglang": self.sglang_args}[engine]
+        """The registry's `<engine>_args` (none for an engine without such a key)."""
+        return getattr(self, f"{engine}_args", ())
 
     def supports(self, engine: str, kind: str) -> bool:
         return engine in self.engines and kind in self.topologies
 
     def require(self, engine: str, kind: str) -> None:
-        if engine not in ENGINES:
-            raise ConfigError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+        known = known_engines()
+        if engine not in known:
+            raise ConfigError(f"unknown engine {engine!r} (known: {', '.join(known)})")
         if engine not in self.engines:
             raise ConfigError(f"model {self.id!r} does not run on engine {engine!r} "
                               f"(registry allows: {', '.join(self.engines)})")
@@ -83,55 +82,35 @@ class ModelSpec:
                               f"(registry allows: {', '.join(self.topologies)})")
 
 
+def known_engines() -> tuple[str, ...]:
+    """The engine names of the registry in engines/ (imported late: engines import this)."""
+    from .engines import engine_names
+    return engine_names()
+
+
 _SCALARS: dict[str, type | tuple[type, ...]] = {
     "tp": int, "max_model_len": int, "startup_timeout_s": (int, float),
     "gpu_memory_fraction": (int, float), "opt_in": bool,
 }
-_STR_LISTS = ("features", "engines", "topologies", "vllm_args", "tokenspeed_args", "sglang_args")
-_ALLOWED = set(_SCALARS) | set(_STR_LISTS) | {"weights", "accuracy"}
-
-
-def _type_name(t: type | tuple[type, ...]) -> str:
-    return " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
-
-
-def _check_type(where: str, value: Any, t: type | tuple[type, ...]) -> None:
-    # bool is an int subclass: refuse it where a number is expected.
-    bad_bool = isinstance(value, bool) and t is not bool
-    if bad_bool or not isinstance(value, t):
-        raise ConfigError(f"{where}: expected {_type_name(t)}, got {type(value).__name__} {value!r}")
-
-
-def _str_list(where: str, value: Any, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
-    if allowed is not None:
-        for v in value:
-            if v not in allowed:
-                raise ConfigError(f"{where}: unknown value {v!r} (known: {', '.join(allowed)})")
-    return tuple(value)
+_STR_LISTS = ("features", "engines", "topologies", "vllm_args", "tokenspeed_args")
+_ALLOWED = (*_SCALARS, *_STR_LISTS, "weights", "accuracy")
+_WEIGHT_KEYS = ("source", "hf_id", "path", "package", "file")
 
 
 def parse_spec(model_id: str, raw: Any) -> ModelSpec:
     """Validate one registry entry and build its ModelSpec."""
     where = f"model spec {model_id!r}"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _ALLOWED)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} "
-                          f"(allowed: {', '.join(sorted(_ALLOWED))})")
-    if "weights" not in raw:
-        raise ConfigError(f"{where}: missing required key 'weights'")
+    mapping(where, raw, _ALLOWED, required=("weights",))
     kwargs: dict[str, Any] = {"id": model_id, "weights": _parse_weights(where, raw["weights"])}
     for key, t in _SCALARS.items():
         if key in raw:
-            _check_type(f"{where}.{key}", raw[key], t)
+            check_type(f"{where}.{key}", raw[key], t)
             kwargs[key] = raw[key]
-    allowed_values = {"features": FEATURES, "engines": ENGINES, "topologies": TOPOLOGY_KINDS}
+    allowed_values = {"features": FEATURES, "engines": known_engines(),
+                      "topologies": TOPOLOGY_KINDS}
     for key in _STR_LISTS:
         if key in raw:
-            kwargs[key] = _str_list(f"{where}.{key}", raw[key], allowed_values.get(key))
+            kwargs[key] = str_list(f"{where}.{key}", raw[key], allowed_values.get(key))
     if "accuracy" in raw:
         kwargs["accuracy"] = _parse_accuracy(where, raw["accuracy"])
     spec = ModelSpec(**kwargs)
@@ -150,14 +129,9 @@ def parse_spec(model_id: str, raw: Any) -> ModelSpec:
 
 def _parse_weights(where: str, raw: Any) -> Weights:
     where = f"{where}.weights"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
-    allowed = {"source", "hf_id", "path", "package", "file"}
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    mapping(where, raw, _WEIGHT_KEYS)
     for k, v in raw.items():
-        _check_type(f"{where}.{k}", v, str)
+        check_type(f"{where}.{k}", v, str)
     source = raw.get("source")
     if source not in WEIGHT_SOURCES:
         raise ConfigError(f"{where}.source: {source!r} is not one of {', '.join(WEIGHT_SOURCES)}")
@@ -179,7 +153,7 @@ def _floor_of(w: str, v: dict, n: int) -> tuple[float | None, tuple[int, int] | 
     if ("floor" in v) == ("measured" in v):
         raise ConfigError(f"{w}: give exactly one of floor: <0..1> or measured: [k, N], got {v!r}")
     if "floor" in v:
-        _check_type(f"{w}.floor", v["floor"], (int, float))
+        check_type(f"{w}.floor", v["floor"], (int, float))
         if not 0.0 < v["floor"] <= 1.0:
             raise ConfigError(f"{w}.floor: must be in (0, 1] (a floor of 0 cannot fail), "
                               f"got {v['floor']!r}")
@@ -203,7 +177,7 @@ def _parse_accuracy(where: str, raw: Any) -> dict[str, AccuracyFloor]:
                                                                  "format"}:
             raise ConfigError(f"{w}: expected {{n: <int>, floor: <0..1> | measured: [k, N], "
                               f"format: {{floor | measured}}}}, got {v!r}")
-        _check_type(f"{w}.n", v["n"], int)
+        check_type(f"{w}.n", v["n"], int)
         if v["n"] <= 0:
             raise ConfigError(f"{w}.n: must be positive, got {v['n']!r}")
         floor, measured = (_floor_of(w, v, v["n"]) if ("floor" in v or "measured" in v)
@@ -252,7 +226,3 @@ def get_spec(name: str, registry: dict[str, ModelSpec] | None = None) -> ModelSp
         return matches[0]
     raise ConfigError(f"unknown model {name!r} (registry has: {', '.join(reg)})")
 
-
-def model_root() -> Path | None:
-    v = os.environ.get(MODEL_ROOT_ENV)
-    return Path(v) if v else None

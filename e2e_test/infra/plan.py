@@ -15,13 +15,11 @@ Pure: no process is started, nothing but the inventory is read.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .errors import ConfigError
 from .model_specs import ModelSpec
 from .topology import Topology
-
-CAPACITY = 1.0 + 1e-9
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,8 @@ class PlanEntry:
     dp: int
     gpus: tuple[int, ...] = ()  # physical GPU ids (empty on CPU)
     cores: tuple[int, ...] = ()  # CPU cores (empty on GPU)
-    mem_fraction: float = 0.0
+    mem_fraction: float = 0.0  # the memory share the engine is given
+    start_stage: int = 0       # workers start stage by stage (engines/*.packed_schedule)
 
 
 @dataclass(frozen=True)
@@ -58,9 +57,20 @@ class Plan:
         for e in self.entries:
             where = (f"gpu {','.join(map(str, e.gpus))} mem {e.mem_fraction:.2f}" if e.gpus
                      else f"cores {','.join(map(str, e.cores))}")
-            lines.append(f"  {e.name:<12} tp={e.tp} dp={e.dp} {where}")
+            stage = f" start stage {e.start_stage}" if e.start_stage else ""
+            lines.append(f"  {e.name:<12} tp={e.tp} dp={e.dp} {where}{stage}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+class TooFewDevices(ConfigError):
+    """This machine has too few devices (or cores) for the topology: the pytest plugin skips
+    on it in ordinary lanes; everything else is a plain ConfigError."""
+
+
+def devices_needed(topology: Topology, spec: ModelSpec) -> int:
+    """GPUs a topology needs with this model when no worker shares one."""
+    return topology.num_devices * spec.tp
 
 
 def parse_device_list(text: str, source: str) -> tuple[int, ...]:
@@ -145,8 +155,9 @@ def _workers(topology: Topology):
 def plan_cpu(topology: Topology, cores: tuple[int, ...]) -> Plan:
     n = topology.num_workers
     if n > len(cores):
-        raise ConfigError(f"topology {topology.name!r} needs {n} workers with their own cores; "
-                          f"only {len(cores)} core(s) available ({','.join(map(str, cores))})")
+        raise TooFewDevices(f"topology {topology.name!r} needs {n} worker(s) with their own "
+                            f"cores; only {len(cores)} core(s) available "
+                            f"({','.join(map(str, cores))})")
     share, extra = divmod(len(cores), n)
     entries, pos = [], 0
     for k, (g, i) in enumerate(_workers(topology)):
@@ -165,7 +176,7 @@ def plan_gpu(topology: Topology, spec: ModelSpec, devices: tuple[int, ...]) -> P
     if dup:
         raise ConfigError(f"device list {','.join(map(str, devices))}: duplicate device(s) {dup}")
     frac = spec.gpu_memory_fraction
-    need = topology.num_devices * spec.tp
+    need = devices_needed(topology, spec)
     workers = list(_workers(topology))
     entries: list[PlanEntry] = []
     if need <= len(devices):
@@ -184,9 +195,9 @@ def plan_gpu(topology: Topology, spec: ModelSpec, devices: tuple[int, ...]) -> P
         fits = [range(start, start + k) for start in range(len(devices) - k + 1)
                 if all(free[j] + 1e-9 >= frac for j in range(start, start + k))]
         if not fits:
-            raise ConfigError(
-                f"topology {topology.name!r} with model {spec.id!r} needs {need} device(s) at "
-                f"memory fraction {frac}; {len(devices)} device(s) "
+            raise TooFewDevices(
+                f"topology {topology.name!r} with model {spec.id!r} needs {need} GPU(s) at "
+                f"memory fraction {frac:g}; {len(devices)} device(s) "
                 f"({','.join(map(str, devices))}) cannot hold it even packed")
         window = max(fits, key=lambda w: (round(min(free[j] for j in w), 6), -w.start))
         for j in window:
@@ -206,4 +217,29 @@ def make_plan(topology: Topology, spec: ModelSpec, backend: str,
     if backend == "cuda":
         return plan_gpu(topology, spec,
                         devices if devices is not None else resolve_devices(topology))
+    raise ConfigError(f"unknown backend {backend!r} (cpu or cuda)")
+
+
+def place(topology: Topology, spec: ModelSpec, backend: str, devices: str | None = None,
+          engine=None) -> Plan:
+    """The one placement check, used by the Cluster, the pytest plugin and the CLI: resolve
+    the devices (GPUs) or cores (CPU), plan, refuse packing for an engine whose workers cannot
+    share a GPU, and give workers that share one their start stage and memory share when the
+    engine asks (`engine.packed_schedule`). Too few devices is a TooFewDevices error."""
+    if backend == "cuda":
+        plan = make_plan(topology, spec, "cuda", devices=resolve_devices(topology, devices))
+        if plan.packed and engine is not None and not engine.packable:
+            need = devices_needed(topology, spec)
+            raise TooFewDevices(f"topology {topology.name!r} ({engine.name}) needs {need} "
+                                f"separate GPU(s), its workers cannot share one; "
+                                f"{len(plan.devices)} device(s) present")
+        schedule = engine.packed_schedule(plan.entries) if engine is not None else None
+        if schedule:
+            plan = replace(plan, entries=tuple(
+                replace(e, start_stage=schedule[e.name][0], mem_fraction=schedule[e.name][1])
+                if e.name in schedule else e for e in plan.entries))
+        return plan
+    if backend == "cpu":
+        cores = parse_device_list(devices, "--devices") if devices else cpu_cores()
+        return make_plan(topology, spec, "cpu", cores=cores)
     raise ConfigError(f"unknown backend {backend!r} (cpu or cuda)")

@@ -54,10 +54,6 @@ def allocate(n: int = 1) -> list[int]:
     raise RuntimeError(f"no free loopback port left in {lo}-{hi}")
 
 
-def allocate_one() -> int:
-    return allocate(1)[0]
-
-
 def allocate_block(k: int) -> int:
     """Base of k consecutive free ports (for servers that bind base..base+k-1)."""
     lo, hi = _slice()

@@ -142,6 +142,11 @@ class ManagedProcess:
             except psutil.Error:
                 pass
 
+    def kill(self) -> None:
+        """SIGKILL the whole tree at once, no grace (the second Ctrl-C)."""
+        self.remember_descendants()
+        self.signal_tree(signal.SIGKILL)
+
     def stop(self, grace: float = 15.0) -> StopReport:
         t0 = time.monotonic()
         self.remember_descendants()

@@ -24,16 +24,7 @@ from .errors import ConfigError
 ROLE_NAMES = ("worker", "encode", "prefill", "decode", "attention", "ffn")
 _SHORT = {"w": "worker", "e": "encode", "p": "prefill", "d": "decode", "a": "attention",
           "f": "ffn"}
-# Which engines can run each topology kind (through smg).
-KIND_ENGINES = {
-    "regular": ("vllm", "tokenspeed", "sglang"),
-    "dp": ("vllm", "tokenspeed", "sglang"),
-    "pd": ("vllm", "tokenspeed", "sglang"),
-    # smg's EPD mode speaks gRPC to TokenSpeed only.
-    "epd": ("tokenspeed",),
-    # AFD exists as the vLLM afd-plugin.
-    "afd": ("vllm",),
-}
+# Which engines run each kind is each engine's knowledge: engines.kind_engines().
 MAX_WORKERS_PER_ROLE = 64
 
 
@@ -69,12 +60,6 @@ class Topology:
 
     def group(self, role: str) -> RoleGroup | None:
         return next((g for g in self.roles if g.role == role), None)
-
-    def check_engine(self, engine: str) -> None:
-        allowed = KIND_ENGINES[self.kind]
-        if engine not in allowed:
-            raise ConfigError(f"topology {self.name!r} ({self.kind}) cannot run on engine "
-                              f"{engine!r}: only {', '.join(allowed)}")
 
     def __str__(self) -> str:
         return self.name

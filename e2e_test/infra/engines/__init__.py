@@ -1,13 +1,28 @@
-"""Pure command builders: (spec, topology, plan entry, ports, options) -> WorkerCommand.
+"""Engines behind one interface, and their registry.
+
+Each engine module (vllm.py, tokenspeed.py, afd.py) holds everything the harness knows about
+that engine: its pure command builder (spec, topology, plan entry, ports, options) ->
+WorkerCommand (argv, env, readiness, metrics folder, start stage, ...), the extra ports it
+needs, the counters that show it working, whether its workers may share a GPU and how they
+must start when they do, and its proof hooks. It exposes them as `ENGINE`, an `Engine`.
+The Cluster asks the registry for the engine of a topology and never names one.
+
+Adding an engine = one module defining `ENGINE` + one line in `REGISTRY` (or `register()`
+at run time, as tests/test_cluster.py does with a fake engine).
 
 No process is started here; every builder is unit-tested for its exact argv and env.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..readiness import Alive, HttpGet, Readiness
 
 
 @dataclass(frozen=True)
@@ -38,10 +53,6 @@ class EngineOptions:
     # With neither, Mooncake picks multi-node NVLink (fabric handles), which does not publish
     # torch's cudaMalloc memory. Env E2E_MOONCAKE_TRANSPORT.
     mooncake_transport: str = "nvlink"
-    # Per-worker overrides the cluster sets for TokenSpeed workers packed on one GPU (see
-    # engines/tokenspeed.packed_schedule): cumulative memory utilization and start stage.
-    gpu_memory_utilization: float | None = None
-    start_stage: int = 0
 
 
 def options_from_env(environ=None, **overrides) -> EngineOptions:
@@ -59,11 +70,19 @@ class WorkerCommand:
     argv: list[str]
     env: dict[str, str]                # overrides on top of the inherited environment
     protocol: str = "http"             # http | grpc
-    health_path: str = "/health"
+    readiness: Readiness = Alive()     # noqa: RUF009  (frozen) how the Cluster tells it is up
     worker_type: str = "regular"       # as smg calls the role: regular | prefill | decode | encode
     bootstrap_port: int | None = None  # PD bootstrap port smg must know (TokenSpeed)
     kv_connector: str | None = None    # smg POST /workers kv_connector (vLLM NIXL)
-    metadata: dict = field(default_factory=dict)
+    start_stage: int = 0               # workers start stage by stage, each stage all at once
+    metrics_dir: str | None = None     # Prometheus multiprocess files instead of /metrics
+    unset_env: tuple[str, ...] = ()    # dropped from the inherited environment
+    owned_ports: tuple[int, ...] = ()  # ports it binds beyond Ports (checked at teardown)
+
+    @property
+    def health_path(self) -> str | None:
+        """The HTTP path its readiness asks, None when it is not an HTTP check."""
+        return self.readiness.path if isinstance(self.readiness, HttpGet) else None
 
 
 def core_list(cores: tuple[int, ...]) -> str:
@@ -79,3 +98,121 @@ def core_list(cores: tuple[int, ...]) -> str:
     if run:
         parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(parts)
+
+
+# -- the engine interface ------------------------------------------------------------------
+
+class Engine:
+    """One engine's knowledge. A module subclasses this, overrides what differs and exposes
+    an instance as ENGINE. Everything here is pure except where a method says otherwise.
+
+    Arguments by name: `spec` a model_specs.ModelSpec, `topology` a topology.Topology,
+    `entry` a plan.PlanEntry (not imported here: this module sits below them all, so that
+    model_specs can ask it for the engine names)."""
+
+    name: str = ""                      # registry key ("vllm", "tokenspeed", "afd")
+    runtime: str = ""                   # the --engine name it serves; "" = its own name
+    kinds: tuple[str, ...] = ()         # topology kinds it builds
+    backends: tuple[str, ...] = ("cpu", "cuda")   # where it runs
+    packable: bool = True               # its workers may share a GPU
+    # Prometheus counters whose sum grows while it processes tokens (the watchdog's progress
+    # signal, Cluster.engine_work); empty: the watchdog sees no engine progress.
+    work_counters: tuple[str, ...] = ()
+
+    @property
+    def engine(self) -> str:
+        return self.runtime or self.name
+
+    def aux_ports(self, topology, entry, options: EngineOptions) -> list[str]:
+        """Names of the extra ports a worker needs, allocated by the cluster."""
+        return []
+
+    def fixed_ports(self, options: EngineOptions) -> dict[str, int]:
+        """Aux ports already chosen in `prepare` (shared by several workers): not allocated
+        again per worker."""
+        return {}
+
+    def prepare(self, topology, spec, options: EngineOptions,
+                run_dir: Path, allocate_block) -> EngineOptions:
+        """Options for this topology, before any worker is built: may allocate shared ports
+        (`allocate_block(k)` -> base of k consecutive free ports) and name folders under
+        `run_dir` (the cluster's results folder)."""
+        return options
+
+    def build(self, spec, topology, entry, ports: Ports,
+              model_path: str, options: EngineOptions) -> WorkerCommand:
+        raise NotImplementedError
+
+    def worker_command(self, spec, topology, entry,
+                       ports: Ports, model_path: str, options: EngineOptions,
+                       run_dir: Path) -> WorkerCommand:
+        """The command the cluster launches: `build` plus what depends on the run folder."""
+        return self.build(spec, topology, entry, ports, model_path, options)
+
+    def packed_schedule(self, entries) -> dict[str, tuple[int, float]] | None:
+        """For workers that share a GPU: {name: (start stage, memory share)}; None: they all
+        start at once with the planned fractions."""
+        return None
+
+    def pd_proof(self, cluster):
+        """The proof that a PD topology's KV moved (proof.py); returns a proof object."""
+        raise ConfigError(f"engine {self.name!r} has no PD transfer proof")
+
+
+DEFAULT_ENGINE = "vllm"
+# name -> module defining ENGINE. Adding an engine = one module + one line here.
+REGISTRY: dict[str, str] = {
+    "vllm": "e2e_test.infra.engines.vllm",
+    "tokenspeed": "e2e_test.infra.engines.tokenspeed",
+    "afd": "e2e_test.infra.engines.afd",
+}
+_engines: dict[str, Engine] = {}
+
+
+def register(engine: Engine) -> Engine:
+    """Add (or replace) an engine at run time; returns it."""
+    if not engine.name or not engine.kinds:
+        raise ConfigError(f"engine {engine!r}: needs a name and the topology kinds it builds")
+    _engines[engine.name] = engine
+    return engine
+
+
+def unregister(name: str) -> None:
+    _engines.pop(name, None)
+
+
+def all_engines() -> list[Engine]:
+    for name, module in REGISTRY.items():
+        if name not in _engines:
+            _engines[name] = importlib.import_module(module).ENGINE
+    return list(_engines.values())
+
+
+def engine_names() -> tuple[str, ...]:
+    """The names --engine accepts, in registry order."""
+    out: list[str] = []
+    for e in all_engines():
+        if e.engine not in out:
+            out.append(e.engine)
+    return tuple(out)
+
+
+def kind_engines() -> dict[str, tuple[str, ...]]:
+    """Which --engine names can run each topology kind."""
+    out: dict[str, list[str]] = {}
+    for e in all_engines():
+        for k in e.kinds:
+            if e.engine not in out.setdefault(k, []):
+                out[k].append(e.engine)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def for_topology(engine: str, topology) -> Engine:
+    """The engine that builds `topology`'s workers for --engine `engine` (one-line
+    ConfigError when none does)."""
+    for e in all_engines():
+        if e.engine == engine and topology.kind in e.kinds:
+            return e
+    allowed = kind_engines().get(topology.kind, ())
+    raise ConfigError(f"topology {topology.name!r} ({topology.kind}) cannot run on engine "
+                      f"{engine!r}: only {', '.join(allowed)}")

@@ -29,7 +29,7 @@ plugin not loaded. Where each piece's contract comes from:
   unique devices for Qwen3.5-122B: JiusiServe/afd-plugin .agents/skills/run-e2e/SKILL.md and
   tests/e2e/models/qwen3_5/test_qwen3_5_122b.py. Attention and FFN devices must be disjoint:
   vllm-project/afd-plugin tests/e2e/runner.py (validate_topology).
-- Benchmark-only forced routing, removed for correctness runs (`metadata["unset_env"]`):
+- Benchmark-only forced routing, removed for correctness runs (`WorkerCommand.unset_env`):
   VLLM_MOE_ROUTING_SIMULATION_STRATEGY and AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK
   (JiusiServe/afd-plugin tests/e2e/models/qwen3_5/test_qwen3_5_122b.py CONTROLLED_ROUTING_ENV_VARS
   / natural_routing_env), AFD_FORCE_BALANCED_TOPK_IDS (vllm-project/afd-plugin afd_plugin/envs.py,
@@ -46,14 +46,16 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
+from ..readiness import Alive, HttpGet, PortBound
 from ..topology import Topology
-from . import EngineOptions, Ports, WorkerCommand
+from . import Engine, EngineOptions, Ports, WorkerCommand
+from .vllm import WORK_COUNTERS as VLLM_WORK_COUNTERS
 
 CONNECTOR = "P2pNcclAFDConnector"
 HOST = "127.0.0.1"
@@ -126,7 +128,6 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
            "VLLM_PLUGINS": "" if topology.native_baseline else "afd",
            "VLLM_ENGINE_READY_TIMEOUT_S": ENGINE_READY_TIMEOUT_S,
            "PYTHONUNBUFFERED": "1"}
-    metadata: dict = {"engine": "afd", "unset_env": list(UNSET_ENV)}
     afd_port = None
     if not topology.native_baseline:
         afd_port = _afd_port(entry, ports, options)
@@ -145,13 +146,52 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     if entry.role == "ffn":
         # Stage 0; "up" = its rank 0 listens on the rendezvous port (weights loaded). Its HTTP
         # API only answers after Attention has joined, so the gateway never sees it.
-        metadata.update(start_stage=0, ready_port=afd_port, afd_port=afd_port,
-                        afd_ports=[afd_port + i for i in range(entry.dp * entry.tp + 1)])
-        return WorkerCommand(argv=argv, env=env, health_path=None, worker_type="none",
-                             metadata=metadata)
-    if entry.role == "attention":
-        metadata.update(start_stage=1, afd_port=afd_port)
-    return WorkerCommand(argv=argv, env=env, worker_type="regular", metadata=metadata)
+        return WorkerCommand(argv=argv, env=env, worker_type="none", unset_env=UNSET_ENV,
+                             readiness=PortBound(afd_port) if afd_port else Alive(),
+                             start_stage=0, owned_ports=tuple(
+                                 afd_port + i for i in range(entry.dp * entry.tp + 1)))
+    return WorkerCommand(argv=argv, env=env, readiness=HttpGet(ports.api, "/health"),
+                         worker_type="regular", unset_env=UNSET_ENV,
+                         start_stage=1 if entry.role == "attention" else 0)
+
+
+class AfdEngine(Engine):
+    """AFD topologies of --engine vllm (the afd-plugin); attention and FFN never share a GPU."""
+    name = "afd"
+    runtime = "vllm"
+    kinds = ("afd",)
+    backends = ("cuda",)
+    packable = False
+    work_counters = VLLM_WORK_COUNTERS
+
+    def aux_ports(self, topology, entry, options):
+        return aux_ports(topology, entry, options)
+
+    def fixed_ports(self, options):
+        return {"afd": options.afd_port} if options.afd_port else {}
+
+    def prepare(self, topology, spec, options, run_dir, allocate_block):
+        if topology.native_baseline:
+            return options
+        # The FFN binds the connector port and the next num_ffn_ranks ports; attention
+        # connects to the same base port.
+        ffn = topology.group("ffn")
+        return replace(options, afd_port=allocate_block(ffn.dp * ffn.tp * spec.tp + 1))
+
+    def build(self, spec, topology, entry, ports, model_path, options):
+        return build(spec, topology, entry, ports, model_path, options)
+
+    def worker_command(self, spec, topology, entry, ports, model_path, options, run_dir):
+        cmd = build(spec, topology, entry, ports, model_path, options)
+        if entry.role == "ffn":
+            from ..proof import afd_ffn_step_env, ffn_step_trace_enabled
+            if ffn_step_trace_enabled():   # the plugin's per-step FFN signal (proof.py)
+                trace_dir = run_dir.resolve() / "afd-ffn-steps" / entry.name
+                cmd = replace(cmd, env={**cmd.env, **afd_ffn_step_env(trace_dir)})
+        return cmd
+
+
+ENGINE = AfdEngine()
 
 
 # -- the plugin's environment contract ---------------------------------------------------------

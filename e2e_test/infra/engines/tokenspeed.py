@@ -40,12 +40,13 @@ import sys
 from ..errors import ConfigError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
+from ..readiness import GrpcHealth
 from ..topology import Topology
-from . import EngineOptions, Ports, WorkerCommand
+from . import Engine, EngineOptions, Ports, WorkerCommand
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 DISAGG_ROLES = ("encode", "prefill", "decode")
-KINDS = ("regular", "dp", "pd", "epd")
+KINDS = ("regular", "dp", "pd", "epd")     # smg's EPD mode speaks gRPC to TokenSpeed only
 HOST = "127.0.0.1"
 TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"}, "tcp": {"MC_FORCE_TCP": "1"}}
 
@@ -84,7 +85,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     if options.mooncake_transport not in TRANSPORTS:
         raise ConfigError(f"mooncake transport {options.mooncake_transport!r}: use one of "
                           f"{', '.join(TRANSPORTS)}")
-    util = options.gpu_memory_utilization or entry.mem_fraction
+    # Packed on one GPU, the plan entry carries the cumulative share (packed_schedule).
+    util = entry.mem_fraction
     argv = [sys.executable, "-m", SERVICER_MODULE,
             "--model", str(model_path), "--served-model-name", spec.id,
             "--host", HOST, "--port", str(ports.api),
@@ -93,16 +95,14 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             "--enable-output-logprobs",
             "--gpu-memory-utilization", f"{util:g}"]
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus))}
-    metadata = {"engine": "tokenspeed", "grpc_health_service": ""}
-    if options.start_stage:
-        metadata["start_stage"] = options.start_stage
+    metrics_dir = None
     if options.state_dir:
         # The servicer has no /metrics: with --enable-metrics the engine writes Prometheus
         # multiprocess files here, which the harness reads (Worker.metrics).
         prom = f"{options.state_dir}/prometheus/{entry.name}"
         argv.append("--enable-metrics")
         env["PROMETHEUS_MULTIPROC_DIR"] = prom
-        metadata["prometheus_multiproc_dir"] = prom
+        metrics_dir = prom
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
     if options.max_num_seqs:
@@ -135,8 +135,10 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv.append("--enforce-eager")
     argv += list(spec.tokenspeed_args) + list(options.extra_args)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
+                         readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",
-                         bootstrap_port=bootstrap, metadata=metadata)
+                         bootstrap_port=bootstrap, start_stage=entry.start_stage,
+                         metrics_dir=metrics_dir)
 
 
 def packed_schedule(entries) -> dict[str, tuple[int, float]]:
@@ -164,3 +166,30 @@ def packed_schedule(entries) -> dict[str, tuple[int, float]]:
                                   f" need {total:.2f} of its memory together")
             out[e.name] = (stage, round(total, 4))
     return out
+
+
+# TokenSpeed counts tokens per request at its end; per scheduler step, only this.
+WORK_COUNTERS = ("tokenspeed:iteration_tokens_total_sum",)
+
+
+class TokenSpeedEngine(Engine):
+    name = "tokenspeed"
+    kinds = KINDS
+    backends = ("cuda",)
+    work_counters = WORK_COUNTERS
+
+    def aux_ports(self, topology, entry, options):
+        return aux_ports(topology, entry, options)
+
+    def build(self, spec, topology, entry, ports, model_path, options):
+        return build(spec, topology, entry, ports, model_path, options)
+
+    def packed_schedule(self, entries):
+        return packed_schedule(entries)
+
+    def pd_proof(self, cluster):
+        from ..proof import pd_transfer_tokenspeed
+        return pd_transfer_tokenspeed(cluster)
+
+
+ENGINE = TokenSpeedEngine()

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 from ..errors import ConfigError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
+from ..readiness import HttpGet
 from ..topology import Topology
-from . import EngineOptions, Ports, WorkerCommand, core_list
+from . import Engine, EngineOptions, Ports, WorkerCommand, core_list
 
 KV_CONNECTORS = ("nixl", "example", "mooncake")
 
@@ -91,5 +93,34 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     elif topology.kind not in ("regular", "dp"):
         raise ConfigError(f"engines/vllm builds regular, dp and pd workers, not {topology.kind!r}")
     argv += list(spec.vllm_args) + list(options.extra_args)
-    return WorkerCommand(argv=argv, env=env, worker_type=worker_type, kv_connector=kv_connector,
-                         metadata={"engine": "vllm"})
+    return WorkerCommand(argv=argv, env=env, readiness=HttpGet(ports.api, "/health"),
+                         worker_type=worker_type, kv_connector=kv_connector)
+
+
+# Tokens processed: prompt + generated (the watchdog's progress signal).
+WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+    kinds = ("regular", "dp", "pd")
+    work_counters = WORK_COUNTERS
+
+    def aux_ports(self, topology, entry, options):
+        return aux_ports(topology, entry, options)
+
+    def prepare(self, topology, spec, options, run_dir, allocate_block):
+        if options.kv_connector == "example" and not options.kv_shared_path:
+            # ExampleConnector: prefill writes the KV to files that decode reads.
+            return replace(options, kv_shared_path=str(run_dir.resolve() / "kv-store"))
+        return options
+
+    def build(self, spec, topology, entry, ports, model_path, options):
+        return build(spec, topology, entry, ports, model_path, options)
+
+    def pd_proof(self, cluster):
+        from ..proof import pd_transfer
+        return pd_transfer(cluster)
+
+
+ENGINE = VllmEngine()

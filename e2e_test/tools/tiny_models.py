@@ -83,7 +83,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .errors import ConfigError
+from ..infra.errors import ConfigError
 
 MARKER = ".e2e_tiny_moe.json"
 VLM_MARKER = ".e2e_tiny_vlm.json"

@@ -1,0 +1,167 @@
+"""pytest glue for lanes: device shortfall (skip, or fail under --e2e-no-skips), the opt-in
+AFD profile check, selection accounting, --e2e-min-tests and --e2e-no-skips. Loaded by
+pytest_plugin.py (its `pytest_plugins`); the fixtures live there."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .infra.engines import engine_names, for_topology, kind_engines
+from .infra.topology import parse as parse_topology
+from .pytest_state import state
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("e2e", "end-to-end harness")
+    g.addoption("--e2e-min-tests", type=int, default=None, metavar="N",
+                help="fail the session when fewer than N tests are selected (lanes set this)")
+    g.addoption("--e2e-no-skips", action="store_true", default=False,
+                help="any skipped test fails the session (opt-in lanes set this)")
+
+
+def device_shortfall(model: str, topology, backend: str, devices: str | None,
+                     engine: str | None = None) -> str | None:
+    """One line when this machine has too few devices for `topology` (plan.place's
+    TooFewDevices: the planner cannot place it, or the engine's workers would have to share a
+    GPU they cannot share); None when it fits. `engine`: the --engine name (default: the
+    first that runs this topology kind). Other configuration errors (a bad device list, an
+    unknown model, no GPU at all on cuda) propagate."""
+    from .infra.model_specs import get_spec
+    from .infra.plan import TooFewDevices, place
+    topo = parse_topology(topology)
+    driver = for_topology(engine or kind_engines()[topo.kind][0], topo)
+    try:
+        place(topo, get_spec(model), backend, devices, driver)
+    except TooFewDevices as e:
+        return e.summary
+    return None
+
+
+def require_devices(config, topology, backend: str, engine: str | None = None) -> None:
+    """An engine that does not run on this backend: the test is skipped. Too few devices:
+    skipped in ordinary lanes, fails under --e2e-no-skips."""
+    if engine is not None:
+        driver = for_topology(engine, parse_topology(topology))
+        if backend not in driver.backends:
+            pytest.skip(f"{engine} ({driver.name}) runs on {' or '.join(driver.backends)} "
+                        f"only (backend is {backend})")
+    cache = state(config).shortfall
+    key = (config.getoption("--model"), str(topology), backend, config.getoption("--devices"),
+           engine)
+    if key not in cache:
+        cache[key] = device_shortfall(*key)
+    why = cache[key]
+    if why:
+        if config.getoption("--e2e-no-skips"):
+            pytest.fail(f"too few devices (--e2e-no-skips): {why}", pytrace=False)
+        pytest.skip(f"too few devices: {why}")
+
+
+def pytest_sessionstart(session):
+    """The opt-in AFD large-model profile is checked before anything is collected or started:
+    every missing prerequisite is one line of the usage error."""
+    if os.environ.get("AFD_E2E_LARGE_MODEL") != "1":
+        return
+    from .infra.engines import afd
+    problems = afd.check_profile(afd.profile_from_env(), need_devices=8, large_model=True)
+    if problems:
+        raise pytest.UsageError("\n".join(f"opt-in AFD large-model profile "
+                                          f"(AFD_E2E_LARGE_MODEL=1): {p}" for p in problems))
+
+
+def _deselect_reason(item, config) -> str:
+    kexpr = (getattr(config.option, "keyword", "") or "").strip()
+    mexpr = (getattr(config.option, "markexpr", "") or "").strip()
+    try:
+        from _pytest.mark import KeywordMatcher, MarkMatcher
+        from _pytest.mark.expression import Expression
+        if kexpr and not Expression.compile(kexpr).evaluate(KeywordMatcher.from_item(item)):
+            return f"-k {kexpr!r}"
+        if mexpr and not Expression.compile(mexpr).evaluate(
+                MarkMatcher.from_markers(item.iter_markers())):
+            return f"-m {mexpr!r}"
+    except Exception:   # pytest internals moved: still say which options were given
+        if kexpr or mexpr:
+            return " / ".join(x for x in (kexpr and f"-k {kexpr!r}",
+                                          mexpr and f"-m {mexpr!r}") if x)
+    return "other (--deselect, --lf or a plugin)"
+
+
+def pytest_deselected(items):
+    if not items:
+        return
+    config = items[0].config
+    by_reason = state(config).deselected
+    for item in items:
+        by_reason.setdefault(_deselect_reason(item, config), []).append(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    rep = yield
+    if rep.skipped:
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        state(collector.config).collect_skips.append(f"{rep.nodeid or '.'}: {reason}")
+    return rep
+
+
+def _engine_of(item) -> str:
+    return next((e for e in engine_names() if item.get_closest_marker(e)), "none")
+
+
+def _engine_counts(items) -> str:
+    counts: dict[str, int] = {}
+    for item in items:
+        e = _engine_of(item)
+        counts[e] = counts.get(e, 0) + 1
+    return " ".join(f"{e}={n}" for e, n in sorted(counts.items())) or "-"
+
+
+def selection_report(session) -> list[str]:
+    config = session.config
+    by_reason: dict = state(config).deselected
+    deselected = [i for items in by_reason.values() for i in items]
+    lane = os.environ.get("E2E_LANE")
+    lines = [f"e2e selection{f' (lane {lane})' if lane else ''}: {len(session.items)} "
+             f"selected, {len(deselected)} deselected"]
+    for reason, items in by_reason.items():
+        lines.append(f"  deselected {len(items)} by {reason}")
+    lines.append(f"  selected by engine: {_engine_counts(session.items)}")
+    if deselected:
+        lines.append(f"  deselected by engine: {_engine_counts(deselected)}")
+    return lines
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    config = session.config
+    if getattr(config, "workerinput", None) is not None:
+        return
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    write = tr.write_line if tr is not None else print
+    for line in selection_report(session):
+        write(line)
+    skips = state(config).collect_skips
+    if config.getoption("--e2e-no-skips") and skips:
+        pytest.exit(f"--e2e-no-skips: {len(skips)} skipped at collection: " + "; ".join(skips),
+                    returncode=pytest.ExitCode.TESTS_FAILED)
+    need = config.getoption("--e2e-min-tests")
+    if need is not None and len(session.items) < need:
+        lane = os.environ.get("E2E_LANE")
+        pytest.exit(f"{f'lane {lane}: ' if lane else ''}{len(session.items)} test(s) selected, "
+                    f"fewer than --e2e-min-tests {need} (check paths, -m, E2E_ENGINES, "
+                    "E2E_TOPOLOGIES)", returncode=pytest.ExitCode.TESTS_FAILED)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True, specname="pytest_runtest_makereport")
+def pytest_runtest_makereport_no_skips(item, call):
+    """--e2e-no-skips: a skipped test (not an xfail) is reported as failed, with its reason."""
+    rep = yield
+    if (rep.skipped and not hasattr(rep, "wasxfail")
+            and item.config.getoption("--e2e-no-skips")):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        rep.outcome = "failed"
+        rep.longrepr = f"--e2e-no-skips: a skipped test fails this lane: {reason}"
+    return rep

@@ -1,0 +1,33 @@
+"""What the pytest plugin keeps for a session, in `config.stash` (one key), and the per-test
+flags it keeps in `item.stash`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+
+@dataclass
+class SessionState:
+    t0: float = field(default_factory=time.monotonic)
+    records: list = field(default_factory=list)            # one dict per test (results.py)
+    clusters: dict = field(default_factory=dict)           # name -> Cluster started here
+    teardown_violations: list = field(default_factory=list)
+    summary: dict | None = None                            # results.write_session's answer
+    shortfall: dict = field(default_factory=dict)          # placement key -> skip line | None
+    deselected: dict = field(default_factory=dict)         # reason -> [items]
+    collect_skips: list = field(default_factory=list)      # "nodeid: reason"
+
+
+STATE = pytest.StashKey[SessionState]()
+OUTCOME = pytest.StashKey[str]()      # an item's outcome (setup failure or call)
+RECORDED = pytest.StashKey[bool]()    # the item's `record` fixture ran
+
+
+def state(config) -> SessionState:
+    """The session's state, created on first use."""
+    if STATE not in config.stash:
+        config.stash[STATE] = SessionState()
+    return config.stash[STATE]

@@ -1,0 +1,1 @@
+"""Build tools used by the CLI (not part of the harness library in infra/)."""

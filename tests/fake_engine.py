@@ -1,0 +1,44 @@
+"""A FAKE engine for Cluster unit tests: the stdlib HTTP server of fake_engine_server.py behind
+the real smg gateway. It shows what adding an engine takes (one Engine subclass + one
+registration) and lets the Cluster's paths run with real, small processes. Never a stand-in
+for a real engine in an end-to-end test."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from e2e_test.infra import engines
+from e2e_test.infra.engines import Engine, WorkerCommand
+from e2e_test.infra.model_specs import parse_spec
+from e2e_test.infra.readiness import HttpGet
+
+SERVER = Path(__file__).with_name("fake_engine_server.py")
+NAME = "fake"
+
+
+class FakeEngine(Engine):
+    name = NAME
+    kinds = ("regular", "dp")
+    work_counters = ("fake:tokens_total",)
+
+    def __init__(self, env: dict | None = None, stages: dict | None = None):
+        self.env = env or {}            # worker name -> extra env (the server's failure modes)
+        self.stages = stages or {}      # worker name -> start stage
+
+    def build(self, spec, topology, entry, ports, model_path, options):
+        return WorkerCommand(
+            argv=[sys.executable, str(SERVER), "--port", str(ports.api), "--model", spec.id],
+            env=dict(self.env.get(entry.name, {})), readiness=HttpGet(ports.api, "/health"),
+            start_stage=self.stages.get(entry.name, 0))
+
+
+def fake_spec(weights_dir: Path, startup_timeout_s: float = 30.0):
+    """A registry entry for the fake engine (register the engine first)."""
+    return parse_spec("fake-model", {"weights": {"source": "path", "path": str(weights_dir)},
+                                     "engines": [NAME], "topologies": ["regular", "dp"],
+                                     "startup_timeout_s": startup_timeout_s})
+
+
+def register(**kw) -> FakeEngine:
+    return engines.register(FakeEngine(**kw))

@@ -1,0 +1,206 @@
+"""Cluster with real small processes: a FAKE engine (tests/fake_engine.py, a stdlib HTTP
+server) registered at run time, behind the real smg gateway. Covers what the CPU lane
+otherwise covers only in 15 minutes: the whole life of a Cluster of an engine it does not
+know by name, staged starts, a worker that exits while starting, a port collision and its
+restart, the stop report (SIGKILL escalation), and the second Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from e2e_test.infra import cluster as cluster_mod
+from e2e_test.infra import engines
+from e2e_test.infra.cluster import Cluster
+from e2e_test.infra.errors import StartupError
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_engine
+
+CLUSTER_SRC = Path(cluster_mod.__file__).read_text()
+
+
+@pytest.fixture
+def weights(tmp_path, monkeypatch):
+    monkeypatch.delenv("E2E_MODEL_PATH", raising=False)
+    d = tmp_path / "weights"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+@pytest.fixture
+def fake():
+    """The fake engine, registered for one test (set .env / .stages before making a Cluster)."""
+    yield fake_engine.register()
+    engines.unregister(fake_engine.NAME)
+
+
+def make(weights, tmp_path, topology="1", **kw) -> Cluster:
+    devices = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:2])
+    return Cluster(model=fake_engine.fake_spec(weights), engine=fake_engine.NAME,
+                   topology=topology, backend="cpu", devices=devices,
+                   results_dir=tmp_path / "cluster", **kw)
+
+
+def _gone(pids, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _engine_words(text: str) -> list[str]:
+    names = {e.name for e in engines.all_engines()} | set(engines.engine_names())
+    counters = {c for e in engines.all_engines() for c in e.work_counters}
+    return [n for n in sorted(names | counters | {"sglang"})
+            if re.search(rf"\b{re.escape(n)}\b", text, re.IGNORECASE)]
+
+
+def test_cluster_names_no_engine_and_no_metric():
+    assert _engine_words(CLUSTER_SRC) == []
+    # Negative control: the check does see a name and a counter.
+    assert _engine_words('if engine == "tokenspeed": total("vllm:prompt_tokens_total")') == [
+        "tokenspeed", "vllm", "vllm:prompt_tokens_total"]
+
+
+def test_a_registered_fake_engine_runs_a_whole_cluster(fake, weights, tmp_path):
+    assert fake_engine.NAME in engines.engine_names()
+    c = make(weights, tmp_path)
+    with c:
+        assert c.driver is fake
+        reply = c.chat("Say hi")
+        assert reply["choices"][0]["message"]["content"] == "OK fake"
+        assert c.engine_work() >= 3          # the engine's own work counter, via /metrics
+        assert c.dead_processes() is None
+        pids = [c.gateway.pid, c.workers[0].process.pid]
+    rep = c.teardown_report
+    assert rep.ok and rep.escalated == [], rep.verdict()
+    assert sorted(r.name for r in c.stop_reports) == ["gateway", "worker-0"]
+    assert _gone(pids)
+    facts = json.loads((tmp_path / "cluster" / "cluster.json").read_text())
+    assert facts["engine"] == "fake" and facts["teardown"]["ok"]
+    assert (tmp_path / "cluster" / "logs" / "worker-0.log").is_file()
+
+
+def test_unregistered_engine_is_a_one_line_error(weights, tmp_path):
+    from e2e_test.infra.errors import ConfigError
+    with pytest.raises(ConfigError, match="cannot run on engine 'nope'"):
+        Cluster(model="SmolLM2-135M-Instruct", engine="nope", topology="1", backend="cpu")
+
+
+def test_staged_start_waits_for_the_earlier_stage(fake, weights, tmp_path):
+    fake.env = {"worker-0": {"FAKE_ENGINE_DELAY_S": "1.5"}}
+    fake.stages = {"worker-1": 1}
+    c = make(weights, tmp_path, topology="dp2")
+    with c:
+        w0, w1 = c.workers
+        assert (w0.command.start_stage, w1.command.start_stage) == (0, 1)
+        assert w0.ready_s >= 1.5
+        # worker-1 was launched only once worker-0 was ready.
+        assert w1.process.started_at >= w0.process.started_at + w0.ready_s - 0.05
+        assert c.chat("x")["choices"]
+    assert c.teardown_report.ok
+
+
+def test_a_worker_exiting_while_starting_fails_at_once(fake, weights, tmp_path):
+    fake.env = {"worker-0": {"FAKE_ENGINE_EXIT": "3"}}
+    c = make(weights, tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(StartupError) as ei, c:
+        pass
+    assert time.monotonic() - t0 < 10        # not the 30 s startup timeout
+    head = ei.value.summary
+    assert "worker-0 exited while starting (exit code 3)" in head
+    assert "[error] RuntimeError: fake engine told to fail at start" in head
+    assert "argv:" in str(ei.value) and "log tail:" in str(ei.value)
+    assert c.gateway is None                 # the gateway never started
+    assert c.teardown_report.ok
+
+
+def test_a_port_collision_restarts_on_new_ports(fake, weights, tmp_path):
+    fake.env = {"worker-0": {"FAKE_ENGINE_BUSY_ONCE": str(tmp_path / "collided")}}
+    c = make(weights, tmp_path)
+    first_port = c.workers[0].ports.api
+    with c:
+        w = c.workers[0]
+        assert w.restarts == 1 and w.ports.api != first_port
+        assert c.chat("x")["choices"]
+    logs = tmp_path / "cluster" / "logs"
+    assert "Address already in use" in (logs / "worker-0.log").read_text()
+    assert (logs / "worker-0.1.log").is_file()
+    assert c.teardown_report.ok, c.teardown_report.verdict()
+
+
+def test_stop_report_names_a_worker_that_needed_sigkill(fake, weights, tmp_path, monkeypatch):
+    fake.env = {"worker-0": {"FAKE_ENGINE_IGNORE_TERM": "1"}}
+    monkeypatch.setattr(cluster_mod, "STOP_GRACE_S", 1.0)
+    c = make(weights, tmp_path)
+    with c:
+        pid = c.workers[0].process.pid
+    rep = c.teardown_report
+    assert "worker-0" in rep.escalated      # (smg itself lingers 5 s: past a 1 s grace too)
+    by_name = {r.name: r for r in c.stop_reports}
+    assert by_name["worker-0"].escalated and by_name["worker-0"].exit_code == -signal.SIGKILL
+    assert rep.ok and "needed SIGKILL" in rep.verdict()
+    assert _gone([pid])
+
+
+SECOND_CTRL_C = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import fake_engine
+from pathlib import Path
+from e2e_test.infra import lifecycle
+from e2e_test.infra.cluster import Cluster
+lifecycle.install()
+fake_engine.register(env={{"worker-0": {{"FAKE_ENGINE_IGNORE_TERM": "1"}}}})
+c = Cluster(model=fake_engine.fake_spec(Path({weights!r})), engine="fake", topology="1",
+            backend="cpu", devices={devices!r}, results_dir={out!r})
+c.start()
+print("READY", c.gateway.pid, c.workers[0].process.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_second_ctrl_c_kills_every_tree_at_once(weights, tmp_path):
+    devices = str(min(os.sched_getaffinity(0)))
+    script = SECOND_CTRL_C.format(tests=str(Path(__file__).parent), weights=str(weights),
+                                  devices=devices, out=str(tmp_path / "cluster"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not line.startswith("READY"):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the script exited before READY"
+        pids = [int(x) for x in line.split()[1:]]
+        proc.send_signal(signal.SIGINT)      # first: a graceful teardown (15 s grace) starts
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)      # second: SIGKILL everything now
+        rc = proc.wait(timeout=10)
+        assert time.monotonic() - t0 < 10    # well inside the 15 s grace
+        out = proc.stdout.read()
+        assert rc == 130, out
+        assert "second SIGINT: killing every worker now" in out
+        assert _gone(pids), f"left alive: {[p for p in pids if psutil.pid_exists(p)]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
