@@ -384,9 +384,12 @@ def lane_command(lane: Lane, extra_pytest_args=(), environ: dict | None = None
 
 def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
              runner: Callable[..., int] | None = None) -> int:
-    """Run one lane's pytest selection; returns pytest's exit code."""
+    """Run one lane's pytest selection; returns pytest's exit code. The lane's environment is
+    checked first (settings.startup): a bad value is a one-line ConfigError (exit 2)."""
+    from .infra import settings
     lane = get_lane(name)
     argv, env = lane_command(lane, extra_pytest_args, environ)
+    settings.startup(env)
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in lane.full_env().items())
     print(f"lane {lane.name}: {shown} {shlex.join(['python', *argv[1:]])}", flush=True)
     run = runner or (lambda a, env: subprocess.call(a, env=env))

@@ -8,27 +8,28 @@ import time
 
 import pytest
 
-from .infra import lifecycle, results
-from .infra.cluster import Cluster, default_backend
+from .infra import lifecycle, results, settings
+from .infra.cluster import Cluster
 from .infra.engines import options_from_env
 from .infra.errors import HarnessError
 from .infra.topology import parse as parse_topology
 
-ENGINES = ("vllm", "tokenspeed")
-DEFAULT_TOPOLOGIES = "1,dp2,1p1d"
+ENGINES = settings.ENGINES
+DEFAULT_TOPOLOGIES = ",".join(settings.SETTINGS["E2E_TOPOLOGIES"].default)
 
 
 def pytest_addoption(parser):
     g = parser.getgroup("e2e", "end-to-end harness")
-    g.addoption("--engine", default=os.environ.get("E2E_ENGINES", ",".join(ENGINES)),
+    # Defaults are the variables' raw text; pytest_configure validates them (settings.py).
+    g.addoption("--engine", default=settings.raw("E2E_ENGINES") or ",".join(ENGINES),
                 help="engines to parametrize over (comma list; env E2E_ENGINES)")
-    g.addoption("--topology", default=os.environ.get("E2E_TOPOLOGIES", DEFAULT_TOPOLOGIES),
+    g.addoption("--topology", default=settings.raw("E2E_TOPOLOGIES") or DEFAULT_TOPOLOGIES,
                 help="topologies to parametrize over (comma list; env E2E_TOPOLOGIES)")
-    g.addoption("--model", default=os.environ.get("E2E_MODEL", "SmolLM2-135M-Instruct"),
+    g.addoption("--model", default=settings.raw("E2E_MODEL") or settings.DEFAULT_MODEL,
                 help="model id from the registry (env E2E_MODEL)")
-    g.addoption("--devices", default=os.environ.get("E2E_DEVICES"),
+    g.addoption("--devices", default=settings.raw("E2E_DEVICES"),
                 help="ordered device list, e.g. 0,1 (env E2E_DEVICES)")
-    g.addoption("--backend", default=os.environ.get("E2E_BACKEND"),
+    g.addoption("--backend", default=settings.raw("E2E_BACKEND"),
                 help="cpu or cuda (default: cuda when NVML sees a GPU)")
     g.addoption("--e2e-min-tests", type=int, default=None, metavar="N",
                 help="fail the session when fewer than N tests are selected (lanes set this)")
@@ -40,24 +41,37 @@ def _csv(v: str) -> list[str]:
     return [x.strip() for x in (v or "").split(",") if x.strip()]
 
 
+def _given(config, option: str, var: str) -> str | None:
+    """The option's value when it was given on the command line (an error then names the
+    option); None when it is the variable's value or the default (settings names the variable)."""
+    v = config.getoption(option)
+    if v is None or v == settings.raw(var) or v == _DEFAULTS.get(option):
+        return None
+    return v
+
+
+_DEFAULTS = {"--engine": ",".join(ENGINES), "--topology": DEFAULT_TOPOLOGIES,
+             "--model": settings.DEFAULT_MODEL}
+
+
 def pytest_configure(config):
     lifecycle.install()
     config._e2e_records = []
     config._e2e_clusters = {}
     config._e2e_t0 = time.monotonic()
-    # Bad input: one line before anything starts.
+    # Bad input: one line per problem, exit 2, before anything starts (settings.py).
     try:
-        if os.environ.get("E2E_DATASET_DIR"):
+        settings.startup(backend=_given(config, "--backend", "E2E_BACKEND"),
+                         devices=_given(config, "--devices", "E2E_DEVICES"),
+                         model=_given(config, "--model", "E2E_MODEL"),
+                         engines=_given(config, "--engine", "E2E_ENGINES"),
+                         topologies=_given(config, "--topology", "E2E_TOPOLOGIES"))
+        if settings.get("E2E_DATASET_DIR"):
             from .infra import datasets
             for name in ("gsm8k", "mmlu"):
                 datasets.dataset_dir(name)
-        for t in _csv(config.getoption("--topology")):
-            parse_topology(t)
-        for e in _csv(config.getoption("--engine")):
-            if e not in ENGINES + ("sglang",):
-                raise HarnessError(f"unknown engine {e!r} (known: {', '.join(ENGINES)})")
     except HarnessError as e:
-        raise pytest.UsageError(str(e)) from None
+        pytest.exit(str(e), returncode=2)
 
 
 def pytest_generate_tests(metafunc):
@@ -135,7 +149,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session")
 def e2e_backend(request) -> str:
-    return request.config.getoption("--backend") or default_backend()
+    return settings.resolve_backend(request.config.getoption("--backend"))
 
 
 class ClusterPool:
@@ -274,7 +288,7 @@ def pytest_sessionfinish(session, exitstatus):
     bad = [f"{n}: {c.teardown_report.verdict()}" for n, c in config._e2e_clusters.items()
            if c.teardown_report is not None and not c.teardown_report.ok]
     config._e2e_teardown_violations = bad
-    if bad and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    if bad and os.environ.get("CI", "").lower() in settings.TRUE:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not config._e2e_records and not config._e2e_clusters:
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write
@@ -339,18 +353,6 @@ def require_devices(config, topology, backend: str) -> None:
         pytest.skip(f"too few devices: {why}")
 
 
-def pytest_sessionstart(session):
-    """The opt-in AFD large-model profile is checked before anything is collected or started:
-    every missing prerequisite is one line of the usage error."""
-    if os.environ.get("AFD_E2E_LARGE_MODEL") != "1":
-        return
-    from .infra.engines import afd
-    problems = afd.check_profile(afd.profile_from_env(), need_devices=8, large_model=True)
-    if problems:
-        raise pytest.UsageError("\n".join(f"opt-in AFD large-model profile "
-                                          f"(AFD_E2E_LARGE_MODEL=1): {p}" for p in problems))
-
-
 def _deselect_reason(item, config) -> str:
     kexpr = (getattr(config.option, "keyword", "") or "").strip()
     mexpr = (getattr(config.option, "markexpr", "") or "").strip()
@@ -389,7 +391,7 @@ def pytest_make_collect_report(collector):
 
 
 def _engine_of(item) -> str:
-    return next((e for e in ENGINES + ("sglang",) if item.get_closest_marker(e)), "none")
+    return next((e for e in ENGINES if item.get_closest_marker(e)), "none")
 
 
 def _engine_counts(items) -> str:
@@ -404,7 +406,7 @@ def selection_report(session) -> list[str]:
     config = session.config
     by_reason: dict = getattr(config, "_e2e_deselected", {})
     deselected = [i for items in by_reason.values() for i in items]
-    lane = os.environ.get("E2E_LANE")
+    lane = settings.get("E2E_LANE")
     lines = [f"e2e selection{f' (lane {lane})' if lane else ''}: {len(session.items)} "
              f"selected, {len(deselected)} deselected"]
     for reason, items in by_reason.items():
@@ -430,7 +432,7 @@ def pytest_collection_finish(session):
                     returncode=pytest.ExitCode.TESTS_FAILED)
     need = config.getoption("--e2e-min-tests")
     if need is not None and len(session.items) < need:
-        lane = os.environ.get("E2E_LANE")
+        lane = settings.get("E2E_LANE")
         pytest.exit(f"{f'lane {lane}: ' if lane else ''}{len(session.items)} test(s) selected, "
                     f"fewer than --e2e-min-tests {need} (check paths, -m, E2E_ENGINES, "
                     "E2E_TOPOLOGIES)", returncode=pytest.ExitCode.TESTS_FAILED)

@@ -250,8 +250,8 @@ def test_opt_in_profile_fails_fast_with_one_line_per_problem(tmp_path):
             break
     elapsed = min(times)
     out = r.stdout + r.stderr
-    assert r.returncode == pytest.ExitCode.USAGE_ERROR, out
-    assert f"AFD_GPU_E2E_MODEL={missing}: no such directory" in out, out
+    assert r.returncode == 2, out        # settings.startup: a bad value is exit 2
+    assert f"AFD_GPU_E2E_MODEL={str(missing)!r}: no such directory" in out, out
     assert "::" not in r.stdout                      # nothing was collected
     problems = [ln for ln in out.splitlines() if "AFD large-model profile" in ln]
     assert problems and all(len(p) < 300 for p in problems), out
@@ -327,7 +327,7 @@ def test_run_lane_command_and_env(tmp_path):
         seen.update(argv=argv, env=env)
         return 3
 
-    environ = {"KEEP_ME": "1", "E2E_RESULTS_DIR": str(tmp_path), "E2E_ENGINES": "sglang"}
+    environ = {"KEEP_ME": "1", "E2E_RESULTS_DIR": str(tmp_path), "E2E_ENGINES": "tokenspeed"}
     rc = lanes.run_lane("e2e-2gpu-pd", ["--", "-x", "-k", "chat"], environ=environ,
                         runner=runner)
     assert rc == 3
@@ -341,11 +341,14 @@ def test_run_lane_command_and_env(tmp_path):
     assert env["E2E_ENGINES"] == "vllm,tokenspeed"     # the lane wins over the caller
     assert env["E2E_TOPOLOGIES"] == "1,1p1d" and env["E2E_LANE"] == "e2e-2gpu-pd"
 
-    lanes.run_lane("e2e-8gpu-afd-large", [], environ={}, runner=runner)
-    assert seen["argv"][-1] == "--e2e-no-skips"
-    assert "--junitxml" in seen["argv"] and "results/junit-e2e-8gpu-afd-large.xml" in \
-        seen["argv"]
-    assert seen["env"]["AFD_E2E_LARGE_MODEL"] == "1"
+    # The opt-in lane's prerequisites are checked before pytest is started (settings.startup).
+    with pytest.raises(ConfigError) as ei:
+        lanes.run_lane("e2e-8gpu-afd-large", [], environ={}, runner=runner)
+    assert "AFD_GPU_E2E_MODEL is not set" in str(ei.value)
+    argv, env = lanes.lane_command(lanes.get_lane("e2e-8gpu-afd-large"), [], environ={})
+    assert argv[-1] == "--e2e-no-skips"
+    assert "--junitxml" in argv and "results/junit-e2e-8gpu-afd-large.xml" in argv
+    assert env["AFD_E2E_LARGE_MODEL"] == "1"
 
 
 # -- too few devices: skip in ordinary lanes, fail under --e2e-no-skips --------------------------

@@ -246,7 +246,7 @@ def test_require_errors():
     s = get_spec("Qwen/Qwen3.5-9B")
     with pytest.raises(ConfigError) as ei:
         s.require("trtllm", "regular")
-    assert str(ei.value) == "unknown engine 'trtllm' (known: vllm, tokenspeed, sglang)"
+    assert str(ei.value) == "unknown engine 'trtllm' (known: vllm, tokenspeed)"
     with pytest.raises(ConfigError) as ei:
         s.require("vllm", "regular")
     assert str(ei.value) == ("model 'Qwen/Qwen3.5-9B' does not run on engine 'vllm' "
@@ -258,6 +258,5 @@ def test_require_errors():
 
 
 def test_engine_args():
-    s = spec(vllm_args=["--a"], tokenspeed_args=["--b"], sglang_args=["--c"])
-    assert (s.engine_args("vllm"), s.engine_args("tokenspeed"), s.engine_args("sglang")) == (
-        ("--a",), ("--b",), ("--c",))
+    s = spec(vllm_args=["--a"], tokenspeed_args=["--b"])
+    assert (s.engine_args("vllm"), s.engine_args("tokenspeed")) == (("--a",), ("--b",))

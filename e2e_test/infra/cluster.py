@@ -27,12 +27,12 @@ from pathlib import Path
 import httpx
 
 from . import gateway as gw
-from . import metrics, ports, teardown
+from . import metrics, ports, settings, teardown
 from .engines import EngineOptions, Ports, WorkerCommand
 from .errors import ConfigError, StartupError
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
 from .models import weights_path
-from .plan import Plan, PlanEntry, make_plan, nvml_inventory, resolve_devices
+from .plan import Plan, PlanEntry, make_plan, resolve_devices
 from .process import ManagedProcess, StopReport, classify_log
 from .topology import Topology, parse
 
@@ -42,16 +42,11 @@ _ids = itertools.count(1)
 
 
 def results_root() -> Path:
-    return Path(os.environ.get("E2E_RESULTS_DIR", "results"))
+    return settings.get("E2E_RESULTS_DIR")
 
 
 def default_backend() -> str:
-    env = os.environ.get("E2E_BACKEND")
-    if env:
-        if env not in ("cpu", "cuda"):
-            raise ConfigError(f"E2E_BACKEND={env!r}: expected cpu or cuda")
-        return env
-    return "cuda" if nvml_inventory() else "cpu"
+    return settings.resolve_backend(None)
 
 
 def _builder(engine: str, topology: Topology):
@@ -141,7 +136,7 @@ class Cluster:
         self.topology = parse(topology)
         self.topology.check_engine(engine)
         self.spec.require(engine, self.topology.kind)
-        self.backend = backend or default_backend()
+        self.backend = settings.resolve_backend(backend, source="backend")
         base = options or EngineOptions()
         self.options = replace(base, backend=self.backend)
         self.model_path = weights_path(self.spec)
@@ -151,8 +146,7 @@ class Cluster:
         else:
             cores = None
             if devices:
-                from .plan import parse_device_list
-                cores = parse_device_list(devices, "--devices")
+                cores = settings.check_devices(devices, "cpu", "devices")
             self.plan = make_plan(self.topology, self.spec, "cpu", cores=cores)
         if self.topology.kind == "afd" and self.plan.packed:
             raise ConfigError(f"topology {self.topology.name!r}: AFD attention and FFN need "
@@ -469,8 +463,7 @@ class Cluster:
         the window (E2E_WATCHDOG_S, default 60 s), attaching queues and stack dumps."""
         from .diagnostics import diagnose_stall
         from .load import Watchdog
-        window = window_s if window_s is not None else float(
-            os.environ.get("E2E_WATCHDOG_S", "60"))
+        window = window_s if window_s is not None else settings.get("E2E_WATCHDOG_S")
         return Watchdog(window_s=window, what=f"{what} on {self.topology.name}",
                         diagnose=lambda: diagnose_stall(self), check=self.dead_processes,
                         engine_progress=self.engine_work)

@@ -6,7 +6,6 @@ is a ConfigError with one line naming the entry and the key.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import yaml
 
 from .errors import ConfigError
 
-ENGINES = ("vllm", "tokenspeed", "sglang")
+ENGINES = ("vllm", "tokenspeed")   # the engines with a command builder (engines/)
 TOPOLOGY_KINDS = ("regular", "dp", "pd", "epd", "afd")
 FEATURES = ("chat", "moe", "reasoning", "multimodal")
 EVALS = ("gsm8k", "mmlu")
@@ -54,13 +53,11 @@ class ModelSpec:
     gpu_memory_fraction: float = 0.85
     vllm_args: tuple[str, ...] = ()
     tokenspeed_args: tuple[str, ...] = ()
-    sglang_args: tuple[str, ...] = ()
     accuracy: dict[str, AccuracyFloor] = field(default_factory=dict)
     opt_in: bool = False
 
     def engine_args(self, engine: str) -> tuple[str, ...]:
-        return {"vllm": self.vllm_args, "tokenspeed": self.tokenspeed_args,
-                "sglang": self.sglang_args}[engine]
+        return {"vllm": self.vllm_args, "tokenspeed": self.tokenspeed_args}[engine]
 
     def supports(self, engine: str, kind: str) -> bool:
         return engine in self.engines and kind in self.topologies
@@ -80,7 +77,7 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "tp": int, "max_model_len": int, "startup_timeout_s": (int, float),
     "gpu_memory_fraction": (int, float), "opt_in": bool,
 }
-_STR_LISTS = ("features", "engines", "topologies", "vllm_args", "tokenspeed_args", "sglang_args")
+_STR_LISTS = ("features", "engines", "topologies", "vllm_args", "tokenspeed_args")
 _ALLOWED = set(_SCALARS) | set(_STR_LISTS) | {"weights", "accuracy"}
 
 
@@ -210,5 +207,6 @@ def get_spec(name: str, registry: dict[str, ModelSpec] | None = None) -> ModelSp
 
 
 def model_root() -> Path | None:
-    v = os.environ.get(MODEL_ROOT_ENV)
-    return Path(v) if v else None
+    from . import settings
+    v = settings.raw(MODEL_ROOT_ENV)
+    return Path(v).expanduser() if v else None

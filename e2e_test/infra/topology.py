@@ -26,9 +26,9 @@ _SHORT = {"w": "worker", "e": "encode", "p": "prefill", "d": "decode", "a": "att
           "f": "ffn"}
 # Which engines can run each topology kind (through smg).
 KIND_ENGINES = {
-    "regular": ("vllm", "tokenspeed", "sglang"),
-    "dp": ("vllm", "tokenspeed", "sglang"),
-    "pd": ("vllm", "tokenspeed", "sglang"),
+    "regular": ("vllm", "tokenspeed"),
+    "dp": ("vllm", "tokenspeed"),
+    "pd": ("vllm", "tokenspeed"),
     # smg's EPD mode speaks gRPC to TokenSpeed only.
     "epd": ("tokenspeed",),
     # AFD exists as the vLLM afd-plugin.

@@ -4,19 +4,18 @@ n and the floor come from the model's registry entry (E2E_GSM8K_N / E2E_MMLU_N o
 Transport and HTTP errors are counted apart; above 2% of n they fail the test.
 """
 
-import os
-
 import pytest
 
+from e2e_test.infra import settings
 from e2e_test.infra.evals import gsm8k, mmlu
 
 pytestmark = [pytest.mark.e2e, pytest.mark.eval]
-CONCURRENCY = int(os.environ.get("E2E_EVAL_CONCURRENCY", "16"))
+CONCURRENCY = settings.get("E2E_EVAL_CONCURRENCY")
 
 
 def _n_floor(cluster, name):
     acc = cluster.spec.accuracy.get(name)
-    n = int(os.environ.get(f"E2E_{name.upper()}_N", acc.n if acc else 32))
+    n = settings.get(f"E2E_{name.upper()}_N") or (acc.n if acc else 32)
     return n, (acc.floor if acc else None)
 
 
