@@ -209,6 +209,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _add("E2E_ENGINES", CsvOf(*ENGINES), ENGINES, "engines to parametrize over (`--engine`)")
 _add("E2E_TOPOLOGIES", Topologies(), ("1", "dp2", "1p1d"), "topologies to parametrize over (`--topology`)")
 _add("E2E_LANE", Text(), None, "the lane being run; set by `python -m e2e_test run LANE`")
+_add("E2E_LANE_PYTHON", Executable(), None, "interpreter for every part of `run LANE` instead of the lane's venvs (a runner whose engines come from PYTHONPATH)")
 _add("E2E_MODEL", Model(), DEFAULT_MODEL, "model under test, a registry id (`--model`)")
 _add("E2E_BACKEND", Choice("cpu", "cuda"), None, "cpu or cuda (`--backend`); unset: cuda when NVML sees a GPU")
 _add("E2E_DEVICES", DeviceList(), None, "ordered GPU ids (cuda) or CPU cores (cpu), checked against NVML / the affinity mask (`--devices`)")
