@@ -166,6 +166,19 @@ def _int(where: str, value: Any, lo: int = 0) -> int:
     return value
 
 
+def _check_setting(where: str, name: str, value: str) -> None:
+    """A lane's value for a harness variable must be one settings.py accepts (folders and
+    executables are the runner's, checked when the lane runs)."""
+    from .infra import settings
+    s = settings.SETTINGS.get(name)
+    if s is None or s.kind.label in ("dir", "executable"):
+        return
+    try:
+        s.parse(value, source=where)
+    except settings.SettingError as e:
+        raise ConfigError(e.summary) from None
+
+
 def parse_lane(name: Any, raw: Any) -> Lane:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigError(f"lanes.yaml: bad lane name {name!r} (lowercase letters, digits, -)")
@@ -213,6 +226,7 @@ def parse_lane(name: Any, raw: Any) -> Lane:
             raise ConfigError(f"{where}.env: {k} is set from the lane's engines/topologies")
         if not isinstance(v, str):
             raise ConfigError(f"{where}.env.{k}: expected a string (quote it), got {v!r}")
+        _check_setting(f"{where}.env.{k}", k, v)
     timeout = _int(f"{where}.timeout_minutes", raw["timeout_minutes"], lo=1)
     venvs = raw["venvs"]
     _keys(f"{where}.venvs", venvs, engines)
@@ -525,6 +539,7 @@ def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
     with the venv's env and the lane's env merged over `environ`. A lane in one venv is one
     pytest, exactly as before; a split lane gives each part its own E2E_ENGINES, JUnit file,
     minimum and results folder (results/<venv>)."""
+    from .infra import settings
     python = python or venv_python
     base = dict(os.environ if environ is None else environ)
     extra = list(extra_pytest_args or ())
@@ -534,7 +549,7 @@ def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
     out = []
     for venv, engines in groups:
         env = {**base, **dict(VENVS[venv].env), **lane.full_env(), "E2E_LANE": lane.name}
-        results_dir = env.get("E2E_RESULTS_DIR") or "results"
+        results_dir = str(settings.get("E2E_RESULTS_DIR", env))
         part = None
         if len(groups) > 1:
             part = engines

@@ -117,6 +117,7 @@ def _raw() -> dict:
     ("e2e-1gpu-chat", {"min_tests": 17}, "give min_tests per engine"),
     ("e2e-1gpu-chat", {"min_tests": {"vllm": 3}}, "min_tests: missing key(s) tokenspeed"),
     ("e2e-cpu", {"passed_once": "no"}, "passed_once: expected true or false"),
+    ("e2e-cpu", {"env": {"E2E_BURST_N": "many"}}, "env.E2E_BURST_N='many': not an integer"),
     ("e2e-cpu", {"min_tests": -1}, "min_tests: expected an integer >= 0"),
     ("e2e-cpu", {"opt_in": "yes"}, "opt_in: expected true or false"),
     ("e2e-cpu", {"opt_in": True}, "opt_in lanes run on workflow_dispatch only"),
