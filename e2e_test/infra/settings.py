@@ -84,7 +84,7 @@ def Bool() -> Kind:
 def Choice(*choices: str) -> Kind:
     def parse(raw: str) -> str:
         if raw.strip() not in choices:
-            raise ValueError("not one of them" if len(choices) > 1 else "not it")
+            raise ValueError("unknown value")
         return raw.strip()
     return Kind("choice", " | ".join(choices), parse)
 
