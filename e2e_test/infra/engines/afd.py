@@ -125,7 +125,9 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
            "VLLM_USE_V2_MODEL_RUNNER": "0",
            "VLLM_PLUGINS": "" if topology.native_baseline else "afd",
            "VLLM_ENGINE_READY_TIMEOUT_S": ENGINE_READY_TIMEOUT_S,
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1",
+           # /server_info: the resolved window the burst preflight reads (as engines/vllm.py)
+           "VLLM_SERVER_DEV_MODE": "1"}
     metadata: dict = {"engine": "afd", "unset_env": list(UNSET_ENV)}
     afd_port = None
     if not topology.native_baseline:
