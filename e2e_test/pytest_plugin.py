@@ -13,8 +13,8 @@ import pytest
 
 pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
-from .infra import lifecycle, results
-from .infra.cluster import Cluster, default_backend
+from .infra import lifecycle, results, settings
+from .infra.cluster import Cluster
 from .infra.engines import DEFAULT_ENGINE, engine_names, kind_engines, options_from_env
 from .infra.errors import HarnessError
 from .infra.model_specs import DEFAULT_MODEL
@@ -23,20 +23,21 @@ from .pytest_lanes import device_shortfall, require_devices  # noqa: F401  (publ
 from .pytest_state import OUTCOME, RECORDED, state
 
 pytest_plugins = ["e2e_test.pytest_lanes"]
-DEFAULT_TOPOLOGIES = "1,dp2,1p1d"
+DEFAULT_TOPOLOGIES = ",".join(settings.SETTINGS["E2E_TOPOLOGIES"].default)
 
 
 def pytest_addoption(parser):
     g = parser.getgroup("e2e", "end-to-end harness")
-    g.addoption("--engine", default=os.environ.get("E2E_ENGINES", ",".join(engine_names())),
+    # Defaults are the variables' raw text; pytest_configure validates them (settings.py).
+    g.addoption("--engine", default=settings.raw("E2E_ENGINES") or ",".join(engine_names()),
                 help="engines to parametrize over (comma list; env E2E_ENGINES)")
-    g.addoption("--topology", default=os.environ.get("E2E_TOPOLOGIES", DEFAULT_TOPOLOGIES),
+    g.addoption("--topology", default=settings.raw("E2E_TOPOLOGIES") or DEFAULT_TOPOLOGIES,
                 help="topologies to parametrize over (comma list; env E2E_TOPOLOGIES)")
-    g.addoption("--model", default=os.environ.get("E2E_MODEL", DEFAULT_MODEL),
+    g.addoption("--model", default=settings.raw("E2E_MODEL") or DEFAULT_MODEL,
                 help="model id from the registry (env E2E_MODEL)")
-    g.addoption("--devices", default=os.environ.get("E2E_DEVICES"),
+    g.addoption("--devices", default=settings.raw("E2E_DEVICES"),
                 help="ordered device list, e.g. 0,1 (env E2E_DEVICES)")
-    g.addoption("--backend", default=os.environ.get("E2E_BACKEND"),
+    g.addoption("--backend", default=settings.raw("E2E_BACKEND"),
                 help="cpu or cuda (default: cuda when NVML sees a GPU)")
 
 
@@ -44,23 +45,35 @@ def _csv(v: str) -> list[str]:
     return [x.strip() for x in (v or "").split(",") if x.strip()]
 
 
+def _given(config, option: str, var: str) -> str | None:
+    """The option's value when it was given on the command line (an error then names the
+    option); None when it is the variable's value or the default (settings names the variable)."""
+    v = config.getoption(option)
+    if v is None or v == settings.raw(var) or v == _DEFAULTS.get(option):
+        return None
+    return v
+
+
+_DEFAULTS = {"--engine": ",".join(engine_names()), "--topology": DEFAULT_TOPOLOGIES,
+             "--model": settings.DEFAULT_MODEL}
+
+
 def pytest_configure(config):
     lifecycle.install()
     state(config)
-    # Bad input: one line before anything starts.
+    # Bad input: one line per problem, exit 2, before anything starts (settings.py).
     try:
-        if os.environ.get("E2E_DATASET_DIR"):
+        settings.startup(backend=_given(config, "--backend", "E2E_BACKEND"),
+                         devices=_given(config, "--devices", "E2E_DEVICES"),
+                         model=_given(config, "--model", "E2E_MODEL"),
+                         engines=_given(config, "--engine", "E2E_ENGINES"),
+                         topologies=_given(config, "--topology", "E2E_TOPOLOGIES"))
+        if settings.get("E2E_DATASET_DIR"):
             from .infra import datasets
             for name in ("gsm8k", "mmlu"):
                 datasets.dataset_dir(name)
-        for t in _csv(config.getoption("--topology")):
-            parse_topology(t)
-        known = engine_names()
-        for e in _csv(config.getoption("--engine")):
-            if e not in known:
-                raise HarnessError(f"unknown engine {e!r} (known: {', '.join(known)})")
     except HarnessError as e:
-        raise pytest.UsageError(str(e)) from None
+        pytest.exit(str(e), returncode=2)
 
 
 def pytest_generate_tests(metafunc):
@@ -133,7 +146,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session")
 def e2e_backend(request) -> str:
-    return request.config.getoption("--backend") or default_backend()
+    return settings.resolve_backend(request.config.getoption("--backend"))
 
 
 class ClusterPool:
@@ -285,7 +298,7 @@ def pytest_sessionfinish(session, exitstatus):
     bad = [f"{n}: {c.teardown_report.verdict()}" for n, c in st.clusters.items()
            if c.teardown_report is not None and not c.teardown_report.ok]
     st.teardown_violations = bad
-    if bad and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    if bad and os.environ.get("CI", "").lower() in settings.TRUE:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not st.records and not st.clusters:
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write

@@ -32,7 +32,7 @@ def entries(topo: str):
 def env(gpus: str, plugins: str = "afd") -> dict:
     return {"CUDA_VISIBLE_DEVICES": gpus, "VLLM_USE_V2_MODEL_RUNNER": "0",
             "VLLM_PLUGINS": plugins, "VLLM_ENGINE_READY_TIMEOUT_S": "18000",
-            "PYTHONUNBUFFERED": "1"}
+            "PYTHONUNBUFFERED": "1", "VLLM_SERVER_DEV_MODE": "1"}
 
 
 def afd_config(role: str, port: int, a: int, f: int) -> str:

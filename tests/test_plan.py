@@ -207,20 +207,36 @@ def test_plan_to_dict_and_describe():
 ALL = {"E2E_DEVICES": "1,2", "AFD_E2E_DEVICES": "3,4", "CUDA_VISIBLE_DEVICES": "5,6"}
 
 
+def nvml_unavailable():
+    return ()     # a given list is then not checked against the machine
+
+
 def test_resolve_explicit_wins():
-    assert resolve_devices(parse("1"), "7, 8", environ=ALL, inventory=no_inventory) == (7, 8)
+    assert resolve_devices(parse("1"), "7, 8", environ=ALL, inventory=nvml_unavailable) == (7, 8)
 
 
 def test_resolve_e2e_devices_before_afd():
-    assert resolve_devices(parse("2a2f"), None, environ=ALL, inventory=no_inventory) == (1, 2)
+    assert resolve_devices(parse("2a2f"), None, environ=ALL,
+                           inventory=nvml_unavailable) == (1, 2)
 
 
 def test_resolve_afd_devices_only_for_afd():
     env = {k: v for k, v in ALL.items() if k != "E2E_DEVICES"}
-    assert resolve_devices(parse("2a2f"), None, environ=env, inventory=no_inventory) == (3, 4)
+    assert resolve_devices(parse("2a2f"), None, environ=env, inventory=nvml_unavailable) == (3, 4)
     assert resolve_devices(parse("native-dp4"), None, environ=env,
-                           inventory=no_inventory) == (3, 4)
+                           inventory=nvml_unavailable) == (3, 4)
     assert resolve_devices(parse("1p1d"), None, environ=env, inventory=no_inventory) == (5, 6)
+
+
+@pytest.mark.parametrize("explicit,env,source", [
+    ("0,99", {}, "--devices"), (None, {"E2E_DEVICES": "99"}, "E2E_DEVICES"),
+    (None, {"AFD_E2E_DEVICES": "0,1,2,9"}, "AFD_E2E_DEVICES")])
+def test_resolve_refuses_ids_nvml_does_not_list(explicit, env, source):
+    """Negative control of the device check: ids beyond what NVML lists are one line."""
+    with pytest.raises(ConfigError) as ei:
+        resolve_devices(parse("2a2f"), explicit, environ=env, inventory=lambda: (0, 1, 2, 3))
+    msg = str(ei.value)
+    assert msg.startswith(f"{source}=") and "not present" in msg and "0-3" in msg, msg
 
 
 def test_resolve_cuda_visible_devices_then_inventory():

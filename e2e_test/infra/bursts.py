@@ -202,3 +202,66 @@ def histogram(res: BurstResult, path: Path) -> Path | None:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+# -- window preflight ------------------------------------------------------------------------------
+
+class WindowError(HarnessError):
+    """A burst would meet an engine window it cannot be sure of, or one too small for it."""
+
+
+def check_window(windows: dict[str, dict], concurrency: int,
+                 admission: Admission | None) -> dict[str, int]:
+    """Before a burst of `concurrency` requests: every serving worker's resolved running window
+    (`max_num_seqs`) must be known. A stage (regular, prefill, decode: the `stage` key, default
+    regular) runs at most the sum of its workers' windows at once. With no admission configured
+    every stage must hold the whole burst; with admission, smg must not admit more at once than
+    the smallest stage holds. Otherwise a WindowError naming the numbers and the way out.
+    Returns each stage's capacity. Pure (tests/test_window_preflight.py)."""
+    unknown = [n for n, w in windows.items() if not isinstance(w.get("max_num_seqs"), int)]
+    if unknown:
+        src = "; ".join(f"{n}: {windows[n].get('source', 'unknown')}"
+                        + (f" ({windows[n]['error']})" if windows[n].get("error") else "")
+                        for n in unknown)
+        raise WindowError(f"window preflight: the running window of {', '.join(unknown)} is "
+                          f"unknown ({src}) before a burst of {concurrency}; give the window "
+                          "(--max-num-seqs: EngineOptions(max_num_seqs=N), E2E_BURST_WINDOW) "
+                          "so it can be checked")
+    if not windows:
+        raise WindowError("window preflight: no serving worker to read a window from")
+    stages: dict[str, int] = {}
+    members: dict[str, list[str]] = {}
+    for n, w in windows.items():
+        st = w.get("stage", "regular")
+        stages[st] = stages.get(st, 0) + int(w["max_num_seqs"])
+        members.setdefault(st, []).append(f"{n}: {int(w['max_num_seqs'])}")
+    stage, cap = min(stages.items(), key=lambda kv: kv[1])
+    who = f"{stage} ({', '.join(members[stage])})"
+    if admission is None and cap < concurrency:
+        raise WindowError(f"window preflight: a burst of {concurrency} with no admission "
+                          f"configured, but the window is {cap}: {who} runs at most {cap} "
+                          f"request(s) at once (max_num_seqs); configure admission (smg "
+                          f"--max-concurrent-requests <= {cap}) or give a window >= "
+                          f"{concurrency}")
+    if admission is not None and admission.max_concurrent_requests > cap:
+        raise WindowError(f"window preflight: smg admits {admission.max_concurrent_requests} at "
+                          f"once, but the window is {cap}: {who} (max_num_seqs); set "
+                          f"--max-concurrent-requests <= {cap} or give a window >= "
+                          f"{admission.max_concurrent_requests}")
+    return stages
+
+
+SERVING_STAGES = ("regular", "prefill", "decode")
+
+
+def read_windows(cluster) -> dict[str, dict]:
+    """Every serving worker's resolved window (effective_window) and stage, by worker name
+    (encode and AFD FFN workers hold no running window of requests)."""
+    return {w.name: {**effective_window(w.url, w.process.log_text() if w.process else ""),
+                     "stage": w.command.worker_type}
+            for w in cluster.workers if w.command.worker_type in SERVING_STAGES}
+
+
+def preflight(cluster, concurrency: int, admission: Admission | None) -> dict[str, int]:
+    """Read every worker's window and check it against the burst (check_window)."""
+    return check_window(read_windows(cluster), concurrency, admission)

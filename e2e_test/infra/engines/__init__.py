@@ -16,8 +16,6 @@ No process is started here; every builder is unit-tested for its exact argv and 
 from __future__ import annotations
 
 import importlib
-import os
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,12 +54,13 @@ class EngineOptions:
 
 
 def options_from_env(environ=None, **overrides) -> EngineOptions:
-    """EngineOptions from the harness's env (E2E_ENFORCE_EAGER=1, E2E_MOONCAKE_TRANSPORT,
-    E2E_ENGINE_ARGS: extra worker flags, shell-quoted), with explicit overrides on top."""
-    env = os.environ if environ is None else environ
-    base = {"enforce_eager": env.get("E2E_ENFORCE_EAGER") == "1",
-            "mooncake_transport": env.get("E2E_MOONCAKE_TRANSPORT") or "nvlink",
-            "extra_args": tuple(shlex.split(env.get("E2E_ENGINE_ARGS", "")))}
+    """EngineOptions from the harness's env (E2E_ENFORCE_EAGER, E2E_MOONCAKE_TRANSPORT,
+    E2E_ENGINE_ARGS: extra worker flags, shell-quoted; parsed by settings.py), with explicit
+    overrides on top."""
+    from .. import settings
+    base = {"enforce_eager": settings.get("E2E_ENFORCE_EAGER", environ),
+            "mooncake_transport": settings.get("E2E_MOONCAKE_TRANSPORT", environ),
+            "extra_args": settings.get("E2E_ENGINE_ARGS", environ)}
     return EngineOptions(**{**base, **overrides})
 
 

@@ -80,8 +80,8 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
 
 def serve_prefix(environ: dict | None = None) -> list[str]:
     """`$AFD_GPU_E2E_VLLM_BIN serve` when set, else this interpreter's vLLM CLI."""
-    env = os.environ if environ is None else environ
-    vllm_bin = env.get(VLLM_BIN_ENV)
+    from .. import settings
+    vllm_bin = settings.raw(VLLM_BIN_ENV, environ)
     if vllm_bin:
         return [vllm_bin, "serve"]
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
@@ -127,7 +127,9 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
            "VLLM_USE_V2_MODEL_RUNNER": "0",
            "VLLM_PLUGINS": "" if topology.native_baseline else "afd",
            "VLLM_ENGINE_READY_TIMEOUT_S": ENGINE_READY_TIMEOUT_S,
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1",
+           # /server_info: the resolved window the burst preflight reads (as engines/vllm.py)
+           "VLLM_SERVER_DEV_MODE": "1"}
     afd_port = None
     if not topology.native_baseline:
         afd_port = _afd_port(entry, ports, options)
@@ -202,18 +204,24 @@ class AfdProfile:
     devices_raw: str | None         # AFD_E2E_DEVICES as given
     devices: tuple[str, ...]        # parsed, in order (order assigns roles)
     model: str | None               # AFD_GPU_E2E_MODEL
-    large_model: bool               # AFD_E2E_LARGE_MODEL == "1"
+    large_model: bool               # AFD_E2E_LARGE_MODEL (true/1/yes)
     vllm_bin: str | None            # AFD_GPU_E2E_VLLM_BIN (None: this interpreter's vLLM)
 
 
 def profile_from_env(environ: dict | None = None) -> AfdProfile:
+    """The variables as given (settings.py declares and validates them; this keeps the raw
+    text so check_profile can name what it got)."""
+    from .. import settings
     env = os.environ if environ is None else environ
-    raw = env.get("AFD_E2E_DEVICES") or None
+    raw = settings.raw("AFD_E2E_DEVICES", env)
     devices = tuple(d.strip() for d in raw.split(",") if d.strip()) if raw else ()
-    return AfdProfile(backend=env.get("AFD_E2E_BACKEND") or None, devices_raw=raw,
-                      devices=devices, model=env.get("AFD_GPU_E2E_MODEL") or None,
-                      large_model=env.get("AFD_E2E_LARGE_MODEL") == "1",
-                      vllm_bin=env.get(VLLM_BIN_ENV) or None)
+    try:
+        large = bool(settings.get("AFD_E2E_LARGE_MODEL", env))
+    except settings.SettingError:
+        large = False
+    return AfdProfile(backend=settings.raw("AFD_E2E_BACKEND", env), devices_raw=raw,
+                      devices=devices, model=settings.raw("AFD_GPU_E2E_MODEL", env),
+                      large_model=large, vllm_bin=settings.raw(VLLM_BIN_ENV, env))
 
 
 def check_profile(profile: AfdProfile, need_devices: int, *, large_model: bool = False,

@@ -1,0 +1,480 @@
+"""Every environment variable the harness reads (`E2E_*`, `AFD_E2E_*`, `AFD_GPU_E2E_*`), declared
+once: name, type, default, accepted values and a one-line doc.
+
+    from e2e_test.infra import settings
+    n = settings.get("E2E_BURST_N")            # parsed and validated (16 when unset)
+    settings.check()                           # every variable at once; raises SettingError
+
+`check()` runs at start-up (the CLI's `main`, the pytest plugin's configure, `run LANE`), so a
+wrong value is one line, exit 2, naming the variable, what it got and what it accepts, before
+any process starts. Adding a variable is one `_add(...)` line below; the README's table
+(between the `settings:begin`/`settings:end` markers) is generated from this list
+(`python -m e2e_test settings --write-readme`; tests/test_settings.py checks it is fresh).
+
+An empty value counts as unset (the workflow passes `${{ vars.X }}` even when X is not set).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+
+class SettingError(ConfigError):
+    """A variable (or the option standing for it) has a value the harness does not accept."""
+
+
+# -- kinds: how a raw string becomes a value, and what is accepted -------------------------------
+
+@dataclass(frozen=True)
+class Kind:
+    label: str                          # the table's "type" column
+    accepts: str                        # what the error message says is accepted
+    parse: Callable[[str], Any]         # raw -> value; raises ValueError(why) on a bad value
+
+
+def Int(minimum: int | None = None) -> Kind:
+    def parse(raw: str) -> int:
+        try:
+            v = int(raw.strip())
+        except ValueError:
+            raise ValueError("not an integer") from None
+        if minimum is not None and v < minimum:
+            raise ValueError(f"below {minimum}")
+        return v
+    return Kind("int", "an integer" + (f" >= {minimum}" if minimum is not None else ""), parse)
+
+
+def Float(minimum: float | None = None, exclusive: bool = True) -> Kind:
+    def parse(raw: str) -> float:
+        try:
+            v = float(raw.strip())
+        except ValueError:
+            raise ValueError("not a number") from None
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError("not a finite number")
+        if minimum is not None and (v <= minimum if exclusive else v < minimum):
+            raise ValueError(f"not {'>' if exclusive else '>='} {minimum:g}")
+        return v
+    op = ">" if exclusive else ">="
+    return Kind("float", "a number" + (f" {op} {minimum:g}" if minimum is not None else ""),
+                parse)
+
+
+TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+
+def Bool() -> Kind:
+    def parse(raw: str) -> bool:
+        v = raw.strip().lower()
+        if v in TRUE:
+            return True
+        if v in FALSE:
+            return False
+        raise ValueError("not a boolean")
+    return Kind("bool", "true/false, 1/0 or yes/no", parse)
+
+
+def Choice(*choices: str) -> Kind:
+    def parse(raw: str) -> str:
+        if raw.strip() not in choices:
+            raise ValueError("unknown value")
+        return raw.strip()
+    return Kind("choice", " | ".join(choices), parse)
+
+
+def CsvOf(*choices: str) -> Kind:
+    def parse(raw: str) -> tuple[str, ...]:
+        items = tuple(x.strip() for x in raw.split(",") if x.strip())
+        bad = [x for x in items if x not in choices]
+        if bad:
+            raise ValueError(f"unknown {', '.join(map(repr, bad))}")
+        if not items:
+            raise ValueError("empty list")
+        return items
+    return Kind("list", "a comma list of " + ", ".join(choices), parse)
+
+
+def Text() -> Kind:
+    return Kind("str", "any text", lambda raw: raw)
+
+
+def PathKind(must_be_dir: bool = False) -> Kind:
+    def parse(raw: str) -> Path:
+        p = Path(raw).expanduser()
+        if must_be_dir and not p.is_dir():
+            raise ValueError("no such directory")
+        return p
+    return Kind("dir" if must_be_dir else "path",
+                "an existing directory" if must_be_dir else "a path", parse)
+
+
+def ShellWords() -> Kind:
+    def parse(raw: str) -> tuple[str, ...]:
+        try:
+            return tuple(shlex.split(raw))
+        except ValueError as e:           # "No closing quotation"
+            raise ValueError(str(e).lower()) from None
+    return Kind("shell words", "shell-quoted words (balanced quotes)", parse)
+
+
+def DeviceList() -> Kind:
+    def parse(raw: str) -> tuple[int, ...]:
+        items = [t.strip() for t in raw.split(",") if t.strip()]
+        if not items:
+            raise ValueError("empty list")
+        try:
+            devs = tuple(int(t) for t in items)
+        except ValueError:
+            raise ValueError("device ids must be integers") from None
+        if any(d < 0 for d in devs):
+            raise ValueError("device ids must be >= 0")
+        dup = sorted({d for d in devs if devs.count(d) > 1})
+        if dup:
+            raise ValueError(f"duplicate device(s) {dup}")
+        return devs
+    return Kind("ids", "comma-separated distinct ids >= 0 (e.g. 0,1)", parse)
+
+
+def Topologies() -> Kind:
+    def parse(raw: str) -> tuple[str, ...]:
+        from .topology import parse as parse_topology
+        items = tuple(x.strip() for x in raw.split(",") if x.strip())
+        if not items:
+            raise ValueError("empty list")
+        for t in items:
+            try:
+                parse_topology(t)
+            except ConfigError as e:
+                raise ValueError(e.summary) from None
+        return items
+    return Kind("list", "a comma list of topologies (1, dpN, XpYd, XeYpZd, XaYf, ...)", parse)
+
+
+def Model() -> Kind:
+    def parse(raw: str) -> str:
+        from .model_specs import get_spec
+        try:
+            return get_spec(raw.strip()).id
+        except ConfigError as e:
+            raise ValueError(e.summary) from None
+    return Kind("model", "a model id of the registry (`python -m e2e_test models list`)", parse)
+
+
+def Executable() -> Kind:
+    def parse(raw: str) -> str:
+        if not shutil.which(raw):
+            raise ValueError("not an executable")
+        return raw
+    return Kind("executable", "an executable (path or name on PATH)", parse)
+
+
+# -- the variables -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: Kind
+    default: Any                        # the value when unset (None: see the doc)
+    doc: str
+
+    def parse(self, raw: str | None, source: str | None = None) -> Any:
+        if raw is None or raw.strip() == "":
+            return self.default
+        try:
+            return self.kind.parse(raw)
+        except ValueError as e:
+            raise SettingError(f"{source or self.name}={raw!r}: {e}; accepts "
+                               f"{self.kind.accepts}") from None
+
+
+SETTINGS: dict[str, Setting] = {}
+
+
+def _add(name: str, kind: Kind, default: Any, doc: str) -> None:
+    assert name not in SETTINGS, name
+    SETTINGS[name] = Setting(name, kind, default, doc)
+
+
+ENGINES = ("vllm", "tokenspeed")
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+# Selection (the pytest plugin; `run LANE` sets the first three from the lane table)
+_add("E2E_ENGINES", CsvOf(*ENGINES), ENGINES, "engines to parametrize over (`--engine`)")
+_add("E2E_TOPOLOGIES", Topologies(), ("1", "dp2", "1p1d"), "topologies to parametrize over (`--topology`)")
+_add("E2E_LANE", Text(), None, "the lane being run; set by `python -m e2e_test run LANE`")
+_add("E2E_GIT_SHA", Text(), None, "the commit a lane's run.json names, where the checkout has no .git (a copied tree)")
+_add("E2E_LANE_PYTHON", Executable(), None, "interpreter for every part of `run LANE` instead of the lane's venvs (a runner whose engines come from PYTHONPATH)")
+_add("E2E_MODEL", Model(), DEFAULT_MODEL, "model under test, a registry id (`--model`)")
+_add("E2E_BACKEND", Choice("cpu", "cuda"), None, "cpu or cuda (`--backend`); unset: cuda when NVML sees a GPU")
+_add("E2E_DEVICES", DeviceList(), None, "ordered GPU ids (cuda) or CPU cores (cpu), checked against NVML / the affinity mask (`--devices`)")
+_add("E2E_CPU_CORES", DeviceList(), None, "CPU cores for CPU workers (subset of the affinity mask); unset: the affinity mask")
+# Weights and data
+_add("E2E_MODEL_PATH", PathKind(must_be_dir=True), None, "weights folder of the model under test (overrides the registry); its config.json is parsed before launch")
+_add("E2E_MODEL_ROOT", PathKind(must_be_dir=True), None, "folder holding hub-id sub-folders for `source: hf` registry entries")
+_add("E2E_CACHE_DIR", PathKind(), Path("~/.cache/e2e_test").expanduser(), "cache of prepared models and downloaded datasets")
+_add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: the cache")
+_add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go")
+# Workers
+_add("E2E_ENFORCE_EAGER", Bool(), False, "pass --enforce-eager to vLLM workers (`--enforce-eager`)")
+_add("E2E_ENGINE_ARGS", ShellWords(), (), "extra flags for every worker, shell-quoted")
+_add("E2E_MOONCAKE_TRANSPORT", Choice("nvlink", "tcp"), "nvlink", "TokenSpeed PD/EPD Mooncake transport on one host")
+# Suites
+_add("E2E_WATCHDOG_S", Float(0), 60.0, "no-progress window after which a suite fails as stuck")
+_add("E2E_BURST_N", Int(1), 16, "requests per burst (test_burst.py)")
+_add("E2E_BURST_WINDOW", Int(1), 2, "running window (--max-num-seqs) of the small-window burst topology")
+_add("E2E_QUEUE_TIMEOUT_S", Int(1), 5, "smg admission queue timeout in the burst tests (whole seconds)")
+_add("E2E_EVAL_CONCURRENCY", Int(1), 16, "concurrent requests of the GSM8K/MMLU suites")
+_add("E2E_GSM8K_N", Int(1), None, "GSM8K questions; unset: the model's registry n")
+_add("E2E_MMLU_N", Int(1), None, "MMLU questions; unset: the model's registry n")
+_add("E2E_FAULT_STALL_WINDOW_S", Float(0), 20.0, "watchdog window of the SIGSTOP fault test")
+# AFD (attention/FFN disaggregation)
+_add("E2E_AFD_GSM8K_N", Int(1), 8, "GSM8K questions of the AFD suite")
+_add("E2E_AFD_GSM8K_MAX_TOKENS", Int(1), 128, "max tokens per GSM8K answer in the AFD suite")
+_add("E2E_AFD_FFN_STEP_TRACE", Bool(), True, "the afd-plugin per-step FFN trace on every FFN server (the FFN proof)")
+_add("AFD_E2E_BACKEND", Choice("gpu"), None, "AFD plugin backend; this harness runs the CUDA path only")
+_add("AFD_E2E_DEVICES", DeviceList(), None, "ordered GPU ids for AFD topologies (role order)")
+_add("AFD_E2E_LARGE_MODEL", Bool(), False, "the opt-in AFD large-model profile (an opt-in registry model needs it)")
+_add("AFD_GPU_E2E_MODEL", PathKind(must_be_dir=True), None, "weights folder of the AFD large model (used as its weights path)")
+_add("AFD_GPU_E2E_VLLM_BIN", Executable(), None, "`vllm` executable for AFD workers; unset: this interpreter's vLLM")
+# Shell scripts (scripts/bootstrap.sh, scripts/main.sh)
+_add("E2E_VENV", PathKind(), Path(".venv"), "virtualenv scripts/bootstrap.sh creates and uses")
+_add("E2E_EXTRAS", CsvOf("cpu", "gpu", "tokenspeed", "dev"), ("cpu",), "pyproject extras scripts/main.sh installs")
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+def raw(name: str, environ=None) -> str | None:
+    """The variable's text, None when unset or empty."""
+    env = os.environ if environ is None else environ
+    v = env.get(SETTINGS[name].name)
+    return v if v is not None and v.strip() != "" else None
+
+
+def get(name: str, environ=None) -> Any:
+    """The parsed value (the default when unset). Raises SettingError on a bad value."""
+    return SETTINGS[name].parse(raw(name, environ))
+
+
+def value(name: str, text: str | None, source: str) -> Any:
+    """Parse an option that stands for a variable (`--backend` for E2E_BACKEND): the error
+    names the option."""
+    return SETTINGS[name].parse(text, source=source)
+
+
+def check(environ=None) -> dict[str, Any]:
+    """Every variable parsed; all errors at once, one line each. Returns the values."""
+    out, errors = _collect(environ)
+    if errors:
+        raise SettingError("\n".join(errors))
+    return out
+
+
+def _collect(environ=None) -> tuple[dict[str, Any], list[str]]:
+    out, errors = {}, []
+    for name, s in SETTINGS.items():
+        try:
+            out[name] = s.parse(raw(name, environ))
+        except SettingError as e:
+            errors.append(e.summary)
+    if not errors:
+        for fn in _CROSS_CHECKS:
+            try:
+                fn(out, environ)
+            except SettingError as e:
+                errors.append(e.summary)
+    return out, errors
+
+
+def _check_cpu_cores(values: dict, environ) -> None:
+    cores = values.get("E2E_CPU_CORES")
+    if cores:
+        check_cpu_ids(cores, "E2E_CPU_CORES", raw("E2E_CPU_CORES", environ))
+
+
+def _check_opt_in_model(values: dict, environ) -> None:
+    from .model_specs import get_spec
+    spec = get_spec(values["E2E_MODEL"])
+    if spec.opt_in and not values["AFD_E2E_LARGE_MODEL"]:
+        raise SettingError(f"E2E_MODEL={raw('E2E_MODEL', environ)!r}: an opt-in model; "
+                           "accepts it only with AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
+
+
+_CROSS_CHECKS = [_check_cpu_cores, _check_opt_in_model]
+
+
+# -- device ids against the machine -------------------------------------------------------------
+
+def affinity() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def check_cpu_ids(cores, source: str, text: str | None = None, present=affinity) -> None:
+    have = present()
+    missing = [c for c in cores if c not in have]
+    if missing:
+        raise SettingError(f"{source}={text or ','.join(map(str, cores))!r}: core(s) "
+                           f"{','.join(map(str, missing))} not in this process's CPU affinity; "
+                           f"accepts ids among {_ranges(have)}")
+
+
+def check_gpu_ids(devices, source: str, text: str | None = None, present=None) -> None:
+    """GPU ids must be ones NVML lists. When NVML is not available nothing is checked here
+    (the planner then finds no GPU and says so)."""
+    if present is None:
+        from .plan import nvml_inventory
+        present = nvml_inventory
+    have = tuple(present())
+    if not have:
+        return
+    missing = [d for d in devices if d not in have]
+    if missing:
+        raise SettingError(f"{source}={text or ','.join(map(str, devices))!r}: GPU(s) "
+                           f"{','.join(map(str, missing))} not present; accepts ids among "
+                           f"{_ranges(have)} (NVML)")
+
+
+def check_devices(text: str | None, backend: str, source: str = "--devices",
+                  cpu_present=affinity, gpu_present=None) -> tuple[int, ...] | None:
+    """Parse a device list and check it against the machine: GPU ids against NVML (cuda),
+    CPU cores against the affinity mask (cpu)."""
+    devs = value("E2E_DEVICES", text, source)
+    if devs:
+        if backend == "cuda":
+            check_gpu_ids(devs, source, text, present=gpu_present)
+        else:
+            check_cpu_ids(devs, source, text, present=cpu_present)
+    return devs
+
+
+def resolve_backend(text: str | None, source: str = "--backend") -> str:
+    """`--backend`/E2E_BACKEND checked (cpu | cuda; `gpu` is refused, never read as cpu);
+    unset: cuda when NVML sees a GPU."""
+    b = value("E2E_BACKEND", text, source) if text else get("E2E_BACKEND")
+    if b:
+        return b
+    from .plan import nvml_inventory
+    return "cuda" if nvml_inventory() else "cpu"
+
+
+def startup(environ=None, *, backend: str | None = None, devices: str | None = None,
+            model: str | None = None, engines: str | None = None,
+            topologies: str | None = None) -> dict[str, Any]:
+    """What every entry point runs first: all variables (check()), then the options that stand
+    for them (they override the variables), device ids against this machine and an opt-in
+    model against its flag, and with AFD_E2E_LARGE_MODEL=1 the opt-in profile's prerequisites
+    (engines/afd.check_profile). Raises SettingError with one line per problem."""
+    values, errors = _collect(environ)
+    if errors:
+        if values.get("AFD_E2E_LARGE_MODEL"):
+            errors += _profile_problems(environ, skip=errors)
+        raise SettingError("\n".join(errors))
+
+    def opt(name, text, source):
+        if text is None:
+            return values[name]
+        try:
+            return value(name, text, source)
+        except SettingError as e:
+            errors.append(e.summary)
+
+    b = None
+    try:
+        b = resolve_backend(backend) if backend else (values["E2E_BACKEND"] or resolve_backend(None))
+    except SettingError as e:
+        errors.append(e.summary)
+    values["backend"] = b
+    values["model"] = opt("E2E_MODEL", model, "--model")
+    opt("E2E_ENGINES", engines, "--engine")
+    opt("E2E_TOPOLOGIES", topologies, "--topology")
+    text, source = (devices, "--devices") if devices else (raw("E2E_DEVICES", environ), "E2E_DEVICES")
+    if text and b:
+        try:
+            check_devices(text, b, source)
+        except SettingError as e:
+            errors.append(e.summary)
+    afd = values["AFD_E2E_DEVICES"]
+    if afd:
+        try:
+            check_gpu_ids(afd, "AFD_E2E_DEVICES", raw("AFD_E2E_DEVICES", environ))
+        except SettingError as e:
+            errors.append(e.summary)
+    if model and values["model"] and not errors:
+        from .model_specs import get_spec
+        if get_spec(values["model"]).opt_in and not values["AFD_E2E_LARGE_MODEL"]:
+            errors.append(f"--model={model!r}: an opt-in model; accepts it only with "
+                          "AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
+    if values["AFD_E2E_LARGE_MODEL"]:
+        errors += _profile_problems(environ, skip=errors)
+    if errors:
+        raise SettingError("\n".join(errors))
+    return values
+
+
+def _profile_problems(environ, skip=()) -> list[str]:
+    """The opt-in AFD large-model profile's missing prerequisites, one line each; a variable
+    already named in `skip` is not named twice."""
+    from .engines import afd
+    named = {e.split("=", 1)[0] for e in skip}
+    problems = afd.check_profile(afd.profile_from_env(environ), need_devices=8, large_model=True)
+    return [f"opt-in AFD large-model profile (AFD_E2E_LARGE_MODEL=1): {p}" for p in problems
+            if p.split("=", 1)[0].split(" ", 1)[0] not in named]
+
+
+def _ranges(ids) -> str:
+    from .engines import core_list
+    return core_list(tuple(ids)) or "(none)"
+
+
+# -- the README table -----------------------------------------------------------------------------
+
+BEGIN, END = "<!-- settings:begin (generated: python -m e2e_test settings --write-readme) -->", \
+    "<!-- settings:end -->"
+
+
+def _default_text(s: Setting) -> str:
+    d = s.default
+    if d is None:
+        return "unset"
+    if isinstance(d, bool):
+        return "true" if d else "false"
+    if isinstance(d, tuple):
+        return ",".join(map(str, d)) if d else "empty"
+    if isinstance(d, Path):
+        home = str(Path.home())
+        t = str(d)
+        return "~" + t[len(home):] if t.startswith(home) else t
+    return str(d)
+
+
+def table() -> str:
+    rows = ["| variable | type | default | accepts | what it does |", "|---|---|---|---|---|"]
+    for s in SETTINGS.values():
+        rows.append(f"| `{s.name}` | {s.kind.label} | {_default_text(s)} | "
+                    f"{s.kind.accepts.replace('|', '/')} | {s.doc.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def render_readme(text: str) -> str:
+    """`text` with the block between the markers replaced by the current table."""
+    if BEGIN not in text or END not in text:
+        raise ConfigError("README.md has no settings markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+
+
+def readme_path() -> Path:
+    return Path(__file__).resolve().parents[2] / "README.md"
+
+
+def write_readme(path: Path | None = None) -> Path:
+    p = path or readme_path()
+    p.write_text(render_readme(p.read_text()))
+    return p
