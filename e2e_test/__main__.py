@@ -14,6 +14,10 @@
   cycles [--topology 1] [-n 20]          start/stop a topology n times, count what is left
   bench --a 1 --b dp2 [...]              A/B characterization of two topologies
   report DIR... [--out F]                markdown validation report from result folders
+  report --html DIR [--out F]            static HTML page of one run (plans, ready times,
+                                         tests, oracle verdicts, burst plots, teardown)
+  report --trend DIR... [--out F]        static HTML trend page across runs (ready times,
+                                         accuracy with Wilson intervals, bursts, windows)
   lanes                                  list the CI lanes
   run LANE [-- pytest args]              run a lane locally with its selection and env
 """
@@ -176,7 +180,23 @@ def cmd_bench(a) -> int:
 def cmd_report(a) -> int:
     from pathlib import Path
     from .infra import report
-    text = report.render([Path(d) for d in a.dirs])
+    dirs = [Path(d) for d in a.dirs]
+    if a.html or a.trend:
+        from .infra import html_report
+        from .infra.errors import ConfigError
+        if a.html and a.trend:
+            raise ConfigError("report: give --html (one run) or --trend (several), not both")
+        if a.html and len(dirs) != 1:
+            raise ConfigError(f"report --html renders one result folder; got {len(dirs)}")
+        for d in dirs:
+            if not d.is_dir():
+                raise ConfigError(f"report: {d} is not a folder")
+        text = html_report.render_run(dirs[0]) if a.html else html_report.render_trend(dirs)
+        out = Path(a.out or (dirs[0] / "run.html" if a.html else "trend.html"))
+        out.write_text(text)
+        print(f"wrote {out}")
+        return 0
+    text = report.render(dirs)
     if a.out:
         Path(a.out).write_text(text + "\n")
         print(f"wrote {a.out}")
@@ -246,9 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--reps", type=int, default=3)
     b.set_defaults(fn=cmd_bench)
-    rp = sub.add_parser("report", help="markdown validation report from result folders")
+    rp = sub.add_parser("report", help="markdown validation report from result folders; "
+                        "--html: a page for one run; --trend: a page across runs")
     rp.add_argument("dirs", nargs="+")
-    rp.add_argument("--out")
+    rp.add_argument("--out", help="output file (--html: DIR/run.html, --trend: trend.html)")
+    rp.add_argument("--html", action="store_true", help="static HTML page of one result folder")
+    rp.add_argument("--trend", action="store_true",
+                    help="static HTML trend page across result folders, in the order given")
     rp.set_defaults(fn=cmd_report)
     ln = sub.add_parser("lanes")
     ln.add_argument("--write-workflow", action="store_true",
