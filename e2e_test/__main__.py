@@ -112,7 +112,7 @@ def cmd_plan(a) -> int:
 
 def cmd_main(a) -> int:
     """The main job: prepare the model, bring the topology up behind smg, run the suites."""
-    from .infra import lifecycle, model_specs, models, results
+    from .infra import lifecycle, model_specs, models, results, verdicts
     from .infra.evals import gsm8k, mmlu
     lifecycle.install()
     spec = model_specs.get_spec(a.model)
@@ -137,6 +137,12 @@ def cmd_main(a) -> int:
                         watchdog=c.watchdog(name), **kw)
             evals[name] = r.summary()
         summary["evals"] = evals
+        try:                  # PD: the KV moved; EPD: the encoder ran; AFD: the FFN served
+            summary.update(verdicts.disagg_proof(c))
+        except HarnessError as e:
+            summary["proof_error"] = e.summary
+        # The comparison oracle against `1` goes here (summary["oracle"]; see
+        # verdicts.oracle_line, which prints it).
         summary["versions"] = results.versions()
     summary["teardown"] = c.teardown_report.to_dict()
     out = results.results_root()
@@ -151,10 +157,11 @@ def cmd_main(a) -> int:
     for name, e in evals.items():
         print(f"  {name:<6} accuracy {e['accuracy']:.3f}  n={e['n']} scored={e['scored']} "
               f"correct={e['correct']} errors={e['errors']}  ({e['wall_s']:.1f} s)")
+    verdicts.print_verdicts(summary)
     print(f"  teardown: {summary['teardown']['verdict']}")
     print(f"results: {out / 'main.json'}")
     failed = any(e["errors"] > 0.02 * e["n"] for e in evals.values()) or \
-        not summary["teardown"]["ok"]
+        not summary["teardown"]["ok"] or bool(summary.get("proof_error"))
     return 1 if failed else 0
 
 
@@ -179,6 +186,7 @@ def cmd_bench(a) -> int:
 
 def cmd_report(a) -> int:
     from pathlib import Path
+
     from .infra import report
     dirs = [Path(d) for d in a.dirs]
     if a.html or a.trend:

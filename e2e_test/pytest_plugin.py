@@ -4,11 +4,12 @@ engine/topology markers per case, result records, signal handling and the summar
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
 
-from .infra import lifecycle, results
+from .infra import lifecycle, progress, results
 from .infra.cluster import Cluster, default_backend
 from .infra.engines import options_from_env
 from .infra.errors import HarnessError
@@ -40,8 +41,23 @@ def _csv(v: str) -> list[str]:
     return [x.strip() for x in (v or "").split(",") if x.strip()]
 
 
+def _live_lines(config):
+    """Progress lines (infra/progress.py) past pytest's output capture: a lane's log shows
+    them while a topology boots or an eval runs, not only when a test fails."""
+    def write(line: str) -> None:
+        capman = config.pluginmanager.get_plugin("capturemanager")
+        tr = config.pluginmanager.get_plugin("terminalreporter")
+        if capman is None or tr is None:
+            print(line, file=sys.stderr, flush=True)
+            return
+        with capman.global_and_fixture_disabled():
+            tr.write_line(line)
+    return write
+
+
 def pytest_configure(config):
     lifecycle.install()
+    progress.set_sink(_live_lines(config))
     config._e2e_records = []
     config._e2e_clusters = {}
     config._e2e_t0 = time.monotonic()

@@ -1,8 +1,9 @@
 """The A/B bench's pure parts: workload shape, per-run metrics, the table."""
 
 import math
+import random
 
-from e2e_test.infra import bench, load
+from e2e_test.infra import abstats, bench, load
 
 
 def _res(i, ok=True, ttft=0.1, lat=1.0, out=10, itl=(0.1, 0.1)):
@@ -38,10 +39,6 @@ def test_table_has_every_metric_with_deltas():
 
 
 # ---------------------------------------------------------------- A/B verdicts (synthetic)
-
-import random  # noqa: E402
-
-from e2e_test.infra import abstats  # noqa: E402
 
 
 def test_t_quantiles_match_the_tables():

@@ -136,8 +136,8 @@ def render(target: str | Path, screenshot: str | Path | None = None, width: int 
             rep.console_errors = console_errors(events)
             try:
                 call("Browser.close")
-            except Exception:
-                pass
+            except (HarnessError, OSError, TimeoutError):
+                pass            # it exits below either way (wait, then kill)
     finally:
         try:
             proc.wait(timeout=10)

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from . import gateway as gw
-from . import metrics, ports, teardown
+from . import metrics, ports, progress, teardown
 from .engines import EngineOptions, Ports, WorkerCommand
 from .errors import ConfigError, StartupError
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
@@ -312,7 +312,9 @@ class Cluster:
     def _wait_ready(self, group: list[Worker], client: httpx.Client, t0: float,
                     deadline: float) -> None:
         pending = list(group)
+        boot = progress.BootProgress(self.topology.name, group)   # a line every ~10 s
         while pending:
+            boot.tick(pending)
             for w in list(pending):
                 if not w.process.alive():
                     self._handle_early_exit(w)

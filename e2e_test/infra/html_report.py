@@ -447,10 +447,10 @@ def render_trend(dirs: list[Path]) -> str:
     body = ["<h1>Trend across result folders</h1>",
             "<p class=\"meta\">Runs in the order given: "
             + "; ".join(f"#{i + 1} {esc(r)}" for i, r in enumerate(runs)) + "</p>",
-            "<p class=\"meta\">Marked (red): accuracy that differs from the previous run of the "
-            "same series beyond a two-proportion z-test at 95 %; an engine window that differs "
-            "from the previous run; a time outside median ± max(3·1.4826·MAD, "
-            f"{NOISE_FLOOR:.0%} of the median) of the earlier runs of that series.</p>"]
+            ("<p class=\"meta\">Marked (red): accuracy that differs from the previous run of the "
+             "same series beyond a two-proportion z-test at 95 %; an engine window that differs "
+             "from the previous run; a time outside median ± max(3·1.4826·MAD, "
+             f"{NOISE_FLOOR:.0%} of the median) of the earlier runs of that series.</p>")]
     for group, rows in data["series"].items():
         if not rows:
             continue

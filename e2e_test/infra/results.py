@@ -40,12 +40,12 @@ def git_sha() -> str | None:
     here = Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+                             text=True, timeout=10, check=False).stdout.strip()
         if not sha:
             return None
         dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain",
                                 "--untracked-files=no"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
+                               timeout=10, check=False).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
