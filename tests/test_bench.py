@@ -135,5 +135,6 @@ def test_ab_interleaves_keeps_the_json_keys_and_judges(monkeypatch, tmp_path):
     assert out["verdicts"]["req_per_s"]["verdict"] == "worse"
     assert out["verdicts"]["ttft_ms"]["verdict"] == "worse"
     assert out["verdicts"]["failed"]["verdict"] == "no detectable difference"
+    assert out["table"].splitlines()[1] == "|---|---|---|---|---|---|---|"
     assert "| req_per_s |" in out["table"] and "| worse |" in out["table"]
     assert (tmp_path / "bench-1-vs-dp2.json").is_file()

@@ -130,7 +130,7 @@ def table(a: dict, b: dict, control: dict | None = None, verdict: dict | None = 
     delta's 95 % interval, the control's delta (A' vs A) and the verdict per metric."""
     if control is not None and verdict is not None:
         lines = [(f"| metric | {a['topology']} (A) | {b['topology']} (B) | control A' | "
-                  "B vs A, 95 % CI | A' vs A, 95 % CI | verdict |"), "|---|" * 7]
+                  "B vs A, 95 % CI | A' vs A, 95 % CI | verdict |"), "|" + "---|" * 7]
     else:
         lines = [f"| metric | {a['topology']} | {b['topology']} | delta |", "|---|---|---|---|"]
     for k in METRICS + ("isl_measured", "client_overhead_ms"):
