@@ -278,8 +278,8 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
 
         tasks = [asyncio.ensure_future(guarded(i, r)) for i, r in enumerate(requests)]
         label = label or (watchdog.what if watchdog is not None else None)
-        if label:
-            asyncio.ensure_future(_report_progress(label, tasks))
+        # held in a local: the loop keeps only a weak reference to a task
+        reporter = asyncio.ensure_future(_report_progress(label, tasks)) if label else None
         done_all = asyncio.ensure_future(asyncio.gather(*tasks))
         if watchdog is None:
             results = await done_all
@@ -328,6 +328,8 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
                         f"{inflight} request(s) in flight (watchdog window "
                         f"{watchdog.window_s:.0f} s)" + (f"; {diag.splitlines()[0]}" if diag else ""),
                         diag)
+    if reporter is not None:
+        reporter.cancel()
     if watchdog is not None and watchdog.check is not None:
         # Requests that failed fast because a worker died are errors of a dead topology:
         # say so, rather than return a report of transport errors. A killed process closes
