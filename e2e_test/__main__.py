@@ -14,6 +14,10 @@
   cycles [--topology 1] [-n 20]          start/stop a topology n times, count what is left
   bench --a 1 --b dp2 [...]              A/B characterization of two topologies
   report DIR... [--out F]                markdown validation report from result folders
+  report --html DIR [--out F]            static HTML page of one run (plans, ready times,
+                                         tests, oracle verdicts, burst plots, teardown)
+  report --trend DIR... [--out F]        static HTML trend page across runs (ready times,
+                                         accuracy with Wilson intervals, bursts, windows)
   lanes                                  list the CI lanes
   settings [--write-readme]              check every E2E_* variable and print the values
   run LANE [-- pytest args]              run a lane locally with its selection and env
@@ -116,7 +120,7 @@ def cmd_plan(a) -> int:
 
 def cmd_main(a) -> int:
     """The main job: prepare the model, bring the topology up behind smg, run the suites."""
-    from .infra import comparisons, lifecycle, model_specs, models, results
+    from .infra import comparisons, lifecycle, model_specs, models, results, verdicts
     from .infra.errors import HarnessError
     from .infra.evals import gsm8k, mmlu
     lifecycle.install()
@@ -147,7 +151,11 @@ def cmd_main(a) -> int:
             except HarnessError as e:
                 evals[name]["floors"] = str(e)
         summary["evals"] = evals
-        if c.topology.kind == "pd":
+        try:                  # PD: the KV moved; EPD: the encoder ran; AFD: the FFN served
+            summary.update(verdicts.disagg_proof(c))
+        except HarnessError as e:
+            summary["proof_error"] = e.summary
+        if c.topology.kind == "pd":    # the comparison oracle (verdicts.oracle_line prints it)
             summary["oracle"] = comparisons.against_one_worker(
                 c, c.role("prefill")[0], {name: evals[name]["n"] for name in evals},
                 concurrency=a.concurrency)
@@ -166,11 +174,11 @@ def cmd_main(a) -> int:
         print(f"  {name:<6} accuracy {e['accuracy']:.3f}  n={e['n']} scored={e['scored']} "
               f"correct={e['correct']} format={e['formatted']}/{e['scored']} "
               f"errors={e['errors']}  ({e['wall_s']:.1f} s); floors: {e['floors']}")
-    for name, v in summary.get("oracle", {}).items():
-        print(f"  answers: {v['message']}")
+    verdicts.print_verdicts(summary)
     print(f"  teardown: {summary['teardown']['verdict']}")
     print(f"results: {out / 'main.json'}")
     failed = (any(e["floors"] != "ok" for e in evals.values()) or not summary["teardown"]["ok"]
+              or bool(summary.get("proof_error"))
               or not all(v["ok"] for v in summary.get("oracle", {}).values()))
     return 1 if failed else 0
 
@@ -198,7 +206,23 @@ def cmd_report(a) -> int:
     from pathlib import Path
 
     from .infra import report
-    text = report.render([Path(d) for d in a.dirs])
+    dirs = [Path(d) for d in a.dirs]
+    if a.html or a.trend:
+        from .infra import html_report
+        from .infra.errors import ConfigError
+        if a.html and a.trend:
+            raise ConfigError("report: give --html (one run) or --trend (several), not both")
+        if a.html and len(dirs) != 1:
+            raise ConfigError(f"report --html renders one result folder; got {len(dirs)}")
+        for d in dirs:
+            if not d.is_dir():
+                raise ConfigError(f"report: {d} is not a folder")
+        text = html_report.render_run(dirs[0]) if a.html else html_report.render_trend(dirs)
+        out = Path(a.out or (dirs[0] / "run.html" if a.html else "trend.html"))
+        out.write_text(text)
+        print(f"wrote {out}")
+        return 0
+    text = report.render(dirs)
     if a.out:
         Path(a.out).write_text(text + "\n")
         print(f"wrote {a.out}")
@@ -279,9 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--reps", type=int, default=3)
     b.set_defaults(fn=cmd_bench)
-    rp = sub.add_parser("report", help="markdown validation report from result folders")
+    rp = sub.add_parser("report", help="markdown validation report from result folders; "
+                        "--html: a page for one run; --trend: a page across runs")
     rp.add_argument("dirs", nargs="+")
-    rp.add_argument("--out")
+    rp.add_argument("--out", help="output file (--html: DIR/run.html, --trend: trend.html)")
+    rp.add_argument("--html", action="store_true", help="static HTML page of one result folder")
+    rp.add_argument("--trend", action="store_true",
+                    help="static HTML trend page across result folders, in the order given")
     rp.set_defaults(fn=cmd_report)
     ln = sub.add_parser("lanes")
     ln.add_argument("--write-workflow", action="store_true",

@@ -4,7 +4,6 @@ pytest_plugin.py (its `pytest_plugins`); the fixtures live there."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from .infra import settings

@@ -6,14 +6,15 @@ Lane guards and selection accounting: pytest_lanes.py (loaded from here). Sessio
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import sys
 import time
+from dataclasses import dataclass, field
 
 import pytest
 
 pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
-from .infra import lifecycle, results, settings
+from .infra import lifecycle, progress, results, settings
 from .infra.cluster import Cluster
 from .infra.engines import DEFAULT_ENGINE, engine_names, kind_engines, options_from_env
 from .infra.errors import HarnessError
@@ -58,9 +59,24 @@ _DEFAULTS = {"--engine": ",".join(engine_names()), "--topology": DEFAULT_TOPOLOG
              "--model": settings.DEFAULT_MODEL}
 
 
+def _live_lines(config):
+    """Progress lines (infra/progress.py) past pytest's output capture: a lane's log shows
+    them while a topology boots or an eval runs, not only when a test fails."""
+    def write(line: str) -> None:
+        capman = config.pluginmanager.get_plugin("capturemanager")
+        tr = config.pluginmanager.get_plugin("terminalreporter")
+        if capman is None or tr is None:
+            print(line, file=sys.stderr, flush=True)
+            return
+        with capman.global_and_fixture_disabled():
+            tr.write_line(line)
+    return write
+
+
 def pytest_configure(config):
     lifecycle.install()
     state(config)
+    progress.set_sink(_live_lines(config))
     # Bad input: one line per problem, exit 2, before anything starts (settings.py).
     try:
         settings.startup(backend=_given(config, "--backend", "E2E_BACKEND"),

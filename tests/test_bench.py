@@ -1,8 +1,9 @@
 """The A/B bench's pure parts: workload shape, per-run metrics, the table."""
 
 import math
+import random
 
-from e2e_test.infra import bench, load
+from e2e_test.infra import abstats, bench, load
 
 
 def _res(i, ok=True, ttft=0.1, lat=1.0, out=10, itl=(0.1, 0.1)):
@@ -35,3 +36,105 @@ def test_table_has_every_metric_with_deltas():
     t = bench.table(side("1", 10.0), side("dp2", 15.0))
     assert "| req_per_s | 10.00 ± 0.00 | 15.00 ± 0.00 | +50.0% |" in t
     assert "| failed | 10.00 ± 0.00 | 15.00 ± 0.00 | +5.0 |" in t
+
+
+# ---------------------------------------------------------------- A/B verdicts (synthetic)
+
+
+def test_t_quantiles_match_the_tables():
+    assert math.isclose(abstats.t_ppf(0.975, 4), 2.7764, abs_tol=1e-3)
+    assert math.isclose(abstats.t_ppf(0.975, 30), 2.0423, abs_tol=1e-3)
+    assert math.isclose(abstats.t_ppf(0.975, 1), 12.706, abs_tol=1e-2)
+    assert math.isclose(abstats.t_ppf(0.025, 10), -2.2281, abs_tol=1e-3)
+
+
+def test_welch_interval_covers_a_known_difference():
+    d = abstats.welch_delta([10.0, 11.0, 9.0], [20.0, 21.0, 19.0])
+    assert math.isclose(d.delta, 100.0) and d.lo < 100 < d.hi and d.lo > 0 and d.unit == "%"
+    z = abstats.welch_delta([0.0, 0.0], [0.0, 0.0], relative=False)
+    assert z.delta == 0 and z.lo == 0 == z.hi
+
+
+def _arm(mean, sd, n, rnd):
+    return [rnd.gauss(mean, sd) for _ in range(n)]
+
+
+def test_shifted_b_is_called_and_a_against_a_is_not():
+    rnd = random.Random(7)
+    a, ctl = _arm(100, 2, 5, rnd), _arm(100, 2, 5, rnd)
+    slower = _arm(80, 2, 5, rnd)          # 20 % less throughput, 20 % less latency
+    assert abstats.verdict("req_per_s", a, slower, ctl).verdict == "worse"
+    assert abstats.verdict("e2e_ms", a, slower, ctl).verdict == "better"
+    faster = _arm(125, 2, 5, rnd)
+    assert abstats.verdict("out_tok_per_s", a, faster, ctl).verdict == "better"
+    assert abstats.verdict("ttft_ms", a, faster, ctl).verdict == "worse"
+    # negative control: B drawn from A's own distribution is no detectable difference
+    same = abstats.verdict("req_per_s", a, _arm(100, 2, 5, rnd), ctl)
+    assert same.verdict == "no detectable difference"
+    assert same.text().startswith("no detectable difference at ±") and same.text().endswith(" %")
+    assert 0 < same.floor < 10
+
+
+def test_a_shift_inside_the_control_noise_is_not_called():
+    """A noisy control arm widens the floor: a 3 % shift it cannot resolve stays undecided."""
+    rnd = random.Random(3)
+    a, ctl = _arm(100, 6, 3, rnd), _arm(100, 6, 3, rnd)
+    v = abstats.verdict("req_per_s", a, [x * 1.03 for x in a], ctl)
+    assert v.verdict == "no detectable difference" and v.floor > 3
+
+
+def test_failures_are_judged_in_counts():
+    assert abstats.verdict("failed", [0, 0, 0], [0, 0, 0], [0, 0, 0]).text() == \
+        "no detectable difference at ±0.0"
+    assert abstats.verdict("failed", [0, 0, 0], [3, 4, 3], [0, 0, 0]).verdict == "worse"
+
+
+def test_schedule_interleaves_and_alternates_the_a_arms():
+    assert bench.schedule(3) == [["a", "b", "control"], ["control", "b", "a"],
+                                 ["a", "b", "control"]]
+
+
+class _FakeCluster:
+    """A stand-in for Cluster in this unit test of the bench's orchestration (pure logic: no
+    engine, no gateway); the load is replaced by synthetic numbers below."""
+
+    def __init__(self, topo):
+        self.topology = type("T", (), {"name": topo})()
+        self.timing = type("Tm", (), {"workers": {"worker-0": 1.0}})()
+        self.teardown_report = type("R", (), {"verdict": lambda self: "clean in 0.1 s"})()
+        self.gateway_url, self.model_name = f"http://{topo}", "m"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def watchdog(self, what):
+        return None
+
+
+def test_ab_interleaves_keeps_the_json_keys_and_judges(monkeypatch, tmp_path):
+    monkeypatch.setenv("E2E_RESULTS_DIR", str(tmp_path))
+    calls, rnd = [], random.Random(1)
+
+    def fake_run(url, reqs, **kw):
+        calls.append(url)
+        slow = 1.5 if url == "http://dp2" else 1.0
+        res = [_res(i, ttft=0.1 * slow * rnd.uniform(0.98, 1.02), lat=1.0 * slow)
+               for i in range(len(reqs))]
+        return load.RunReport(res, wall_s=2.0 * slow * rnd.uniform(0.98, 1.02))
+
+    monkeypatch.setattr(bench.load, "run", fake_run)
+    cfg = bench.BenchConfig(n=4, warmup=1, reps=4)
+    out = bench.ab(_FakeCluster, "1", "dp2", cfg, log=lambda *a: None)
+    assert calls[2:8] == ["http://1", "http://dp2", "http://1"] * 2   # after the 2 warm-ups
+    assert {"config", "a", "b", "control", "order", "verdicts", "table", "path"} <= set(out)
+    assert {"topology", "runs", "agg", "ready_s", "teardown"} <= set(out["a"])
+    assert len(out["a"]["runs"]) == len(out["b"]["runs"]) == len(out["control"]["runs"]) == 4
+    assert out["verdicts"]["req_per_s"]["verdict"] == "worse"
+    assert out["verdicts"]["ttft_ms"]["verdict"] == "worse"
+    assert out["verdicts"]["failed"]["verdict"] == "no detectable difference"
+    assert out["table"].splitlines()[1] == "|---|---|---|---|---|---|---|"
+    assert "| req_per_s |" in out["table"] and "| worse |" in out["table"]
+    assert (tmp_path / "bench-1-vs-dp2.json").is_file()

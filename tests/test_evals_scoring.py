@@ -203,7 +203,8 @@ def test_mmlu_requests_use_subject_dev_shots(real_datasets):
 
 from e2e_test.infra.errors import HarnessError as _HarnessError  # noqa: E402
 from e2e_test.infra.evals import collect as _collect  # noqa: E402
-from e2e_test.infra.load import RequestResult as _RR, RunReport as _Report  # noqa: E402
+from e2e_test.infra.load import RequestResult as _RR  # noqa: E402
+from e2e_test.infra.load import RunReport as _Report
 from e2e_test.infra.model_specs import get_spec as _get_spec  # noqa: E402
 
 _BROKEN = {
@@ -216,7 +217,8 @@ _GOOD = {"gsm8k": "She sells 16 - 3 - 4 = 9 eggs. 9 * 2 = 18.\n#### 18",
 
 
 def _scored(name, texts):
-    from e2e_test.infra.evals import gsm8k as g, mmlu as m
+    from e2e_test.infra.evals import gsm8k as g
+    from e2e_test.infra.evals import mmlu as m
     rep = _Report([_RR(index=i, tag=i, status=200, text=t) for i, t in enumerate(texts)], 1.0)
     if name == "gsm8k":
         return _collect(name, rep, lambda r: (g.extract(r.text), False))

@@ -315,3 +315,21 @@ def test_dead_worker_seen_after_fast_failures():
     with pytest.raises(WorkerDied) as ei:   # port 1: connection refused at once
         run("http://127.0.0.1:1", [Request("/v1/completions", {"model": "x"})], watchdog=wd)
     assert "signal 9" in str(ei.value)
+
+
+# -- progress lines ---------------------------------------------------------------------------
+
+def test_progress_lines_count_done_requests(fake_openai_server, monkeypatch):
+    from e2e_test.infra import progress
+    server, url = fake_openai_server
+    lines = []
+    monkeypatch.setattr(progress, "sink", lines.append)
+    monkeypatch.setenv("E2E_PROGRESS_S", "0.3")
+    threading.Timer(1.2, server.release.set).start()
+    run(url, [chat(), chat(), chat("hang"), chat("hang")], concurrency=4, label="probe",
+        timeout=1.0)
+    assert lines and all(ln.startswith("probe: 2/4 done, ") for ln in lines)
+    assert len(lines) <= 5                       # one per interval, not one per request
+    lines.clear()
+    run(url, [chat()], concurrency=1)            # no label, no watchdog: silent
+    assert lines == []

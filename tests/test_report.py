@@ -23,3 +23,21 @@ def test_epd_proof_line():
     line = report._details({"epd_proof": {"gateway_encode_selections": 3, "image_items": 3,
                                           "decode_success": 3, "requests": 3}})
     assert line == "encoder proof: 3/3 image items dispatched to encode, decode finished 3/3"
+
+
+def test_main_job_verdict_lines_proof_oracle_and_failure():
+    from e2e_test.infra import verdicts
+    printed = []
+    lines = verdicts.print_verdicts({
+        "pd_proof": {"decode_external": 1445, "prompt_tokens": 1445, "decode_local_compute": 0,
+                     "nixl_bytes": 2**20 * 35.0},
+        "oracle": {"verdict": "pass", "baseline": "1", "items": [
+            {"index": 0, "verdict": "identical"}, {"index": 1, "verdict": "identical"},
+            {"index": 2, "verdict": "numerics"}]}}, out=printed.append)
+    assert lines == [("KV proof: decode got 1445/1445 prompt tokens by transfer, recomputed 0, "
+                      "35.0 MiB over NIXL"),
+                     "answers vs `1`: 2 identical, 1 numerics, 0 mismatch (verdict pass)"]
+    assert printed[0].startswith("  KV proof")
+    assert verdicts.print_verdicts({"topology": "1"}, out=printed.append) == []
+    assert verdicts.proof_lines({"proof_error": "PD transfer proof failed on 1p1d: x"}) == [
+        "proof FAILED: PD transfer proof failed on 1p1d: x"]

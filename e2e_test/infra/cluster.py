@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from . import engines, metrics, ports, settings, teardown
+from . import engines, metrics, ports, progress, settings, teardown
 from . import gateway as gw
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, Ports, WorkerCommand
 from .errors import StartupError
@@ -231,7 +231,9 @@ class Cluster:
 
     def _wait_ready(self, group: list[Worker], client: httpx.Client, deadline: float) -> None:
         pending = list(group)
+        boot = progress.BootProgress(self.topology.name, group)   # a line every ~10 s
         while pending:
+            boot.tick(pending)
             for w in list(pending):
                 if not w.process.alive():
                     self._handle_early_exit(w)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import httpx
 
+from . import progress as progress_lines
 from .errors import StallError, WorkerDied
 from .oracle import merge_stream_logprobs
 
@@ -252,12 +253,22 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
     return res
 
 
+async def _report_progress(label: str, tasks: list) -> None:
+    """ "label: n/N done, t s" every E2E_PROGRESS_S; ends by itself when every task is done."""
+    lines = progress_lines.LoadProgress(label, len(tasks))
+    if not lines.every:
+        return
+    while not all(t.done() for t in tasks):
+        await asyncio.sleep(min(1.0, lines.every))
+        lines.tick(sum(t.done() for t in tasks))
+
+
 async def run_async(base_url: str, requests: list[Request], concurrency: int = 16,
                     stream: bool = False, timeout: float = 600.0,
                     watchdog: Watchdog | None = None, rate: float = math.inf,
-                    seed: int = 0) -> RunReport:
+                    seed: int = 0, label: str | None = None) -> RunReport:
     """`rate` requests/s with Poisson arrivals (inf: all at once), at most `concurrency` in
-    flight."""
+    flight. Progress lines (n/N done) are labelled `label`, else the watchdog's `what`."""
     progress = Progress()
     sem = asyncio.Semaphore(max(1, concurrency))
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
@@ -275,6 +286,9 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
                 return await _one(client, i, req, stream, t_run, progress, timeout)
 
         tasks = [asyncio.ensure_future(guarded(i, r)) for i, r in enumerate(requests)]
+        label = label or (watchdog.what if watchdog is not None else None)
+        # held in a local: the loop keeps only a weak reference to a task
+        reporter = asyncio.ensure_future(_report_progress(label, tasks)) if label else None
         done_all = asyncio.ensure_future(asyncio.gather(*tasks))
         if watchdog is None:
             results = await done_all
@@ -323,6 +337,8 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
                         f"{inflight} request(s) in flight (watchdog window "
                         f"{watchdog.window_s:.0f} s)" + (f"; {diag.splitlines()[0]}" if diag else ""),
                         diag)
+    if reporter is not None:
+        reporter.cancel()
     if watchdog is not None and watchdog.check is not None:
         # Requests that failed fast because a worker died are errors of a dead topology:
         # say so, rather than return a report of transport errors. A killed process closes
@@ -363,6 +379,6 @@ def _arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 def run(base_url: str, requests: list[Request], concurrency: int = 16, stream: bool = False,
         timeout: float = 600.0, watchdog: Watchdog | None = None, rate: float = math.inf,
-        seed: int = 0) -> RunReport:
+        seed: int = 0, label: str | None = None) -> RunReport:
     return asyncio.run(run_async(base_url, requests, concurrency, stream, timeout, watchdog,
-                                 rate, seed))
+                                 rate, seed, label))

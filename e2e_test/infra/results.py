@@ -13,6 +13,8 @@ import json
 import os
 import platform
 import re
+import subprocess
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -31,6 +33,22 @@ def versions() -> dict[str, str]:
             pass
     out["python"] = platform.python_version()
     return out
+
+
+def git_sha() -> str | None:
+    """The commit the harness ran from (with "-dirty" for local changes), None outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=False).stdout.strip()
+        if not sha:
+            return None
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10, check=False).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def cluster_facts(c) -> dict:
@@ -83,6 +101,7 @@ def write_session(records: list[dict], clusters: dict, wall_s: float,
     tbl = table(records) if records else ""
     summary = {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "wall_s": round(wall_s, 1), "versions": versions(), "tests": len(records),
+               "git_sha": git_sha(), "argv": list(sys.argv),
                "clusters": {n: {"timing": timings[n], "teardown": teardowns.get(n)}
                             for n in clusters}}
     (root / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -228,6 +228,9 @@ _add("E2E_MOONCAKE_TRANSPORT", Choice("nvlink", "tcp"), "nvlink", "TokenSpeed PD
 # Suites
 _add("E2E_WATCHDOG_S", Float(0), 60.0, "no-progress window after which a suite fails as stuck")
 _add("E2E_BURST_N", Int(1), 16, "requests per burst (test_burst.py)")
+_add("E2E_PROGRESS_S", Float(0, exclusive=False), 10.0, "seconds between progress lines while a topology boots or a run goes (0: off)")
+_add("E2E_CHROMIUM", Executable(), None, "the Chromium the HTML report test and `report` browser checks use (default: chromium or google-chrome on PATH)")
+_add("E2E_REQUIRE_CHROMIUM", Bool(), False, "the browser test fails instead of skipping when no Chromium is found (.ci/run sets it after installing one)")
 _add("E2E_BURST_WINDOW", Int(1), 2, "running window (--max-num-seqs) of the small-window burst topology")
 _add("E2E_QUEUE_TIMEOUT_S", Int(1), 5, "smg admission queue timeout in the burst tests (whole seconds)")
 _add("E2E_EVAL_CONCURRENCY", Int(1), 16, "concurrent requests of the GSM8K/MMLU suites")

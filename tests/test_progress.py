@@ -1,0 +1,89 @@
+"""Progress lines: a worker's state from its log markers, at most one line per interval."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from e2e_test.infra import progress
+from e2e_test.infra.errors import ConfigError
+
+VLLM_LOG = """\
+(EngineCore pid=10453) INFO 12-01 08:19:04 [core.py:133] Initializing a V1 LLM engine (v0.32.0)
+(Worker pid=10508) INFO 12-01 08:19:13 [cpu_model_runner.py:68] Starting to load model /m...
+(Worker pid=10508) INFO 12-01 08:19:14 [default_loader.py:501] Loading weights took 0.56 seconds
+(EngineCore pid=10453) INFO 12-01 08:19:16 [utils.py:347] Using LBHNC KV cache layout.
+(Worker pid=10508) INFO 12-01 08:19:16 [cpu_model_runner.py:87] Warming up model for the compilation...
+(Worker pid=10508) INFO 12-01 08:20:37 [cpu_model_runner.py:91] Warming up done.
+(APIServer pid=10303) INFO 12-01 08:20:43 [entry.py:140] Starting vLLM server on http://127.0.0.1:1
+"""
+
+
+def test_state_is_the_last_marker_in_the_log():
+    lines = VLLM_LOG.splitlines(keepends=True)
+    assert progress.state_of("".join(lines[:1])) == "initializing engine"
+    assert progress.state_of("".join(lines[:2])) == "loading weights"
+    assert progress.state_of("".join(lines[:3])) == "weights loaded"
+    assert progress.state_of("".join(lines[:5])) == "compiling / warming up"
+    assert progress.state_of("".join(lines[:6])) == "engine initialized"
+    assert progress.state_of(VLLM_LOG) == "serving, waiting for health"
+    assert progress.state_of("Triton is installed, but doesn't include CPU backend.") is None
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _worker(name, log, started=90.0):
+    return SimpleNamespace(name=name, ready_s=None, command=SimpleNamespace(metadata={}),
+                           process=SimpleNamespace(log_path=str(log), started_at=started))
+
+
+def test_boot_progress_one_line_per_interval_with_each_role(tmp_path, monkeypatch):
+    lines = []
+    monkeypatch.setattr(progress, "sink", lines.append)
+    clock = Clock()
+    p_log, d_log = tmp_path / "p.log", tmp_path / "d.log"
+    p_log.write_text(VLLM_LOG.splitlines(keepends=True)[1])
+    d_log.write_text("")
+    p, d = _worker("prefill-0", p_log), _worker("decode-0", d_log)
+    boot = progress.BootProgress("1p1d", [p, d], every_s=10, clock=clock)
+    assert boot.tick([p, d]) is None                 # negative control: not yet 10 s
+    clock.t += 10
+    assert boot.tick([p, d]) == "1p1d booting: prefill-0 loading weights, 20 s; decode-0 " \
+                                "starting, 20 s"
+    assert boot.tick([p, d]) is None                 # same instant: no second line
+    with open(p_log, "a") as f:                      # the log grows; only the new part is read
+        f.write("".join(VLLM_LOG.splitlines(keepends=True)[2:5]))
+    d.ready_s = 21.3
+    clock.t += 10
+    assert boot.tick([p]) == "1p1d booting: prefill-0 compiling / warming up, 30 s; " \
+                             "decode-0 ready in 21.3 s"
+    assert len(lines) == 2
+    assert progress.BootProgress("1", [p], every_s=0, clock=clock).tick([p]) is None
+
+
+def test_engine_markers_override_the_defaults(tmp_path):
+    log = tmp_path / "w.log"
+    log.write_text("stage two begins\n")
+    w = _worker("worker-0", log)
+    w.command.metadata["progress_markers"] = ((r"stage two", "stage 2"),)
+    boot = progress.BootProgress("1", [w], every_s=1, clock=Clock())
+    assert "worker-0 stage 2" in boot.line([w])
+
+
+def test_load_progress_and_the_interval_setting(monkeypatch):
+    monkeypatch.setattr(progress, "sink", lambda line: None)
+    clock = Clock()
+    lp = progress.LoadProgress("gsm8k on 1", 32, every_s=10, clock=clock)
+    assert lp.tick(3) is None
+    clock.t += 12
+    assert lp.tick(12) == "gsm8k on 1: 12/32 done, 12 s"
+    clock.t += 12
+    assert lp.tick(32) is None                       # finished: the caller prints the summary
+    assert progress.interval_s({}) == 10 and progress.interval_s({"E2E_PROGRESS_S": "0"}) == 0
+    with pytest.raises(ConfigError, match="E2E_PROGRESS_S"):
+        progress.interval_s({"E2E_PROGRESS_S": "often"})
