@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from . import gateway as gw
-from . import metrics, ports, teardown
+from . import metrics, ports, reaper, teardown
 from .engines import EngineOptions, Ports, WorkerCommand
 from .errors import ConfigError, StartupError
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
@@ -263,6 +263,8 @@ class Cluster:
 
     def start(self) -> "Cluster":
         self.dir.mkdir(parents=True, exist_ok=True)
+        # What a dead earlier run left, and GPU memory held by others: before anything starts.
+        reaper.preflight(self.plan.devices if self.backend == "cuda" else (), self.dir)
         (self.dir / "plan.txt").write_text(self.plan.describe() + "\n")
         with Cluster._live_lock:
             Cluster.live.add(self)
@@ -413,9 +415,7 @@ class Cluster:
         rep.escalated = [r.name for r in self.stop_reports if r.escalated]
         rep.survivors = [s for r in self.stop_reports for s in r.survivors]
         rep.busy_ports = teardown.listening_ports(self.allocated_ports)
-        if self._gpu_baseline:
-            rep.gpu_checked = True
-            rep.gpu_leaks = teardown.wait_gpu_baseline(self._gpu_baseline)
+        teardown.check_gpu(rep, self._gpu_baseline)
         rep.shm_removed, rep.shm_left = teardown.clean_shm(self._shm_before)
         rep.seconds = round(time.monotonic() - t0, 2)
         self.timing.teardown_s = rep.seconds
