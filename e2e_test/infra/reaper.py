@@ -203,26 +203,38 @@ def stop_processes(procs, grace: float = GRACE_S, more=None) -> dict:
         _send(new, signal.SIGCONT)      # a stopped process cannot handle SIGTERM
         _send(new, signal.SIGTERM)
 
+    gone_s: dict[int, float] = {}      # pid -> seconds from the first signal until it was gone
+
+    def alive_now():
+        out = []
+        for p, _ in seen.values():
+            if _running(p):
+                out.append(p)
+            else:
+                gone_s.setdefault(p.pid, round(time.monotonic() - t0, 2))
+        return out
+
     take(list(procs))
     deadline = t0 + grace
     while True:
         if more is not None:
             take(more())
-        alive = [p for p, _ in seen.values() if _running(p)]
+        alive = alive_now()
         if not alive or time.monotonic() >= deadline:
             break
         take(alive)                     # children forked since
-        time.sleep(0.1)
-    killed = [p for p, _ in seen.values() if _running(p)]
+        time.sleep(0.05)
+    killed = alive_now()
     _send(killed, signal.SIGKILL)
     kill_deadline = time.monotonic() + KILL_WAIT_S
-    while any(_running(p) for p in killed) and time.monotonic() < kill_deadline:
+    while alive_now() and time.monotonic() < kill_deadline:
         time.sleep(0.05)
     killed_pids = {p.pid for p in killed}
     return {
         "terminated": [d for pid, (_, d) in seen.items() if pid not in killed_pids],
         "killed": [seen[p.pid][1] for p in killed],
         "survivors": [seen[p.pid][1] for p in killed if _running(p)],
+        "gone_s": {str(pid): gone_s.get(pid) for pid in seen},
         "seconds": round(time.monotonic() - t0, 2),
     }
 
