@@ -375,7 +375,7 @@ class Guardian:
     """The driver's handle on its guardian process: one per driver process."""
 
     _lock = threading.Lock()
-    _current: "Guardian | None" = None
+    _current: Guardian | None = None
 
     def __init__(self, report_dir: Path | None = None, grace: float = GRACE_S):
         self.report_dir = Path(report_dir) if report_dir else _results_dir()
@@ -451,7 +451,7 @@ class Guardian:
             return None
 
     @classmethod
-    def get(cls) -> "Guardian":
+    def get(cls) -> Guardian:
         with cls._lock:
             g = cls._current
             if g is None or g.owner != os.getpid():
