@@ -419,10 +419,27 @@ def test_gpu_check_passes_when_only_this_run_holds_memory(nvml, planted):
     assert reaper.preflight(devices=[0, 1], mode="clear") == {}
 
 
-def test_gpu_check_names_a_pid_it_cannot_see_and_unknown_memory(nvml):
+def test_gpu_check_names_a_pid_it_cannot_see_and_unknown_memory(nvml, monkeypatch):
+    monkeypatch.setattr(reaper, "GPU_SETTLE_S", 0.3)
     nvml(procs={0: [(4_000_000, None)]})
     with pytest.raises(PreflightError, match=r"pid 4000000 \? MiB on GPU 0 \(not visible"):
         reaper.preflight(devices=[0], mode="clear")
+
+
+def test_gpu_check_waits_for_a_dying_holder_to_go(nvml, monkeypatch):
+    """A process that just exited (not visible any more) is still listed by NVML for a moment:
+    the check waits for it, up to GPU_SETTLE_S."""
+    monkeypatch.setattr(reaper, "GPU_SETTLE_S", 5.0)
+    fake = nvml(procs={0: [(4_000_000, 550.0)]})
+    listed = fake.nvmlDeviceGetComputeRunningProcesses
+    calls = []
+
+    def dying(h):
+        calls.append(h)
+        return listed(h) if len(calls) < 3 else []
+    fake.nvmlDeviceGetComputeRunningProcesses = dying
+    assert reaper.preflight(devices=[0], mode="clear") == {}
+    assert len(calls) == 3
 
 
 def test_gpu_check_is_skipped_on_cpu_and_without_nvml(nvml, monkeypatch):

@@ -632,7 +632,7 @@ def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None
             raise PreflightError(f"preflight: could not stop {len(sweep['survivors'])} "
                                  f"process(es) of an earlier run: {sweep['survivors'][:5]}")
     if devices:
-        foreign = _foreign_gpu_holders(devices, settle=GPU_SETTLE_S if found else 0.0)
+        foreign = _foreign_gpu_holders(devices, settle=GPU_SETTLE_S)
         if foreign:
             raise PreflightError(f"preflight: GPU memory held by processes this run does not "
                                  f"own: {'; '.join(str(h) for h in foreign)}")
@@ -646,8 +646,8 @@ def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None
 
 
 def _foreign_gpu_holders(devices, settle: float = 0.0) -> list[GpuHolder]:
-    """Holders this run does not own; while some of them are dying (just cleared), wait up
-    to `settle` s for NVML to drop them."""
+    """Holders this run does not own; while some of them are dying (gone from here, or of a
+    run whose driver is gone: just cleared), wait up to `settle` s for NVML to drop them."""
     deadline = time.monotonic() + settle
     while True:
         holders = gpu_holders(devices) or []
