@@ -228,7 +228,7 @@ def test_after_a_clean_stop_the_guardian_exits_with_the_driver_and_writes_nothin
     d.stdin.write("exit\n")
     d.stdin.flush()
     assert d.wait(timeout=10) == 0
-    left, _ = _wait_gone([info["guardian"]], timeout=3)
+    left, _ = _wait_gone([info["guardian"]])
     assert not left, "the guardian outlived its driver"
     assert not (res / f"reaper-{info['run']}.json").exists()
 

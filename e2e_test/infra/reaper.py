@@ -277,11 +277,16 @@ def _session_members(groups: dict[int, tuple[float, str]], run: str) -> list[psu
 
 
 def _note(line: str) -> None:
-    try:                       # never block on a full pipe the driver's parent stopped reading
-        os.set_blocking(2, False)
-        os.write(2, (line + "\n").encode())
-    except OSError:
-        pass
+    """One line to the inherited stderr, given up after 1 s: never hang on a full pipe that
+    nobody reads any more (and never make a shared terminal non-blocking)."""
+    def write():
+        try:
+            os.write(2, (line + "\n").encode())
+        except OSError:
+            pass
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    t.join(1.0)
 
 
 def guard(fd: int, run: str, driver_pid: int, driver_create: float, report_dir: str,
