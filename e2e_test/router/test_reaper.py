@@ -24,7 +24,6 @@ GONE_WITHIN_S = 10.0
 DRIVER = textwrap.dedent("""
     import json, sys, time
     from e2e_test.infra import reaper
-from e2e_test.infra.errors import PreflightError
     from e2e_test.infra.cluster import Cluster
     from e2e_test.infra.engines import EngineOptions
     model, engine, backend = sys.argv[1:4]
@@ -69,10 +68,15 @@ def _start_driver(tmp_path, model, engine, backend):
             if line.startswith("READY "):
                 ready.set()
     threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(300):
-        driver.kill()
-        driver.wait()
-        pytest.fail("driver did not get `1` ready within 300 s:\n" + "".join(lines[-40:]))
+    deadline = time.monotonic() + 300
+    while not ready.wait(0.5):
+        if driver.poll() is not None or time.monotonic() > deadline:
+            how = (f"exited with {driver.returncode}" if driver.poll() is not None
+                   else "not ready within 300 s")
+            driver.kill()
+            driver.wait()
+            time.sleep(0.5)          # the reader thread takes the last lines
+            pytest.fail(f"driver holding `1` {how}:\n" + "".join(lines[-40:]))
     info = json.loads(next(ln for ln in lines if ln.startswith("READY "))[6:])
     # Every process of its topology: marked with its run id (engines' children included),
     # and whatever else descends from the driver, the guardian aside.
