@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from . import engines, metrics, ports, progress, settings, teardown
+from . import engines, metrics, ports, progress, reaper, settings, teardown
 from . import gateway as gw
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, Ports, WorkerCommand
 from .errors import StartupError
@@ -202,6 +202,8 @@ class Cluster:
 
     def start(self) -> Cluster:
         self.dir.mkdir(parents=True, exist_ok=True)
+        # What a dead earlier run left, and GPU memory held by others: before anything starts.
+        reaper.preflight(self.plan.devices if self.backend == "cuda" else (), self.dir)
         (self.dir / "plan.txt").write_text(self.plan.describe() + "\n")
         with Cluster._live_lock:
             Cluster.live.add(self)

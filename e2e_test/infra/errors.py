@@ -30,3 +30,7 @@ class TeardownError(HarnessError):
 
 class WorkerDied(HarnessError):
     """A worker or the gateway exited while requests were running."""
+
+
+class PreflightError(HarnessError):
+    """What an earlier run left (processes, GPU memory held by others) blocks this start."""

@@ -91,9 +91,7 @@ class LocalLauncher:
         rep.escalated = [r.name for r in stops if r.escalated]
         rep.survivors = [s for r in stops for s in r.survivors]
         rep.busy_ports = teardown.listening_ports(ports)
-        if baseline.gpu_mib:
-            rep.gpu_checked = True
-            rep.gpu_leaks = teardown.wait_gpu_baseline(baseline.gpu_mib)
+        teardown.check_gpu(rep, baseline.gpu_mib)     # measured settle; names the holders
         rep.shm_removed, rep.shm_left = teardown.clean_shm(baseline.shm)
         rep.seconds = round(time.monotonic() - t0, 2)
         return rep

@@ -4,7 +4,9 @@ Every worker and the gateway is a ManagedProcess. It starts in a new session (so
 tree can be signalled even after the leader died), inherits the caller's environment plus the
 builder's overrides (never a scrubbed one: GPU machines set NCCL variables that workers need),
 and writes stdout+stderr to one log file. Descendants are remembered (pid + create time) while
-the process lives, so stragglers that left the session are found at teardown too.
+the process lives, so stragglers that left the session are found at teardown too. Each one
+carries its run's marker (reaper.marker_env) and is registered with the driver's guardian
+(reaper.py), which stops it if the driver dies; a clean stop unregisters it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from . import reaper
 
 # The first line matching one of these (in order of preference) names the failure.
 ERROR_PATTERNS = [
@@ -82,12 +86,14 @@ class ManagedProcess:
         self._log.write(f"# {self.name}: {' '.join(self.argv)}\n".encode())
         env = {k: v for k, v in os.environ.items() if k not in self.unset_env}
         env.update(self.env_overrides)
+        env.update(reaper.marker_env())     # ownership: sweeps stop marked processes only
         cores = set(self.cpu_affinity)
         pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         self.proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=pin)
         self.started_at = time.monotonic()
+        reaper.watch(self.pid, self.name)
         self.remember_descendants()
         return self
 
@@ -167,6 +173,8 @@ class ManagedProcess:
                     time.sleep(0.05)
         self._reap(wait=2.0)
         survivors = [_describe(p) for p in self.tree()]
+        if not survivors:      # survivors stay with the guardian, which stops them at exit
+            reaper.forget(self.pid)
         if self._log:
             self._log.close()
             self._log = None

@@ -2,7 +2,8 @@
 
 Checks: every process of every worker's session and every remembered descendant is gone;
 every port the harness allocated has no listener; GPU memory on each used device is back to
-its baseline (NVML); /dev/shm segments that appeared during the run and that no live process
+its baseline (NVML; the wait for it is measured, and a leak names the processes NVML still
+lists on that device, with their owner); /dev/shm segments that appeared during the run and that no live process
 holds are removed (vLLM leaves psm_* behind when killed), and any that cannot be removed are
 reported. In CI (CI=true) a violation raises TeardownError; locally it is a loud warning.
 """
@@ -33,6 +34,9 @@ class TeardownReport:
     shm_removed: list[str] = field(default_factory=list)
     shm_left: list[str] = field(default_factory=list)
     gpu_checked: bool = False
+    gpu_settle_s: float | None = None    # stop -> memory back to baseline; None: never within
+    gpu_wait_s: float | None = None      # the bound waited
+    gpu_holders: dict[int, list[str]] = field(default_factory=dict)  # device -> NVML processes
 
     @property
     def ok(self) -> bool:
@@ -48,7 +52,14 @@ class TeardownReport:
         if self.busy_ports:
             parts.append(f"ports still listening: {self.busy_ports}")
         if self.gpu_leaks:
-            parts.append(f"GPU memory above baseline (MiB): {self.gpu_leaks}")
+            part = f"GPU memory above baseline (MiB): {self.gpu_leaks}"
+            if self.gpu_wait_s is not None:      # check_gpu ran: say who holds it
+                part += f" after {self.gpu_wait_s:.0f} s"
+                for d in self.gpu_leaks:
+                    held = self.gpu_holders.get(d)
+                    part += (f", GPU {d} held by {', '.join(held)}" if held else
+                             f", no process holds memory on GPU {d} per NVML (released late)")
+            parts.append(part)
         if self.shm_left:
             parts.append(f"/dev/shm segments left: {self.shm_left[:5]}")
         return "NOT clean: " + "; ".join(parts)
@@ -138,15 +149,35 @@ def gpu_memory_mib(devices) -> dict[int, float]:
 
 
 def wait_gpu_baseline(baseline: dict[int, float], timeout: float = 20.0) -> dict[int, float]:
-    """Devices still above baseline + tolerance after `timeout` (memory release lags exit)."""
-    deadline = time.monotonic() + timeout
+    """Devices still above baseline + tolerance after `timeout` (see check_gpu)."""
+    rep = TeardownReport()
+    check_gpu(rep, baseline, timeout)
+    return rep.gpu_leaks
+
+
+def check_gpu(report: TeardownReport, baseline: dict[int, float], timeout: float = 20.0,
+              poll: float = 0.25) -> None:
+    """Wait (measured) for GPU memory to come back to the baseline; name what still holds it."""
+    if not baseline:
+        return
+    report.gpu_checked = True
+    report.gpu_wait_s = timeout
+    t0 = time.monotonic()
     while True:
         now = gpu_memory_mib(baseline.keys())
         leaks = {d: round(now[d] - baseline[d], 1) for d in baseline
                  if d in now and now[d] - baseline[d] > GPU_TOLERANCE_MIB}
-        if not leaks or time.monotonic() > deadline:
-            return leaks
-        time.sleep(0.5)
+        if not leaks:
+            report.gpu_settle_s = round(time.monotonic() - t0, 2)
+            report.gpu_leaks = {}
+            return
+        if time.monotonic() - t0 > timeout:
+            break
+        time.sleep(poll)
+    report.gpu_leaks = leaks
+    from .reaper import gpu_holders
+    holders = gpu_holders(list(leaks)) or []
+    report.gpu_holders = {d: [str(h) for h in holders if h.device == d] for d in leaks}
 
 
 def enforce(report: TeardownReport, what: str, strict: bool | None = None) -> None:
