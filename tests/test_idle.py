@@ -93,3 +93,13 @@ def test_skipped_roles_and_engine_without_gauges():
 def test_gateway_in_flight_counts():
     assert Load("gateway", "gateway", active=2).problems() == ["in flight 2"]
     assert Load("gateway", "gateway", active=0).problems() == []
+
+
+def test_selections_by_worker_type():
+    from e2e_test.infra import serving_faults as sf
+    lab = (("connection_mode", "http"), ("model", "m"), ("policy", "round_robin"))
+    fake = types.SimpleNamespace(gateway_metrics=lambda: {
+        ("smg_worker_selection_total", lab + (("worker_type", "decode"),)): 4.0,
+        ("smg_worker_selection_total", lab + (("worker_type", "prefill"),)): 3.0,
+        ("smg_worker_requests_active", lab): 1.0})
+    assert sf.selections(fake) == {"decode": 4.0, "prefill": 3.0}

@@ -105,7 +105,8 @@ def gateway_load(cluster, timeout: float = 3.0) -> Load:
     except Exception as e:
         ld.error = f"metrics not answering ({type(e).__name__}: {str(e)[:120]})"
         return ld
-    ld.active = metrics.total(s, gw.ACTIVE_REQUESTS)
+    if any(n == gw.ACTIVE_REQUESTS for n, _ in s):   # smg exports it once a worker served
+        ld.active = metrics.total(s, gw.ACTIVE_REQUESTS)
     return ld
 
 

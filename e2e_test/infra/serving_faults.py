@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from . import idle, load, metrics
+from . import idle, load
 from .errors import HarnessError
 from .proof import long_unique_prompt
 
@@ -46,21 +46,6 @@ def max_new_tokens(cluster, prompt_tokens_estimate: int = 64) -> int:
     return max(256, limit - prompt_tokens_estimate - 64)
 
 
-def aborted_total(cluster) -> float | None:
-    """Requests the engines finished as aborted (engine module's ABORTED), or None."""
-    spec = getattr(cluster.builder, "ABORTED", None)
-    if not spec:
-        return None
-    name, labels = spec
-    total = 0.0
-    for w in cluster.workers:
-        try:
-            total += metrics.total(w.metrics(timeout=3.0), name, **labels)
-        except Exception:
-            pass
-    return total
-
-
 @dataclass
 class CancelCase:
     case: str
@@ -72,7 +57,9 @@ class CancelCase:
     first_token_s: float | None = None
     running_at_cancel: dict = field(default_factory=dict)   # role -> its load before the cancel
     idle_after_cancel_s: float | None = None
-    aborted_delta: float | None = None
+    # Seconds of decoding the request still had before it (max_tokens at the decode rate the
+    # client saw); None when the client saw no tokens to measure a rate from.
+    remaining_s: float | None = None
     next_requests_ok: int = 0
     next_requests: int = 0
     idle: dict = field(default_factory=dict)
@@ -156,14 +143,15 @@ async def _post_then_drop(cluster, content: str, max_tokens: int, stop_when,
             await task
 
 
-def _after(cluster, case: CancelCase, t_cancel: float, aborted_before, bound_s: float,
+def _after(cluster, case: CancelCase, t_cancel: float, bound_s: float,
            next_n: int) -> CancelCase:
     rep = cluster.wait_idle(timeout=bound_s)
     case.idle_after_cancel_s = round(time.monotonic() - t_cancel, 3)
     case.idle = rep.to_dict()
-    after = aborted_total(cluster)
-    if aborted_before is not None and after is not None:
-        case.aborted_delta = after - aborted_before
+    if case.chunks_before_cancel >= 2 and case.first_token_s is not None:
+        rate = (case.chunks_before_cancel - 1) / max(
+            1e-3, case.seconds_before_cancel - case.first_token_s)
+        case.remaining_s = round((case.max_tokens - case.chunks_before_cancel) / rate, 1)
     case.next_requests = next_n
     for i in range(next_n):
         r = cluster.chat(f"Request {i} after {case.case}: say OK.", max_tokens=8)
@@ -177,13 +165,12 @@ def cancel_mid_stream(cluster, chunks: int = 8, bound_s: float = 30.0, next_n: i
     """A streaming client that disconnects after `chunks` content chunks."""
     mt = max_new_tokens(cluster)
     case = CancelCase("cancel mid-stream", cluster.topology.name, mt, 8)
-    before = aborted_total(cluster)
     asyncio.run(_stream_then_drop(cluster, "Tell me a very long story about the sea.", mt,
                                   lambda n, _t: n >= chunks, case, timeout))
-    return _after(cluster, case, time.monotonic(), before, bound_s, next_n)
+    return _after(cluster, case, time.monotonic(), bound_s, next_n)
 
 
-def cancel_during_prefill(cluster, prompt_words: int = 2400, fraction: float = 0.3,
+def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.5,
                           bound_s: float = 30.0, next_n: int = 2,
                           timeout: float = 120.0) -> CancelCase:
     """A request with a long prompt, abandoned at `fraction` of its own measured time to
@@ -191,7 +178,6 @@ def cancel_during_prefill(cluster, prompt_words: int = 2400, fraction: float = 0
     another long prompt of the same length (each prompt is unique: no prefix-cache hit)."""
     mt = 16
     probe = CancelCase("prefill probe", cluster.topology.name, mt, prompt_words)
-    before = aborted_total(cluster)
     asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
                                   lambda n, _t: n >= 1, probe, timeout))
     ttft = probe.first_token_s
@@ -206,7 +192,7 @@ def cancel_during_prefill(cluster, prompt_words: int = 2400, fraction: float = 0
                            f"(probe time to first token {ttft} s): the prompt is too short "
                            "on this machine")
     case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
-    return _after(cluster, case, time.monotonic(), before, bound_s, next_n)
+    return _after(cluster, case, time.monotonic(), bound_s, next_n)
 
 
 def cancel_during_decode(cluster, after_running_s: float = 1.5, bound_s: float = 30.0,
@@ -223,10 +209,9 @@ def cancel_during_decode(cluster, after_running_s: float = 1.5, bound_s: float =
             seen.setdefault("t", t)
         return "t" in seen and t - seen["t"] >= after_running_s
 
-    before = aborted_total(cluster)
     asyncio.run(_post_then_drop(cluster, "Tell me a very long story about the mountains.", mt,
                                 stop_when, case, timeout))
-    return _after(cluster, case, time.monotonic(), before, bound_s, next_n)
+    return _after(cluster, case, time.monotonic(), bound_s, next_n)
 
 
 @contextlib.contextmanager
@@ -242,12 +227,16 @@ def hold_stream(cluster, max_tokens: int | None = None, chunks: int = 2):
         if r.status_code != 200:
             raise HarnessError(f"hold_stream: HTTP {r.status_code}: {r.read()[:300]!r}")
         got = 0
-        for line in r.iter_lines():
+        # Keep the line iterator referenced: a dropped generator is closed, and closing it
+        # closes the response, which would cancel the request this is meant to hold.
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("data:") and line[5:].strip() != "[DONE]":
                 got += 1
                 if got >= chunks:
                     break
         yield r
+        del lines
     finally:
         with contextlib.suppress(Exception):
             cm.__exit__(None, None, None)
@@ -263,7 +252,11 @@ class LegLoss:
     requests: int
     errors: int = 0
     ok: int = 0
-    in_flight_at_kill: int = 0
+    in_flight_at_kill: int = 0          # errors that ended after the kill
+    past_prefill_at_kill: int = 0       # first token seen before the kill
+    errors_before_first_token: int = 0  # errors of requests still in prefill at the kill
+    silent_errors: int = 0              # errors without a message
+    max_end_after_kill_s: float | None = None
     error_after_kill_s: dict = field(default_factory=dict)   # percentiles of end - kill
     max_error_after_kill_s: float | None = None
     status_counts: dict = field(default_factory=dict)
@@ -288,11 +281,16 @@ def kill_role(cluster, role: str) -> list[str]:
 
 
 def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s: float = 3.0,
-             hang_s: float = 120.0) -> LegLoss:
-    """Stream `n` requests, SIGKILL every `role` worker `kill_after_s` into the run; every
-    request in flight must end (with an error) — the client gives up only after `hang_s`."""
-    reqs = [load.Request(CHAT, _body(cluster, f"Request {i}: tell me a long story.",
-                                     max_tokens, False), tag=i) for i in range(n)]
+             prompt_words: int = 0, hang_s: float = 120.0) -> LegLoss:
+    """Stream `n` requests, SIGKILL every `role` worker `kill_after_s` into the run, and see
+    how each request ends (the client gives up only after `hang_s`). `prompt_words` > 0 sends
+    long unique prompts, so that requests are still in prefill at the kill."""
+    def content(i):
+        return (long_unique_prompt(prompt_words, seed=i) if prompt_words
+                else f"Request {i}: tell me a long story.")
+
+    reqs = [load.Request(CHAT, _body(cluster, content(i), max_tokens, False), tag=i)
+            for i in range(n)]
     box: dict = {}
 
     def drive():
@@ -312,9 +310,12 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s
     rep: load.RunReport = box["report"]
     res = LegLoss(role, killed, n, status_counts=rep.status_counts())
     kill_rel = t_kill - box["t_run"]
-    ends = []
+    ends, all_ends = [], []
     for r in rep.results:
         end = r.start_s + r.latency_s
+        all_ends.append(end - kill_rel)
+        if r.ttft_s is not None and r.start_s + r.ttft_s < kill_rel:
+            res.past_prefill_at_kill += 1
         if r.ok:
             res.ok += 1
             continue
@@ -322,10 +323,15 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s
         if end >= kill_rel:
             res.in_flight_at_kill += 1
             ends.append(end - kill_rel)
+        if not r.error.strip():
+            res.silent_errors += 1
         if len(res.first_errors) < 3:
             res.first_errors.append(f"status {r.status}: {r.error[:200]}")
+        if r.ttft_s is None or r.start_s + r.ttft_s >= kill_rel:
+            res.errors_before_first_token += 1
     res.error_after_kill_s = load.percentiles(ends)
     res.max_error_after_kill_s = round(max(ends), 3) if ends else None
+    res.max_end_after_kill_s = round(max(all_ends), 3) if all_ends else None
     time.sleep(0.5)
     res.dead = cluster.dead_processes()
     t0 = time.monotonic()
@@ -340,12 +346,11 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s
 
 
 def selections(cluster) -> dict[str, float]:
-    """smg_worker_selection_total per worker URL (label names as smg exports them)."""
+    """smg_worker_selection_total by worker_type (smg 1.13 labels it with connection_mode,
+    model, policy and worker_type: not with the worker's URL)."""
     out: dict[str, float] = {}
     for (name, labels), v in cluster.gateway_metrics().items():
-        if name != "smg_worker_selection_total":
-            continue
-        lab = dict(labels)
-        key = lab.get("worker") or lab.get("worker_url") or lab.get("url") or str(labels)
-        out[key] = out.get(key, 0.0) + v
+        if name == "smg_worker_selection_total":
+            key = dict(labels).get("worker_type", "?")
+            out[key] = out.get(key, 0.0) + v
     return out

@@ -21,8 +21,6 @@ KV_CONNECTORS = ("nixl", "example", "mooncake")
 # (vllm/v1/metrics/loggers.py); kv_cache_usage_perc is a 0-1 fraction despite its name.
 IDLE_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
                "kv_cache_usage": "vllm:kv_cache_usage_perc"}
-# Requests the engine finished because the client went away (serving-fault evidence).
-ABORTED = ("vllm:request_success_total", {"finished_reason": "abort"})
 
 
 def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
