@@ -225,6 +225,29 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
                                                               e2e_backend))
 
 
+@pytest.fixture(autouse=True)
+def _e2e_idle_after(request):
+    """After each test on a shared topology, every role must be idle again (infra/idle.py):
+    a leaked request fails the test that leaked it. The leaking topology is then stopped, so
+    the next test gets a fresh one instead of inheriting the leak."""
+    yield
+    if "cluster" not in request.fixturenames or not settings.get("E2E_IDLE_AFTER_TEST"):
+        return
+    try:
+        c = request.getfixturevalue("cluster")
+    except (Exception, pytest.skip.Exception, pytest.fail.Exception):
+        return              # the topology did not start (or was skipped): nothing to check
+    if c is None or c._stopped or c.gateway is None:
+        return
+    from .infra.idle import IdleError
+    try:
+        rep = c.wait_idle()
+    except IdleError as e:
+        request.getfixturevalue("cluster_pool").release()
+        pytest.fail(f"after {request.node.name}: {e}", pytrace=False)
+    request.node._e2e_idle_s = round(rep.seconds, 3)
+
+
 @pytest.fixture
 def own_cluster(request, e2e_backend, cluster_pool):
     """For tests that break their topology (fault injection): the shared one is stopped

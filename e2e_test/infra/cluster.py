@@ -33,7 +33,7 @@ import httpx
 from . import engines, metrics, ports, progress, reaper, settings, teardown
 from . import gateway as gw
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, Ports, WorkerCommand
-from .errors import StartupError
+from .errors import ConfigError, StartupError
 from .launcher import Baseline, Handle, Launcher, LocalLauncher
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
 from .models import weights_path
@@ -398,3 +398,39 @@ class Cluster:
 
     def gateway_metrics(self) -> dict:
         return metrics.scrape(self.gateway_metrics_url)
+
+    # -- serving faults -----------------------------------------------------------------------
+    def wait_idle(self, timeout: float | None = None, **kw):
+        """Every role back to no running / waiting requests and ~0 KV-cache usage (and no
+        request in flight at the gateway); IdleError naming the role and the numbers."""
+        from . import idle
+        return idle.wait_idle(self, idle.DEFAULT_TIMEOUT_S if timeout is None else timeout, **kw)
+
+    def worker(self, name: str) -> Worker:
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise ConfigError(f"topology {self.topology.name}: no worker {name!r} "
+                          f"(workers: {', '.join(w.name for w in self.workers)})")
+
+    def restart(self, name: str, timeout: float | None = None) -> Worker:
+        """Stop worker `name` (dead or alive), start it again with the same command and ports,
+        wait for it, and register it with smg again where the mode registers dynamically."""
+        w = self.worker(name)
+        if w.process is not None:
+            rep = w.process.stop(grace=5.0)
+            if rep.survivors:
+                raise StartupError(f"restart {name}: the old process tree did not stop",
+                                   "\n".join(rep.survivors))
+        t0 = time.monotonic()
+        w.restarts += 1
+        self._launch(w)
+        with httpx.Client(timeout=2.0) as client:
+            self._wait_ready([w], client, t0, t0 + (timeout or self.startup_timeout))
+        if w.command.kv_connector is not None and self.gateway is not None:
+            gw.register_workers(self.gateway_url, [gw.GatewayWorker(
+                url=w.url, worker_type=w.command.worker_type,
+                bootstrap_port=w.command.bootstrap_port, kv_connector=w.command.kv_connector,
+                runtime_type=self.engine)], timeout=120, alive=self.gateway.alive,
+                existing_ok=True)
+        return w

@@ -16,6 +16,10 @@ import httpx
 
 from .errors import ConfigError, StartupError
 
+# smg's per-worker count of requests it has in flight to workers (its Prometheus endpoint);
+# idle verification wants it back at 0 after traffic.
+ACTIVE_REQUESTS = "smg_worker_requests_active"
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -110,11 +114,14 @@ def build_argv(cfg: GatewayConfig) -> list[str]:
 
 
 def register_workers(base_url: str, workers: list[GatewayWorker], timeout: float,
-                     alive=lambda: True) -> None:
-    """POST each dynamic worker, then wait until smg reports all of them healthy."""
+                     alive=lambda: True, existing_ok: bool = False) -> None:
+    """POST each dynamic worker, then wait until smg reports all of them healthy.
+    `existing_ok`: a worker smg still lists (a restarted one on its old URL) is fine."""
     with httpx.Client(timeout=10) as c:
         for w in workers:
             r = c.post(f"{base_url}/workers", json=w.registration())
+            if existing_ok and r.status_code >= 300 and "already exists" in r.text:
+                continue
             if r.status_code >= 300:
                 raise StartupError(f"gateway refused worker {w.url}: HTTP {r.status_code} "
                                    f"{r.text[:200]}")

@@ -117,6 +117,11 @@ class Engine:
     # Prometheus counters whose sum grows while it processes tokens (the watchdog's progress
     # signal, Cluster.engine_work); empty: the watchdog sees no engine progress.
     work_counters: tuple[str, ...] = ()
+    # Gauges that say a worker is idle: {"running", "waiting", "kv"} -> metric name (idle.py);
+    # None: idleness cannot be verified for this engine. Roles that hold no requests (an FFN
+    # server, an encoder) are skipped.
+    idle_gauges: dict | None = None
+    idle_skip_roles: tuple[str, ...] = ()
 
     @property
     def engine(self) -> str:

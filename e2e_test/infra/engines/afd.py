@@ -67,6 +67,11 @@ FORCED_ROUTING_ENV = ("VLLM_MOE_ROUTING_SIMULATION_STRATEGY",
 UNSET_ENV = FORCED_ROUTING_ENV + ("AFD_PLUGIN_EARLY_ENGINE_PATCH",)
 ENGINE_READY_TIMEOUT_S = "18000"
 VLLM_BIN_ENV = "AFD_GPU_E2E_VLLM_BIN"
+# Idle verification (infra/idle.py): attention and the native baseline are vLLM API servers;
+# the FFN server takes no requests of its own.
+IDLE_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+               "kv_cache_usage": "vllm:kv_cache_usage_perc"}
+IDLE_SKIP_ROLES = ("ffn",)
 
 
 def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
@@ -159,6 +164,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
 
 class AfdEngine(Engine):
     """AFD topologies of --engine vllm (the afd-plugin); attention and FFN never share a GPU."""
+    idle_gauges = IDLE_GAUGES
+    idle_skip_roles = IDLE_SKIP_ROLES
     name = "afd"
     runtime = "vllm"
     kinds = ("afd",)

@@ -48,6 +48,14 @@ SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 DISAGG_ROLES = ("encode", "prefill", "decode")
 KINDS = ("regular", "dp", "pd", "epd")     # smg's EPD mode speaks gRPC to TokenSpeed only
 HOST = "127.0.0.1"
+# Idle verification (infra/idle.py): the scheduler snapshot gauges its engine writes to the
+# Prometheus multiprocess folder (tokenspeed runtime/metrics/collector.py EngineMetrics:
+# tokenspeed:num_requests_running / _waiting / kv_cache_usage_perc, a 0-1 ratio, livemax). An
+# encode worker exports no metric of its own, so it is not checked.
+IDLE_GAUGES = {"running": "tokenspeed:num_requests_running",
+               "waiting": "tokenspeed:num_requests_waiting",
+               "kv_cache_usage": "tokenspeed:kv_cache_usage_perc"}
+IDLE_SKIP_ROLES = ("encode",)
 TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"}, "tcp": {"MC_FORCE_TCP": "1"}}
 
 
@@ -173,6 +181,8 @@ WORK_COUNTERS = ("tokenspeed:iteration_tokens_total_sum",)
 
 
 class TokenSpeedEngine(Engine):
+    idle_gauges = IDLE_GAUGES
+    idle_skip_roles = IDLE_SKIP_ROLES
     name = "tokenspeed"
     kinds = KINDS
     backends = ("cuda",)

@@ -19,6 +19,10 @@ from ..topology import Topology
 from . import Engine, EngineOptions, Ports, WorkerCommand, core_list
 
 KV_CONNECTORS = ("nixl", "example", "mooncake")
+# Idle verification (infra/idle.py): Prometheus gauges of the API server's /metrics
+# (vllm/v1/metrics/loggers.py); kv_cache_usage_perc is a 0-1 fraction despite its name.
+IDLE_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+               "kv_cache_usage": "vllm:kv_cache_usage_perc"}
 
 
 def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
@@ -102,6 +106,7 @@ WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 
 class VllmEngine(Engine):
+    idle_gauges = IDLE_GAUGES
     name = "vllm"
     kinds = ("regular", "dp", "pd")
     work_counters = WORK_COUNTERS

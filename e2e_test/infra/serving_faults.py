@@ -1,0 +1,356 @@
+"""Serving faults through the gateway: abandoned requests, a lost leg, a restarted worker.
+
+Library functions (no pytest) used by e2e_test/router/test_serving_faults.py:
+
+- `cancel_mid_stream`, `cancel_during_prefill`, `cancel_during_decode`: one request through
+  the gateway that the client abandons at a chosen moment; then the time until every role is
+  idle again (`Cluster.wait_idle`: no running / waiting request, KV blocks freed, nothing in
+  flight at the gateway) and whether the next requests answer.
+- `hold_stream`: a stream held open (the negative control of idle verification).
+- `leg_loss`: SIGKILL every worker of a role while streams flow; every request in flight must
+  end with an error within a bound, none may hang.
+- `selections`: smg's per-worker selection counters, to see a restarted worker take traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from . import idle, load
+from .errors import HarnessError
+from .proof import long_unique_prompt
+
+CHAT = "/v1/chat/completions"
+
+
+def _body(cluster, content: str, max_tokens: int, stream: bool) -> dict:
+    body = {"model": cluster.model_name, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "messages": [{"role": "user", "content": content}]}
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def max_new_tokens(cluster, prompt_tokens_estimate: int = 64) -> int:
+    """As many tokens as the model's context leaves: a request that would run for minutes
+    unless the abort reaches the engine."""
+    limit = cluster.spec.max_model_len or 4096
+    return max(256, limit - prompt_tokens_estimate - 64)
+
+
+@dataclass
+class CancelCase:
+    case: str
+    topology: str
+    max_tokens: int
+    prompt_words: int
+    chunks_before_cancel: int = 0
+    seconds_before_cancel: float = 0.0
+    first_token_s: float | None = None
+    running_at_cancel: dict = field(default_factory=dict)   # role -> its load before the cancel
+    idle_after_cancel_s: float | None = None
+    # Seconds of decoding the request still had before it (max_tokens at the decode rate the
+    # client saw); None when the client saw no tokens to measure a rate from.
+    remaining_s: float | None = None
+    next_requests_ok: int = 0
+    next_requests: int = 0
+    idle: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _running(cluster) -> dict[str, float]:
+    return {x.name: x.running for x in idle.snapshot(cluster, gateway=False)
+            if x.running is not None}
+
+
+def _loads(cluster) -> dict[str, dict]:
+    return {x.name: {"running": x.running, "waiting": x.waiting,
+                     "kv_cache_usage": x.kv_cache_usage, "in_flight": x.active}
+            for x in idle.snapshot(cluster)}
+
+
+async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
+                            case: CancelCase, timeout: float) -> None:
+    """Stream one request; leave (closing the connection) as soon as `stop_when(chunks,
+    elapsed)` is true, checked on every chunk and every 50 ms."""
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=cluster.gateway_url, timeout=timeout) as client:
+        async def consume():
+            async with client.stream("POST", CHAT, json=_body(cluster, content, max_tokens,
+                                                              True)) as r:
+                if r.status_code != 200:
+                    raise HarnessError(f"{case.case}: HTTP {r.status_code} before the cancel: "
+                                       f"{(await r.aread())[:300]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        raise HarnessError(f"{case.case}: error chunk before the cancel: "
+                                           f"{json.dumps(chunk['error'])[:300]}")
+                    if any(load._extract_text(c) for c in chunk.get("choices") or []):
+                        case.chunks_before_cancel += 1
+                        if case.first_token_s is None:
+                            case.first_token_s = round(time.monotonic() - t0, 3)
+            raise HarnessError(f"{case.case}: the stream ended before the cancel "
+                               f"({case.chunks_before_cancel} chunks)")
+
+        task = asyncio.ensure_future(consume())
+        while not task.done():
+            if stop_when(case.chunks_before_cancel, time.monotonic() - t0):
+                break
+            await asyncio.sleep(0.05)
+        if task.done():
+            task.result()          # raises what went wrong
+        # What every role holds the moment before the client leaves.
+        case.running_at_cancel = await asyncio.to_thread(_loads, cluster)
+        case.seconds_before_cancel = round(time.monotonic() - t0, 3)
+        task.cancel()              # closes the response and its connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _post_then_drop(cluster, content: str, max_tokens: int, stop_when,
+                          case: CancelCase, timeout: float) -> None:
+    """A non-streaming request the client abandons when `stop_when(running, elapsed)`."""
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=cluster.gateway_url, timeout=timeout) as client:
+        task = asyncio.ensure_future(client.post(CHAT, json=_body(cluster, content, max_tokens,
+                                                                  False)))
+        while not task.done():
+            running = await asyncio.to_thread(_running, cluster)
+            if stop_when(running, time.monotonic() - t0):
+                case.running_at_cancel = await asyncio.to_thread(_loads, cluster)
+                break
+            await asyncio.sleep(0.1)
+        if task.done():
+            r = task.result()
+            raise HarnessError(f"{case.case}: the request finished (HTTP {r.status_code}) "
+                               "before the cancel")
+        case.seconds_before_cancel = round(time.monotonic() - t0, 3)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _after(cluster, case: CancelCase, t_cancel: float, bound_s: float,
+           next_n: int) -> CancelCase:
+    rep = cluster.wait_idle(timeout=bound_s)
+    case.idle_after_cancel_s = round(time.monotonic() - t_cancel, 3)
+    case.idle = rep.to_dict()
+    if case.chunks_before_cancel >= 2 and case.first_token_s is not None:
+        rate = (case.chunks_before_cancel - 1) / max(
+            1e-3, case.seconds_before_cancel - case.first_token_s)
+        case.remaining_s = round((case.max_tokens - case.chunks_before_cancel) / rate, 1)
+    case.next_requests = next_n
+    for i in range(next_n):
+        r = cluster.chat(f"Request {i} after {case.case}: say OK.", max_tokens=8)
+        if r.get("choices") and r["choices"][0]["message"].get("content"):
+            case.next_requests_ok += 1
+    return case
+
+
+def cancel_mid_stream(cluster, chunks: int = 8, bound_s: float = 30.0, next_n: int = 2,
+                      timeout: float = 120.0) -> CancelCase:
+    """A streaming client that disconnects after `chunks` content chunks."""
+    mt = max_new_tokens(cluster)
+    case = CancelCase("cancel mid-stream", cluster.topology.name, mt, 8)
+    asyncio.run(_stream_then_drop(cluster, "Tell me a very long story about the sea.", mt,
+                                  lambda n, _t: n >= chunks, case, timeout))
+    return _after(cluster, case, time.monotonic(), bound_s, next_n)
+
+
+def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.5,
+                          bound_s: float = 30.0, next_n: int = 2,
+                          timeout: float = 120.0) -> CancelCase:
+    """A request with a long prompt, abandoned at `fraction` of its own measured time to
+    first token, before any token came back. The time to first token is measured first with
+    another long prompt of the same length (each prompt is unique: no prefix-cache hit)."""
+    mt = 16
+    probe = CancelCase("prefill probe", cluster.topology.name, mt, prompt_words)
+    asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
+                                  lambda n, _t: n >= 1, probe, timeout))
+    ttft = probe.first_token_s
+    cluster.wait_idle(timeout=bound_s)
+    case = CancelCase("cancel during prefill", cluster.topology.name, mt, prompt_words)
+    delay = max(0.05, fraction * ttft)
+    asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
+                                  lambda n, t: n > 0 or t >= delay, case, timeout))
+    if case.chunks_before_cancel:
+        raise HarnessError(f"cancel during prefill: a token came back after "
+                           f"{case.first_token_s} s, before the cancel at {delay:.2f} s "
+                           f"(probe time to first token {ttft} s): the prompt is too short "
+                           "on this machine")
+    case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
+    return _after(cluster, case, time.monotonic(), bound_s, next_n)
+
+
+def cancel_during_decode(cluster, after_running_s: float = 1.5, bound_s: float = 30.0,
+                         next_n: int = 2, timeout: float = 300.0) -> CancelCase:
+    """A non-streaming request, abandoned once a decoding worker has run it for
+    `after_running_s` (in PD: the decode worker reports it running)."""
+    mt = max_new_tokens(cluster)
+    case = CancelCase("cancel during decode", cluster.topology.name, mt, 8)
+    decoders = {w.name for w in (cluster.role("decode") or cluster.workers)}
+    seen = {}
+
+    def stop_when(running, t):
+        if any(running.get(n, 0) >= 1 for n in decoders):
+            seen.setdefault("t", t)
+        return "t" in seen and t - seen["t"] >= after_running_s
+
+    asyncio.run(_post_then_drop(cluster, "Tell me a very long story about the mountains.", mt,
+                                stop_when, case, timeout))
+    return _after(cluster, case, time.monotonic(), bound_s, next_n)
+
+
+@contextlib.contextmanager
+def hold_stream(cluster, max_tokens: int | None = None, chunks: int = 2):
+    """A stream that stays open (read `chunks` chunks, then keep the connection) until the
+    block ends; the request keeps running on the workers meanwhile."""
+    mt = max_tokens or max_new_tokens(cluster)
+    client = httpx.Client(base_url=cluster.gateway_url, timeout=120.0)
+    cm = client.stream("POST", CHAT, json=_body(cluster, "Count slowly to ten thousand.", mt,
+                                                True))
+    try:
+        r = cm.__enter__()
+        if r.status_code != 200:
+            raise HarnessError(f"hold_stream: HTTP {r.status_code}: {r.read()[:300]!r}")
+        got = 0
+        # Keep the line iterator referenced: a dropped generator is closed, and closing it
+        # closes the response, which would cancel the request this is meant to hold.
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                got += 1
+                if got >= chunks:
+                    break
+        yield r
+        del lines
+    finally:
+        with contextlib.suppress(Exception):
+            cm.__exit__(None, None, None)
+        client.close()
+
+
+# -- leg loss ---------------------------------------------------------------------------------
+
+@dataclass
+class LegLoss:
+    role: str
+    killed: list[str]
+    requests: int
+    errors: int = 0
+    ok: int = 0
+    in_flight_at_kill: int = 0          # errors that ended after the kill
+    past_prefill_at_kill: int = 0       # first token seen before the kill
+    errors_before_first_token: int = 0  # errors of requests still in prefill at the kill
+    silent_errors: int = 0              # errors without a message
+    max_end_after_kill_s: float | None = None
+    error_after_kill_s: dict = field(default_factory=dict)   # percentiles of end - kill
+    max_error_after_kill_s: float | None = None
+    status_counts: dict = field(default_factory=dict)
+    first_errors: list[str] = field(default_factory=list)
+    dead: str | None = None
+    after_kill_request: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kill_role(cluster, role: str) -> list[str]:
+    """SIGKILL every process of every worker of `role` (API server and engine children)."""
+    names = []
+    for w in cluster.role(role):
+        w.process.remember_descendants()
+        w.process.signal_tree(signal.SIGKILL)
+        names.append(w.name)
+    if not names:
+        raise HarnessError(f"topology {cluster.topology.name} has no {role} workers")
+    return names
+
+
+def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s: float = 3.0,
+             prompt_words: int = 0, hang_s: float = 120.0) -> LegLoss:
+    """Stream `n` requests, SIGKILL every `role` worker `kill_after_s` into the run, and see
+    how each request ends (the client gives up only after `hang_s`). `prompt_words` > 0 sends
+    long unique prompts, so that requests are still in prefill at the kill."""
+    def content(i):
+        return (long_unique_prompt(prompt_words, seed=i) if prompt_words
+                else f"Request {i}: tell me a long story.")
+
+    reqs = [load.Request(CHAT, _body(cluster, content(i), max_tokens, False), tag=i)
+            for i in range(n)]
+    box: dict = {}
+
+    def drive():
+        box["t_run"] = time.monotonic()
+        box["report"] = load.run(cluster.gateway_url, reqs, concurrency=n, stream=True,
+                                 timeout=hang_s)
+
+    th = threading.Thread(target=drive, daemon=True)
+    th.start()
+    time.sleep(kill_after_s)
+    t_kill = time.monotonic()
+    killed = kill_role(cluster, role)
+    th.join(hang_s + 30)
+    if th.is_alive():
+        raise HarnessError(f"leg loss ({role}): requests still open {hang_s + 30:.0f} s after "
+                           f"killing {', '.join(killed)}")
+    rep: load.RunReport = box["report"]
+    res = LegLoss(role, killed, n, status_counts=rep.status_counts())
+    kill_rel = t_kill - box["t_run"]
+    ends, all_ends = [], []
+    for r in rep.results:
+        end = r.start_s + r.latency_s
+        all_ends.append(end - kill_rel)
+        if r.ttft_s is not None and r.start_s + r.ttft_s < kill_rel:
+            res.past_prefill_at_kill += 1
+        if r.ok:
+            res.ok += 1
+            continue
+        res.errors += 1
+        if end >= kill_rel:
+            res.in_flight_at_kill += 1
+            ends.append(end - kill_rel)
+        if not r.error.strip():
+            res.silent_errors += 1
+        if len(res.first_errors) < 3:
+            res.first_errors.append(f"status {r.status}: {r.error[:200]}")
+        if r.ttft_s is None or r.start_s + r.ttft_s >= kill_rel:
+            res.errors_before_first_token += 1
+    res.error_after_kill_s = load.percentiles(ends)
+    res.max_error_after_kill_s = round(max(ends), 3) if ends else None
+    res.max_end_after_kill_s = round(max(all_ends), 3) if all_ends else None
+    time.sleep(0.5)
+    res.dead = cluster.dead_processes()
+    t0 = time.monotonic()
+    try:
+        r = cluster.client.post(CHAT, json=_body(cluster, "Say OK.", 4, False), timeout=hang_s)
+        res.after_kill_request = {"status": r.status_code, "body": r.text[:300],
+                                  "seconds": round(time.monotonic() - t0, 3)}
+    except httpx.HTTPError as e:
+        res.after_kill_request = {"status": None, "body": f"{type(e).__name__}: {e}"[:300],
+                                  "seconds": round(time.monotonic() - t0, 3)}
+    return res
+
+
+def selections(cluster) -> dict[str, float]:
+    """smg_worker_selection_total by worker_type (smg 1.13 labels it with connection_mode,
+    model, policy and worker_type: not with the worker's URL)."""
+    out: dict[str, float] = {}
+    for (name, labels), v in cluster.gateway_metrics().items():
+        if name == "smg_worker_selection_total":
+            key = dict(labels).get("worker_type", "?")
+            out[key] = out.get(key, 0.0) + v
+    return out
