@@ -426,7 +426,7 @@ class Cluster:
         w.restarts += 1
         self._launch(w)
         with httpx.Client(timeout=2.0) as client:
-            self._wait_ready([w], client, t0, t0 + (timeout or self.startup_timeout))
+            self._wait_ready([w], client, t0 + (timeout or self.startup_timeout))
         if w.command.kv_connector is not None and self.gateway is not None:
             gw.register_workers(self.gateway_url, [gw.GatewayWorker(
                 url=w.url, worker_type=w.command.worker_type,
