@@ -565,7 +565,7 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
                 if part in (e.get("E2E_ENGINES") or ",".join(lane.engines)).split(",")]
     for _, env in cmds:
         settings.startup(env)
-    run = runner or (lambda a, env: subprocess.call(a, env=env))
+    run = runner or _call
     rc = 0
     for argv, env in cmds:
         shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in lane.full_env())
@@ -575,6 +575,25 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
         _write_run_record(lane, argv, env, code, t0)
         rc = rc or code
     return rc
+
+
+def _call(argv: list[str], env: dict, stop_wait_s: float = 120.0) -> int:
+    """Run one part's pytest. Ctrl-C / SIGINT (a CI cancel, `timeout -s INT`) is passed on to
+    pytest, whose handler tears its clusters down, and waited for; subprocess.call would
+    SIGKILL it instead and leave the clusters to the reaper (seen on the H200: 29 GB held
+    until the guardian swept 5 s later)."""
+    import signal
+    p = subprocess.Popen(argv, env=env)
+    try:
+        return p.wait()
+    except KeyboardInterrupt:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=stop_wait_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        raise
 
 
 def _git_sha() -> str:

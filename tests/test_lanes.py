@@ -492,3 +492,38 @@ def test_never_passed_lanes_start_only_by_name():
         assert wf["jobs"][name]["if"] == (f"(github.event_name == 'workflow_dispatch' && "
                                           f"inputs.lane == '{name}')")
     assert table["e2e-cpu"].passed_once and not table["e2e-cpu"].manual
+
+
+def test_run_lane_passes_ctrl_c_on_to_pytest_and_waits(tmp_path):
+    """SIGINT of `run LANE` reaches the part's pytest (its handler tears clusters down) and
+    run LANE waits for it, instead of SIGKILLing it (a stand-in child, not an engine)."""
+    import signal
+    import textwrap
+    import time as _t
+    child = tmp_path / "child.py"
+    done = tmp_path / "done"
+    child.write_text(textwrap.dedent(f"""
+        import signal, sys, time
+        def stop(*_):
+            time.sleep(0.5)                  # a teardown that takes a moment
+            open({str(done)!r}, "w").write("torn down")
+            sys.exit(130)
+        signal.signal(signal.SIGINT, stop)
+        print("ready", flush=True)
+        time.sleep(60)
+    """))
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import sys
+        from e2e_test import lanes
+        try:
+            lanes._call([sys.executable, {str(child)!r}], env=None)
+        except KeyboardInterrupt:
+            sys.exit(3)
+    """))
+    p = subprocess.Popen([sys.executable, str(driver)], cwd=REPO, stdout=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGINT)          # as a terminal's Ctrl-C would, to the driver only
+    assert p.wait(timeout=30) == 3
+    assert done.read_text() == "torn down"

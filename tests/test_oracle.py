@@ -45,6 +45,40 @@ def test_wide_gap_is_mismatch_even_inside_top_k():
     assert v.verdict == "mismatch" and v.gap == pytest.approx(1.9)
 
 
+def sampled_only(*pairs):
+    """Steps of an engine that reports only the sampled token's logprob (top-k 0)."""
+    return [Step(t, lp, {t: lp}) for t, lp in pairs]
+
+
+def test_top_k_zero_bounds_the_gap_from_the_sampled_logprob():
+    # p = 0.55 and 0.5 on the two sides: another token may be within logit(0.55) = 0.2 nats
+    a = sampled_only(("a", -0.1), ("b", math.log(0.55)))
+    b = sampled_only(("a", -0.1), ("c", math.log(0.5)))
+    v = compare_item(0, a, b)
+    assert v.verdict == "numerics" and v.gap == pytest.approx(math.log(0.55 / 0.45))
+    assert v.first_step_delta == 0.0
+
+
+def test_top_k_zero_confident_divergence_is_mismatch():
+    # p = 0.95 on the baseline: any other token is at least logit(0.95) = 2.9 nats behind
+    a = sampled_only(("a", -0.1), ("b", math.log(0.95)))
+    b = sampled_only(("a", -0.1), ("c", math.log(0.5)))
+    v = compare_item(0, a, b)
+    assert v.verdict == "mismatch" and "confident" in v.reason
+
+
+def test_top_k_zero_first_step_shift_of_the_same_token_is_mismatch():
+    a = sampled_only(("a", -0.1), ("b", -0.1))
+    b = sampled_only(("a", -2.5), ("b", -0.1))
+    v = compare_item(0, a, b)
+    assert v.verdict == "mismatch" and v.first_step_delta == pytest.approx(2.4)
+
+
+def test_top_k_zero_divergence_at_the_first_token_has_no_first_step_delta():
+    v = compare_item(0, sampled_only(("a", math.log(0.5))), sampled_only(("b", math.log(0.5))))
+    assert v.verdict == "numerics" and v.first_step_delta is None
+
+
 def test_first_step_divergence_is_mismatch_when_tokens_agree():
     a = seq("a", "b", top={0: {"x": -3.0}})
     b = seq("a", "b", top={0: {"x": -0.5}})          # same greedy token, x moved 2.5 nats

@@ -20,19 +20,22 @@ EVALS = ("gsm8k", "mmlu", "recall")
 
 
 def requests(name: str, model: str, n: int, *, max_tokens: int | None = None,
-             shot_offset: int = 0, max_prompt_tokens: int | None = None) -> list[load.Request]:
-    """The eval's own requests (same prompts as its scored run), optionally capped."""
+             shot_offset: int = 0, max_prompt_tokens: int | None = None,
+             logprobs: int = oracle.TOP_K) -> list[load.Request]:
+    """The eval's own requests (same prompts as its scored run), optionally capped;
+    `logprobs`: the top-k the engine can return (Engine.top_logprobs)."""
     if name == "gsm8k":
-        reqs, _ = gsm8k.requests(model, n, max_tokens=max_tokens or 256, shot_offset=shot_offset)
+        reqs, _ = gsm8k.requests(model, n, max_tokens=max_tokens or 256, shot_offset=shot_offset,
+                                 logprobs=logprobs)
     elif name == "mmlu":
         if shot_offset:
             raise ValueError("shot_offset is for gsm8k")
-        reqs, _ = mmlu.requests(model, n, max_prompt_tokens=max_prompt_tokens)
+        reqs, _ = mmlu.requests(model, n, max_prompt_tokens=max_prompt_tokens, logprobs=logprobs)
         if max_tokens:
             for r in reqs:
                 r.body["max_tokens"] = min(r.body["max_tokens"], max_tokens)
     elif name == "recall":
-        reqs = recall.requests(model, n)
+        reqs = recall.requests(model, n, logprobs=logprobs)
     else:
         raise ValueError(f"unknown eval {name!r} (known: {', '.join(EVALS)})")
     return reqs
@@ -51,22 +54,24 @@ def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
 def eval_pass(base_url: str, model: str, name: str, n: int, *, concurrency: int = 16,
               max_tokens: int | None = oracle.WINDOW, shot_offset: int = 0,
               max_prompt_tokens: int | None = None,
-              watchdog: load.Watchdog | None = None) -> dict:
+              watchdog: load.Watchdog | None = None, logprobs: int = oracle.TOP_K) -> dict:
     return run_pass(base_url, requests(name, model, n, max_tokens=max_tokens,
                                        shot_offset=shot_offset,
-                                       max_prompt_tokens=max_prompt_tokens),
+                                       max_prompt_tokens=max_prompt_tokens, logprobs=logprobs),
                     concurrency, watchdog)
 
 
 def control_arm(base_url: str, model: str, name: str, baseline: dict, label: str, n: int,
                 *, concurrency: int = 16, max_prompt_tokens: int | None = None,
-                watchdog: load.Watchdog | None = None) -> oracle.ControlArm:
+                watchdog: load.Watchdog | None = None,
+                logprobs: int = oracle.TOP_K) -> oracle.ControlArm:
     """The baseline (`baseline`, its scored pass) against a second pass at the same
     concurrency and against a serial pass, on the same server."""
     arm = oracle.ControlArm()
     for tag, conc in (("second pass", concurrency), ("serial", 1)):
         again = eval_pass(base_url, model, name, n, concurrency=conc,
-                          max_prompt_tokens=max_prompt_tokens, watchdog=watchdog)
+                          max_prompt_tokens=max_prompt_tokens, watchdog=watchdog,
+                          logprobs=logprobs)
         arm.comparisons.append(oracle.compare(name, label, f"{label} {tag}", baseline, again))
     return arm
 

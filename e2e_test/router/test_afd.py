@@ -66,7 +66,7 @@ def _prompt_requests(cluster) -> list:
     from e2e_test.infra import load
     return [load.Request("/v1/completions", {
         "model": cluster.model_name, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logprobs": oracle.TOP_K}, tag=i) for i, p in enumerate(PROMPTS)]
+        "logprobs": cluster.driver.top_logprobs}, tag=i) for i, p in enumerate(PROMPTS)]
 
 
 def test_afd_outputs_vs_native(cluster, record, oracle_store):

@@ -40,7 +40,7 @@ def _image_requests(cluster) -> list:
     for seed in IMAGE_SEEDS:
         body = proof.image_chat_body(cluster.model_name, "Describe this picture.",
                                      proof.random_png_data_uri(seed), max_tokens=IMAGE_MAX_TOKENS)
-        body.update(logprobs=True, top_logprobs=oracle.TOP_K)
+        body.update(logprobs=True, top_logprobs=cluster.driver.top_logprobs)
         reqs.append(load.Request("/v1/chat/completions", body, tag=seed))
     return reqs
 

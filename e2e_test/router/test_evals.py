@@ -29,7 +29,7 @@ def test_eval(eval_data, cluster, record, oracle_store, name, module):
     n = eval_n(cluster, name)
     mpt = max_prompt_tokens(cluster, name)
     res = module.run(cluster.gateway_url, cluster.model_name, n=n, concurrency=CONCURRENCY,
-                     watchdog=cluster.watchdog(name),
+                     watchdog=cluster.watchdog(name), logprobs=cluster.driver.top_logprobs,
                      **({"max_prompt_tokens": mpt} if mpt else {}))
     record.setdefault("evals", {})[name] = res.summary()
     record.setdefault("eval_items", {})[name] = without_logprobs(res.items)

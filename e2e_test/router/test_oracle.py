@@ -29,7 +29,7 @@ def _baseline(cluster, oracle_store, name):
         oracle_store.passes[key] = comparisons.eval_pass(
             cluster.gateway_url, cluster.model_name, name, eval_n(cluster, name),
             concurrency=CONCURRENCY, max_prompt_tokens=max_prompt_tokens(cluster, name),
-            watchdog=cluster.watchdog(f"{name} baseline"))
+            watchdog=cluster.watchdog(f"{name} baseline"), logprobs=cluster.driver.top_logprobs)
     return oracle_store.passes[key]
 
 
@@ -41,7 +41,8 @@ def test_control_arm(cluster, record, oracle_store, name):
     arm = comparisons.control_arm(cluster.gateway_url, cluster.model_name, name, base,
                                   _label(cluster), eval_n(cluster, name), concurrency=CONCURRENCY,
                                   max_prompt_tokens=max_prompt_tokens(cluster, name),
-                                  watchdog=cluster.watchdog(f"{name} control arm"))
+                                  watchdog=cluster.watchdog(f"{name} control arm"),
+                                  logprobs=cluster.driver.top_logprobs)
     oracle_store.control[(cluster.engine, name)] = arm
     record["oracle_control"] = {name: {**arm.summary(),
                                        "items": [c.to_dict()["items"] for c in arm.comparisons]}}
@@ -62,7 +63,8 @@ def test_oracle_negative_control(cluster, record, oracle_store):
     n = eval_n(cluster, "gsm8k")
     other = comparisons.eval_pass(cluster.gateway_url, cluster.model_name, "gsm8k", n,
                                   concurrency=CONCURRENCY, shot_offset=5,
-                                  watchdog=cluster.watchdog("gsm8k negative control"))
+                                  watchdog=cluster.watchdog("gsm8k negative control"),
+                                  logprobs=cluster.driver.top_logprobs)
     cmp = oracle.compare("gsm8k", _label(cluster), _label(cluster, " other exemplars"), base, other)
     control = oracle_store.control.get((cluster.engine, "gsm8k"), oracle.ControlArm())
     verdict = oracle.judge(cmp, control if control.comparisons else
@@ -87,7 +89,8 @@ def test_dp_workers_agree(cluster, record, oracle_store, name):
     def run(url, what):
         return comparisons.eval_pass(url, cluster.model_name, name, n, concurrency=CONCURRENCY,
                                      max_prompt_tokens=max_prompt_tokens(cluster, name),
-                                     watchdog=cluster.watchdog(f"{name} on {what}"))
+                                     watchdog=cluster.watchdog(f"{name} on {what}"),
+                                     logprobs=cluster.driver.top_logprobs)
 
     if len(cluster.workers) > 1:
         base_label, base = cluster.workers[0].name, run(cluster.workers[0].http_url,
@@ -119,12 +122,14 @@ def test_kv_recall_baseline(cluster, record, oracle_store):
     that `1` reproduced of the disaggregated topology, whose decode sees the code only in the
     transferred KV."""
     texts: dict = {}
-    reqs = comparisons.requests("recall", cluster.model_name, RECALL_N)
+    reqs = comparisons.requests("recall", cluster.model_name, RECALL_N,
+                                logprobs=cluster.driver.top_logprobs)
     base = comparisons.run_pass(cluster.gateway_url, reqs, CONCURRENCY, texts=texts,
                                 watchdog=cluster.watchdog("recall"))
     arm = comparisons.control_arm(cluster.gateway_url, cluster.model_name, "recall", base,
                                   _label(cluster), RECALL_N, concurrency=CONCURRENCY,
-                                  watchdog=cluster.watchdog("recall control arm"))
+                                  watchdog=cluster.watchdog("recall control arm"),
+                                  logprobs=cluster.driver.top_logprobs)
     copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
     oracle_store.passes[(cluster.engine, cluster.topology.name, "recall")] = base
     oracle_store.control[(cluster.engine, "recall")] = arm

@@ -46,7 +46,8 @@ def test_pd_kv_recall(cluster, record, oracle_store):
     if base is None or control is None:
         pytest.skip("needs test_kv_recall_baseline on `1` in this session")
     texts: dict = {}
-    reqs = comparisons.requests("recall", cluster.model_name, len(base))
+    reqs = comparisons.requests("recall", cluster.model_name, len(base),
+                                logprobs=cluster.driver.top_logprobs)
     mine = comparisons.run_pass(cluster.gateway_url, reqs, 16, texts=texts,
                                 watchdog=cluster.watchdog("recall"))
     copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))

@@ -121,6 +121,9 @@ class Engine:
     # None: idleness cannot be verified for this engine. Roles that hold no requests (an FFN
     # server, an encoder) are skipped.
     idle_gauges: dict | None = None
+    # Top-k logprobs per generated token the engine can return (the comparison oracle's
+    # evidence, oracle.py); 0: only the sampled token's logprob.
+    top_logprobs: int = 5
     idle_skip_roles: tuple[str, ...] = ()
 
     @property

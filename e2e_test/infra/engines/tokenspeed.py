@@ -182,6 +182,11 @@ WORK_COUNTERS = ("tokenspeed:iteration_tokens_total_sum",)
 
 class TokenSpeedEngine(Engine):
     idle_gauges = IDLE_GAUGES
+    # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num
+    # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
+    # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled
+    # token's logprob alone (oracle.compare_item).
+    top_logprobs = 0
     idle_skip_roles = IDLE_SKIP_ROLES
     name = "tokenspeed"
     kinds = KINDS

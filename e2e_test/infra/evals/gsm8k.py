@@ -50,7 +50,7 @@ def requests(model: str, n: int, k_shot: int = 5, max_tokens: int = 256,
     asks with other exemplars)."""
     test = load_gsm8k("test")[:n]
     prefix = fewshot_prefix(load_gsm8k("train")[shot_offset:], k_shot)
-    extra = {"logprobs": logprobs} if logprobs else {}
+    extra = {"logprobs": logprobs} if logprobs is not None else {}
     reqs = [load.Request("/v1/completions", {
         "model": model, "prompt": build_prompt(prefix, row), "max_tokens": max_tokens,
         "temperature": 0, "stop": STOP, **extra}, tag=i) for i, row in enumerate(test)]

@@ -66,7 +66,7 @@ def requests(model: str, n: int, k_shot: int = 5, max_prompt_tokens: int | None 
     reqs = [load.Request("/v1/completions", {
         "model": model,
         "prompt": fitted_prompt(row, dev.get(row.subject, [])[:k_shot], max_prompt_tokens),
-        "max_tokens": 2, "temperature": 0, **({"logprobs": logprobs} if logprobs else {})},
+        "max_tokens": 2, "temperature": 0, **({"logprobs": logprobs} if logprobs is not None else {})},
         tag=i) for i, row in enumerate(rows)]
     return reqs, rows
 

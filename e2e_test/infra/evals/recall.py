@@ -31,10 +31,11 @@ def prompt(i: int, words: int = 1500) -> str:
     return f"Remember the pass code in this text.\n\n{text}.\n\nWhat is the pass code? The pass code is"
 
 
-def requests(model: str, n: int = 8, max_tokens: int = 16) -> list[load.Request]:
+def requests(model: str, n: int = 8, max_tokens: int = 16,
+             logprobs: int = TOP_K) -> list[load.Request]:
     return [load.Request("/v1/completions", {
         "model": model, "prompt": prompt(i), "max_tokens": max_tokens, "temperature": 0,
-        "logprobs": TOP_K}, tag=i) for i in range(n)]
+        "logprobs": logprobs}, tag=i) for i in range(n)]
 
 
 def reproduced(i: int, text: str) -> bool:
