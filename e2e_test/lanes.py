@@ -616,8 +616,13 @@ def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: flo
     devices = []
     try:
         import pynvml
-        for i in nvml_inventory():
-            devices.append(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
+        ids = nvml_inventory()          # initializes NVML and shuts it down again
+        pynvml.nvmlInit()
+        try:
+            devices = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                       for i in ids]
+        finally:
+            pynvml.nvmlShutdown()
     except Exception:  # no NVML: a CPU runner
         pass
     rec = {"lane": lane.name, "engines": env.get("E2E_ENGINES"), "git_sha": _git_sha(),

@@ -13,6 +13,12 @@ from pathlib import Path
 
 def _load(d: Path) -> dict:
     run = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
+    # note.json: what the publisher adds beside a lane's own files (the machine in words, what
+    # to know); it never overrides what the lane recorded, only fills what it lacks.
+    if (d / "note.json").is_file():
+        note = json.loads((d / "note.json").read_text())
+        run = {**note, **{k: v for k, v in run.items() if v not in (None, "", "cpu")},
+               "note": note.get("note", run.get("note"))}
     summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
     tests = [json.loads(p.read_text()) for p in sorted((d / "tests").glob("*.json"))] \
         if (d / "tests").is_dir() else []
