@@ -66,14 +66,20 @@ def control_arm(base_url: str, model: str, name: str, baseline: dict, label: str
                 watchdog: load.Watchdog | None = None,
                 logprobs: int = oracle.TOP_K) -> oracle.ControlArm:
     """The baseline (`baseline`, its scored pass) against a second pass at the same
-    concurrency and against a serial pass, on the same server."""
-    arm = oracle.ControlArm()
-    for tag, conc in (("second pass", concurrency), ("serial", 1)):
-        again = eval_pass(base_url, model, name, n, concurrency=conc,
-                          max_prompt_tokens=max_prompt_tokens, watchdog=watchdog,
-                          logprobs=logprobs)
-        arm.comparisons.append(oracle.compare(name, label, f"{label} {tag}", baseline, again))
-    return arm
+    concurrency and against a serial pass, on the same server, capped at the window."""
+    reqs = requests(name, model, n, max_tokens=oracle.WINDOW,
+                    max_prompt_tokens=max_prompt_tokens, logprobs=logprobs)
+    return control_arm_of(base_url, reqs, baseline, label, name, concurrency, watchdog)
+
+
+def control_arm_of(base_url: str, reqs: list[load.Request], baseline: dict, label: str,
+                   name: str, concurrency: int,
+                   watchdog: load.Watchdog | None = None) -> oracle.ControlArm:
+    """`reqs` again, at `concurrency` and serially, each pass against `baseline`."""
+    return oracle.ControlArm([
+        oracle.compare(name, label, f"{label} {tag}", baseline,
+                       run_pass(base_url, reqs, conc, watchdog))
+        for tag, conc in (("second pass", concurrency), ("serial", 1))])
 
 
 def against_one_worker(cluster, worker, sizes: dict, concurrency: int = 16) -> dict:

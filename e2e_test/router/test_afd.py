@@ -85,10 +85,8 @@ def test_afd_outputs_vs_native(cluster, record, oracle_store):
     key = (cluster.engine, "afd-prompts")
     label = f"{cluster.engine}/{cluster.topology.name}"
     if cluster.topology.native_baseline:
-        arm = oracle.ControlArm([
-            oracle.compare("afd-prompts", label, f"{label} {tag}", mine,
-                           comparisons.run_pass(cluster.gateway_url, reqs, concurrency=conc))
-            for tag, conc in (("second pass", len(reqs)), ("serial", 1))])
+        arm = comparisons.control_arm_of(cluster.gateway_url, reqs, mine, label, "afd-prompts",
+                                         len(reqs))
         oracle_store.passes[(cluster.engine, "native", "afd-prompts")] = mine
         oracle_store.control[key] = arm
         record["oracle_control"] = {"afd-prompts": arm.summary()}

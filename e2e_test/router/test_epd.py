@@ -64,10 +64,8 @@ def test_epd_image_outputs_match_aggregated(cluster, record, oracle_store):
     if cluster.topology.kind == "regular":
         distinct = len({tuple(s.token for s in steps) for steps in mine.values()})
         assert distinct > 1, "every image gave the same output: the image does not reach the model"
-        arm = oracle.ControlArm([
-            oracle.compare("image-prompts", label, f"{label} {tag}", mine,
-                           comparisons.run_pass(cluster.gateway_url, reqs, concurrency=conc))
-            for tag, conc in (("second pass", len(reqs)), ("serial", 1))])
+        arm = comparisons.control_arm_of(cluster.gateway_url, reqs, mine, label, "image-prompts",
+                                         len(reqs))
         oracle_store.passes[(cluster.engine, "1", "image-prompts")] = mine
         oracle_store.control[key] = arm
         record["oracle_control"] = {"image-prompts": arm.summary()}
