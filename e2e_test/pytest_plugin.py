@@ -76,7 +76,9 @@ def _live_lines(config):
 def pytest_configure(config):
     lifecycle.install()
     state(config)
+    previous = progress.sink            # a nested session (pytester) gives it back at its end
     progress.set_sink(_live_lines(config))
+    config.add_cleanup(lambda: progress.set_sink(previous))
     # Bad input: one line per problem, exit 2, before anything starts (settings.py).
     try:
         settings.startup(backend=_given(config, "--backend", "E2E_BACKEND"),

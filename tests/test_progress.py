@@ -87,3 +87,17 @@ def test_load_progress_and_the_interval_setting(monkeypatch):
     assert progress.interval_s({}) == 10 and progress.interval_s({"E2E_PROGRESS_S": "0"}) == 0
     with pytest.raises(ConfigError, match="E2E_PROGRESS_S"):
         progress.interval_s({"E2E_PROGRESS_S": "often"})
+
+
+def test_a_failing_sink_never_breaks_a_run(capsys):
+    """The sink of a finished nested pytest session writes to a closed file: the line goes to
+    stderr instead of raising into a cluster's boot (seen in the CPU lane)."""
+    def closed(_line):
+        raise ValueError("I/O operation on closed file.")
+    before = progress.sink
+    progress.set_sink(closed)
+    try:
+        progress.emit("1 booting: worker-0 starting, 10 s")
+    finally:
+        progress.set_sink(before)
+    assert "worker-0 starting" in capsys.readouterr().err

@@ -49,7 +49,15 @@ def set_sink(fn) -> None:
 
 
 def emit(line: str) -> None:
-    sink(line)
+    """A progress line never breaks a run: a sink that fails (a closed terminal, the
+    reporter of a finished nested pytest session) falls back to stderr."""
+    try:
+        sink(line)
+    except (ValueError, OSError):
+        try:
+            _sink_default(line)
+        except (ValueError, OSError):
+            pass
 
 
 def interval_s(environ: dict | None = None) -> float:
