@@ -169,7 +169,7 @@ def _read_runs() -> dict[str, tuple[Marker, dict[int, float]]]:
 
 def orphans() -> list[tuple[psutil.Process, Marker]]:
     """Processes of another run whose driver is gone: marked ones, and the members of the
-    sessions it registered (leader alive with its create time) in RUNS_DIR."""
+    sessions it registered in RUNS_DIR (see session_members)."""
     mine = run_id()
     alive: dict[tuple[int, float], bool] = {}
 
@@ -183,30 +183,18 @@ def orphans() -> list[tuple[psutil.Process, Marker]]:
     for p, m in marked():
         if m.run_id != mine and gone(m):
             found[p.pid] = (p, m)
-    sessions: dict[int, Marker] = {}
     for rid, (m, groups) in _read_runs().items():
         if rid == mine or not gone(m):
             continue
-        for sid, create in groups.items():
-            if pid_alive(sid, create):
-                sessions[sid] = m
-    if sessions:
-        me = os.getpid()
-        for p in psutil.process_iter():
-            try:
-                sid = os.getsid(p.pid)
-            except OSError:
-                continue
-            if sid in sessions and p.pid != me and p.pid not in found and _running(p):
-                found[p.pid] = (p, sessions[sid])
+        for p in session_members(groups):
+            found.setdefault(p.pid, (p, m))
     return list(found.values())
 
 
 def forget_dead_runs() -> None:
     """Remove RUNS_DIR files of runs whose driver is gone and whose sessions are all gone."""
     for rid, (m, groups) in _read_runs().items():
-        if rid != run_id() and not m.driver_alive() and \
-                not any(pid_alive(sid, c) for sid, c in groups.items()):
+        if rid != run_id() and not m.driver_alive() and not session_members(groups):
             try:
                 (RUNS_DIR / f"{rid}.procs").unlink()
             except OSError:
@@ -312,13 +300,24 @@ def _set_pdeathsig(sig: int) -> bool:
         return False
 
 
-def _session_members(groups: dict[int, tuple[float, str]], run: str) -> list[psutil.Process]:
-    """Processes in a registered session: all of them while its leader (same create time) is
-    alive; once the leader is gone, only those that carry the run's marker (a session id
-    outlives its leader, and a pid can be reused)."""
-    if not groups:
+def session_members(leaders: dict[int, float]) -> list[psutil.Process]:
+    """Processes of registered sessions {leader pid: create time}. Linux does not hand out a
+    pid while it still names a session, so members of session S are the original ones while
+    the leader lives with its create time, or is gone and S names no other process; then only
+    members created after the leader are taken. A pid S that names a newer process means the
+    session ended and S was reused: nothing of it is taken."""
+    if not leaders:
         return []
-    live_leaders = {sid for sid, (create, _) in groups.items() if pid_alive(sid, create)}
+    valid: dict[int, float] = {}
+    for sid, create in leaders.items():
+        try:
+            p = psutil.Process(sid)
+            if abs(p.create_time() - create) <= 1.0:
+                valid[sid] = create
+        except psutil.NoSuchProcess:
+            valid[sid] = create
+        except psutil.Error:
+            continue
     out = []
     me = os.getpid()
     for p in psutil.process_iter():
@@ -326,17 +325,15 @@ def _session_members(groups: dict[int, tuple[float, str]], run: str) -> list[psu
             continue
         try:
             sid = os.getsid(p.pid)
-        except OSError:
+            if sid in valid and p.create_time() >= valid[sid] - 1.0 and _running(p):
+                out.append(p)
+        except (OSError, psutil.Error):
             continue
-        if sid not in groups:
-            continue
-        if sid in live_leaders:
-            out.append(p)
-            continue
-        m = marker_of(p)
-        if m is not None and m.run_id == run:
-            out.append(p)
     return out
+
+
+def _session_members(groups: dict[int, tuple[float, str]], run: str) -> list[psutil.Process]:
+    return session_members({sid: create for sid, (create, _) in groups.items()})
 
 
 def _note(line: str) -> None:
