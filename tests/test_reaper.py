@@ -339,6 +339,71 @@ def test_preflight_leaves_unmarked_and_live_runs_alone(planted):
     assert not any(f"pid {x} " in lines[0] for x in keep)
 
 
+def test_preflight_finds_registered_sessions_whose_environment_it_cannot_read(
+        planted, tmp_path, monkeypatch):
+    """A process that rewrote its title (VLLM::EngineCore, smg::router) shows no environment:
+    the dead run's RUNS_DIR file names its session. A registered pid whose create time does
+    not match (reused) is left alone."""
+    monkeypatch.setattr(reaper, "RUNS_DIR", tmp_path / "runs")
+    (tmp_path / "runs").mkdir()
+    unmarked = planted(None)             # stands in for a process whose environ is unreadable
+    reused = planted(None)
+    pid, create = _dead_driver()
+    leader = psutil.Process(unmarked[0]).create_time()
+    (tmp_path / "runs" / "dead-run.procs").write_text(
+        f"driver {pid} {create!r}\nadd {unmarked[0]} {leader!r}\nadd {reused[0]} 12345.0\n")
+    with pytest.raises(PreflightError) as exc:
+        reaper.preflight(mode="fail")
+    assert all(f"pid {x}" in str(exc.value) for x in unmarked), str(exc.value)
+    lines = []
+    reaper.preflight(mode="clear", log=lines.append)
+    assert not _wait_gone(unmarked, timeout=2)[0]
+    assert _alive(reused) == reused
+    assert "cleared 2 process(es)" in lines[0]
+    assert not (tmp_path / "runs" / "dead-run.procs").exists()     # forgotten once cleared
+
+
+def test_preflight_takes_the_members_of_a_registered_session_whose_leader_died(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(reaper, "RUNS_DIR", tmp_path / "runs")
+    (tmp_path / "runs").mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in (reaper.RUN_ID_ENV, reaper.DRIVER_PID_ENV, reaper.DRIVER_CREATE_ENV)}
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time\nif os.fork() == 0:\n    time.sleep(120)\n"
+         "    os._exit(0)\nsys.stdin.read()"],
+        env=env, stdin=subprocess.PIPE, start_new_session=True)
+    member = None
+    try:
+        create = psutil.Process(leader.pid).create_time()
+        deadline = time.monotonic() + 10
+        while not psutil.Process(leader.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        member = psutil.Process(leader.pid).children()[0].pid
+        leader.stdin.close()
+        leader.wait()                         # the leader is gone; its session lives on
+        pid, dcreate = _dead_driver()
+        (tmp_path / "runs" / "dead-run.procs").write_text(
+            f"driver {pid} {dcreate!r}\nadd {leader.pid} {create!r}\n")
+        lines = []
+        reaper.preflight(mode="clear", log=lines.append)
+        assert not _wait_gone([member], timeout=2)[0]
+        assert f"pid {member}" in lines[0]
+    finally:
+        _cleanup([x for x in (leader.pid, member) if x])
+
+
+def test_a_driver_lists_its_sessions_in_runs_dir_and_removes_the_file_at_a_clean_exit(driver):
+    d, info, _ = driver("fork")
+    f = reaper.RUNS_DIR / f"{info['run']}.procs"
+    text = f.read_text()
+    assert text.startswith("driver ") and any(f"add {x} " in text for x in info["pids"])
+    d.stdin.write("stop\nexit\n")
+    d.stdin.flush()
+    assert d.wait(timeout=10) == 0
+    assert not f.exists()
+
+
 def test_preflight_without_orphans_is_silent():
     lines = []
     assert reaper.preflight(mode="clear", log=lines.append) == {} and lines == []

@@ -36,6 +36,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -56,6 +57,10 @@ POLL_S = 0.5             # the guardian's check of the driver's pid
 GPU_SETTLE_S = 15.0      # preflight: wait for cleared processes' GPU memory to go
 PR_SET_PDEATHSIG = 1
 _ROOT = str(Path(__file__).resolve().parents[2])   # the folder holding the e2e_test package
+# Each driver also lists the sessions it started in RUNS_DIR/<run id>.procs: a process that
+# rewrites its title (setproctitle: VLLM::EngineCore, smg::router) can no longer show its
+# environment in /proc, so the preflight finds it there when the guardian died too.
+RUNS_DIR = Path(tempfile.gettempdir()) / f"e2e-runs-{os.getuid()}"
 
 
 # -- markers ------------------------------------------------------------------------------------
@@ -134,20 +139,66 @@ def marked(run: str | None = None) -> list[tuple[psutil.Process, Marker]]:
     return out
 
 
+def _read_runs() -> dict[str, tuple[Marker, dict[int, float]]]:
+    """RUNS_DIR: run id -> (its driver, {session leader pid: create time} still registered)."""
+    out = {}
+    try:
+        files = sorted(RUNS_DIR.glob("*.procs"))
+    except OSError:
+        return out
+    for f in files:
+        try:
+            lines = f.read_text().splitlines()
+            head = lines[0].split()
+            m = Marker(f.stem, int(head[1]), float(head[2]))
+        except (OSError, IndexError, ValueError):
+            continue
+        groups: dict[int, float] = {}
+        for line in lines[1:]:
+            parts = line.split()
+            try:
+                if parts[0] == "add":
+                    groups[int(parts[1])] = float(parts[2])
+                elif parts[0] == "del":
+                    groups.pop(int(parts[1]), None)
+            except (IndexError, ValueError):
+                continue
+        out[m.run_id] = (m, groups)
+    return out
+
+
 def orphans() -> list[tuple[psutil.Process, Marker]]:
-    """Processes marked by another run whose driver is gone."""
+    """Processes of another run whose driver is gone: marked ones, and the members of the
+    sessions it registered in RUNS_DIR (see session_members)."""
     mine = run_id()
     alive: dict[tuple[int, float], bool] = {}
-    out = []
-    for p, m in marked():
-        if m.run_id == mine:
-            continue
+
+    def gone(m: Marker) -> bool:
         key = (m.driver_pid, m.driver_create)
         if key not in alive:
             alive[key] = m.driver_alive()
-        if not alive[key]:
-            out.append((p, m))
-    return out
+        return not alive[key]
+
+    found: dict[int, tuple[psutil.Process, Marker]] = {}
+    for p, m in marked():
+        if m.run_id != mine and gone(m):
+            found[p.pid] = (p, m)
+    for rid, (m, groups) in _read_runs().items():
+        if rid == mine or not gone(m):
+            continue
+        for p in session_members(groups):
+            found.setdefault(p.pid, (p, m))
+    return list(found.values())
+
+
+def forget_dead_runs() -> None:
+    """Remove RUNS_DIR files of runs whose driver is gone and whose sessions are all gone."""
+    for rid, (m, groups) in _read_runs().items():
+        if rid != run_id() and not m.driver_alive() and not session_members(groups):
+            try:
+                (RUNS_DIR / f"{rid}.procs").unlink()
+            except OSError:
+                pass
 
 
 # -- stopping -----------------------------------------------------------------------------------
@@ -249,13 +300,24 @@ def _set_pdeathsig(sig: int) -> bool:
         return False
 
 
-def _session_members(groups: dict[int, tuple[float, str]], run: str) -> list[psutil.Process]:
-    """Processes in a registered session: all of them while its leader (same create time) is
-    alive; once the leader is gone, only those that carry the run's marker (a session id
-    outlives its leader, and a pid can be reused)."""
-    if not groups:
+def session_members(leaders: dict[int, float]) -> list[psutil.Process]:
+    """Processes of registered sessions {leader pid: create time}. Linux does not hand out a
+    pid while it still names a session, so members of session S are the original ones while
+    the leader lives with its create time, or is gone and S names no other process; then only
+    members created after the leader are taken. A pid S that names a newer process means the
+    session ended and S was reused: nothing of it is taken."""
+    if not leaders:
         return []
-    live_leaders = {sid for sid, (create, _) in groups.items() if pid_alive(sid, create)}
+    valid: dict[int, float] = {}
+    for sid, create in leaders.items():
+        try:
+            p = psutil.Process(sid)
+            if abs(p.create_time() - create) <= 1.0:
+                valid[sid] = create
+        except psutil.NoSuchProcess:
+            valid[sid] = create
+        except psutil.Error:
+            continue
     out = []
     me = os.getpid()
     for p in psutil.process_iter():
@@ -263,17 +325,15 @@ def _session_members(groups: dict[int, tuple[float, str]], run: str) -> list[psu
             continue
         try:
             sid = os.getsid(p.pid)
-        except OSError:
+            if sid in valid and p.create_time() >= valid[sid] - 1.0 and _running(p):
+                out.append(p)
+        except (OSError, psutil.Error):
             continue
-        if sid not in groups:
-            continue
-        if sid in live_leaders:
-            out.append(p)
-            continue
-        m = marker_of(p)
-        if m is not None and m.run_id == run:
-            out.append(p)
     return out
+
+
+def _session_members(groups: dict[int, tuple[float, str]], run: str) -> list[psutil.Process]:
+    return session_members({sid: create for sid, (create, _) in groups.items()})
 
 
 def _note(line: str) -> None:
@@ -338,6 +398,10 @@ def guard(fd: int, run: str, driver_pid: int, driver_create: float, report_dir: 
 
     first = targets()
     if not first:
+        try:
+            (RUNS_DIR / f"{run}.procs").unlink()
+        except OSError:
+            pass
         return 0
     result = stop_processes(first, grace=grace, more=targets)
     report = {"run_id": run, "driver_pid": driver_pid, "why": why, "goodbye": goodbye,
@@ -354,6 +418,11 @@ def guard(fd: int, run: str, driver_pid: int, driver_create: float, report_dir: 
     _note(f"e2e reaper: {why}; stopped {n} process(es) of run {run} in {report['seconds']} s "
           f"({len(result['killed'])} needed SIGKILL, {len(result['survivors'])} survived)"
           + (f"; report {path}" if path else ""))
+    if not result["survivors"]:
+        try:
+            (RUNS_DIR / f"{run}.procs").unlink()
+        except OSError:
+            pass
     return 1 if result["survivors"] else 0
 
 
@@ -389,7 +458,18 @@ class Guardian:
         self.owner = os.getpid()
         self.groups: dict[int, tuple[float, str]] = {}
         self._wlock = threading.Lock()
+        me = _identity()
+        self.runs_file = RUNS_DIR / f"{me['run_id']}.procs"
+        self._note_run(f"driver {me['pid']} {me['create']!r}")
         self._spawn()
+
+    def _note_run(self, line: str) -> None:
+        try:
+            RUNS_DIR.mkdir(parents=True, exist_ok=True)
+            with open(self.runs_file, "a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass
 
     def _spawn(self) -> None:
         me = _identity()
@@ -435,10 +515,12 @@ class Guardian:
             return
         name = " ".join(name.split())[:80]
         self.groups[pid] = (create, name)
+        self._note_run(f"add {pid} {create!r}")
         self._send(f"add {pid} {create!r} {name}")
 
     def forget(self, pid: int) -> None:
         if self.groups.pop(pid, None) is not None:
+            self._note_run(f"del {pid}")
             self._send(f"del {pid}")
 
     def close(self, wait: float = 10.0) -> int | None:
@@ -474,6 +556,11 @@ def _goodbye() -> None:
             except OSError:
                 pass
             # the pipe closes with the process; the guardian exits at once when nothing is left
+        if not g.groups:
+            try:
+                g.runs_file.unlink()
+            except OSError:
+                pass
 
 
 def _after_fork_in_child() -> None:
@@ -619,6 +706,8 @@ def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None
     if mode == "off":
         return done
     found = orphans()
+    if not found:
+        forget_dead_runs()
     if found:
         if mode == "fail":
             raise PreflightError(f"preflight: {len(found)} process(es) left by an earlier run "
@@ -632,6 +721,7 @@ def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None
             f"{', '.join(runs)} (driver gone) in {sweep['seconds']} s: "
             f"{'; '.join((sweep['terminated'] + sweep['killed'])[:6])}")
         done["cleared"] = {"runs": runs, **sweep}
+        forget_dead_runs()
         if sweep["survivors"]:
             raise PreflightError(f"preflight: could not stop {len(sweep['survivors'])} "
                                  f"process(es) of an earlier run: {sweep['survivors'][:5]}")
