@@ -16,6 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+import httpx
+
 from . import gateway as gw
 from . import metrics, settings
 from .errors import HarnessError
@@ -84,7 +86,7 @@ def worker_load(worker, gauges: dict[str, str], timeout: float = 3.0) -> Load:
     ld = Load(worker.name, worker.entry.role)
     try:
         s = worker.metrics(timeout=timeout)
-    except Exception as e:
+    except (httpx.HTTPError, OSError, ValueError) as e:   # down, refused, unparsable
         ld.error = f"metrics not answering ({type(e).__name__}: {str(e)[:120]})"
         return ld
     present = {n for n, _ in s}
@@ -101,7 +103,7 @@ def gateway_load(cluster, timeout: float = 3.0) -> Load:
     ld = Load("gateway", "gateway")
     try:
         s = metrics.scrape(cluster.gateway_metrics_url, timeout=timeout)
-    except Exception as e:
+    except (httpx.HTTPError, OSError, ValueError) as e:   # down, refused, unparsable
         ld.error = f"metrics not answering ({type(e).__name__}: {str(e)[:120]})"
         return ld
     if any(n == gw.ACTIVE_REQUESTS for n, _ in s):   # smg exports it once a worker served
