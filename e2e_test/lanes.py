@@ -402,11 +402,11 @@ WORKFLOW_JOB = """\
       E2E_DATASET_DIR: ${{{{ vars.E2E_DATASET_DIR }}}}
 {env}
     steps:
-      - uses: actions/checkout@v4
+      - uses: actions/checkout@v5
       - name: Evaluation data
         run: |
 {data}
-      - uses: actions/setup-python@v5
+      - uses: actions/setup-python@v6
         with:
           python-version: "{python}"
           cache: pip
@@ -417,7 +417,7 @@ WORKFLOW_JOB = """\
         run: {python_bin} -m e2e_test run {name}
       - name: Upload results
         if: always()
-        uses: actions/upload-artifact@v4
+        uses: actions/upload-artifact@v6
         with:
           name: results-{name}
           path: results/
