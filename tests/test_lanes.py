@@ -499,7 +499,6 @@ def test_run_lane_passes_ctrl_c_on_to_pytest_and_waits(tmp_path):
     run LANE waits for it, instead of SIGKILLing it (a stand-in child, not an engine)."""
     import signal
     import textwrap
-    import time as _t
     child = tmp_path / "child.py"
     done = tmp_path / "done"
     child.write_text(textwrap.dedent(f"""

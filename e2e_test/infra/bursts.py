@@ -147,7 +147,7 @@ def _window_from_log(log_text: str, **extra) -> dict:
     return {"max_num_seqs": None, "source": "unknown", **extra}
 
 
-def effective_window(worker_url: str, log_text: str = "") -> dict:
+def effective_window(worker_url: str, log_text: str = "", timeout: float = 5.0) -> dict:
     """The engine's resolved running window, read from the worker itself: vLLM's
     /server_info (dev mode) max_num_seqs; TokenSpeed's gRPC GetServerInfo
     scheduler_info.max_num_seqs; else the startup log."""
@@ -164,8 +164,10 @@ def effective_window(worker_url: str, log_text: str = "") -> dict:
                 "max_total_num_tokens": num(sched.get("max_total_num_tokens")),
                 "chunked_prefill_size": num(sched.get("chunked_prefill_size")),
                 "source": "grpc GetServerInfo"}
+    why = ""
     try:
-        r = httpx.get(f"{worker_url}/server_info", params={"config_format": "json"}, timeout=5)
+        r = httpx.get(f"{worker_url}/server_info", params={"config_format": "json"},
+                      timeout=timeout)
         if r.status_code == 200:
             cfg = r.json().get("vllm_config", {})
             if isinstance(cfg, str):
@@ -174,9 +176,10 @@ def effective_window(worker_url: str, log_text: str = "") -> dict:
             return {"max_num_seqs": sched.get("max_num_seqs"),
                     "max_num_batched_tokens": sched.get("max_num_batched_tokens"),
                     "source": "/server_info"}
-    except (httpx.HTTPError, ValueError, AttributeError):
-        pass
-    return _window_from_log(log_text)
+        why = f"/server_info HTTP {r.status_code}"
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        why = f"/server_info {type(e).__name__}: {e}"[:200]
+    return _window_from_log(log_text, **({"error": why} if why else {}))
 
 
 def histogram(res: BurstResult, path: Path) -> Path | None:
@@ -254,12 +257,22 @@ def check_window(windows: dict[str, dict], concurrency: int,
 SERVING_STAGES = ("regular", "prefill", "decode")
 
 
-def read_windows(cluster) -> dict[str, dict]:
+def read_windows(cluster, tries: int = 3, timeout: float = 10.0) -> dict[str, dict]:
     """Every serving worker's resolved window (effective_window) and stage, by worker name
-    (encode and AFD FFN workers hold no running window of requests)."""
-    return {w.name: {**effective_window(w.url, w.process.log_text() if w.process else ""),
-                     "stage": w.command.worker_type}
-            for w in cluster.workers if w.command.worker_type in SERVING_STAGES}
+    (encode and AFD FFN workers hold no running window of requests). A read that failed (a
+    timeout of /server_info on a loaded machine) is tried again, `tries` times at most; a
+    worker that answers without a window is unknown at once."""
+    out = {}
+    for w in cluster.workers:
+        if w.command.worker_type not in SERVING_STAGES:
+            continue
+        for _ in range(tries):
+            win = effective_window(w.url, w.process.log_text() if w.process else "",
+                                   timeout=timeout)
+            if isinstance(win.get("max_num_seqs"), int) or not win.get("error"):
+                break
+        out[w.name] = {**win, "stage": w.command.worker_type}
+    return out
 
 
 def preflight(cluster, concurrency: int, admission: Admission | None) -> dict[str, int]:
