@@ -13,14 +13,23 @@ import psutil
 
 from . import metrics
 
-QUEUE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+def queue_gauges(cluster) -> dict[str, str]:
+    """{"running": metric, "waiting": metric} from the engine's own idle gauges
+    (Engine.idle_gauges); empty when the engine names none."""
+    g = cluster.driver.idle_gauges or {}
+    return {k: g[k] for k in ("running", "waiting") if k in g}
 
 
 def worker_queues(cluster) -> dict[str, dict[str, float]]:
+    gauges = queue_gauges(cluster)
+
     def one(w):
+        if not gauges:
+            return {"error": f"engine {cluster.engine!r} names no queue gauges",
+                    "no_gauges": 1.0}
         try:
             s = metrics.scrape(f"{w.http_url}/metrics", timeout=3.0)
-            return {g.split(":")[-1]: metrics.total(s, g) for g in QUEUE_GAUGES}
+            return {k: metrics.total(s, name) for k, name in gauges.items()}
         except Exception as e:
             return {"error": repr(e)[:120]}
 
@@ -32,13 +41,17 @@ def stuck_role(queues: dict[str, dict[str, float]], cluster=None) -> str:
     """The worker that holds requests (running or waiting) or stopped answering."""
     dead = [n for n, q in queues.items() if "error" in q]
     if dead:
-        return f"{dead[0]} (metrics endpoint not answering)"
-    busy = sorted(queues.items(), key=lambda kv: -(kv[1].get("num_requests_running", 0)
-                                                   + kv[1].get("num_requests_waiting", 0)))
-    if busy and busy[0][1].get("num_requests_running", 0) + busy[0][1].get(
-            "num_requests_waiting", 0) > 0:
-        return f"{busy[0][0]} (running {busy[0][1].get('num_requests_running', 0):.0f}, " \
-               f"waiting {busy[0][1].get('num_requests_waiting', 0):.0f})"
+        why = queues[dead[0]]["error"] if "no_gauges" in queues[dead[0]] else \
+            "metrics endpoint not answering"
+        return f"{dead[0]} ({why})"
+
+    def held(q):
+        return q.get("running", 0) + q.get("waiting", 0)
+
+    busy = sorted(queues.items(), key=lambda kv: -held(kv[1]))
+    if busy and held(busy[0][1]) > 0:
+        name, q = busy[0]
+        return f"{name} (running {q.get('running', 0):.0f}, waiting {q.get('waiting', 0):.0f})"
     return "gateway (no worker holds the requests)"
 
 
