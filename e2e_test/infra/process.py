@@ -134,7 +134,7 @@ class ManagedProcess:
                     found[p.pid] = p
             except (psutil.Error, ProcessLookupError, PermissionError):
                 continue
-        return [p for p in found.values() if _is_running(p)]
+        return [p for p in found.values() if reaper.running(p)]
 
     def signal_tree(self, sig: int) -> None:
         if self.pid > 0:
@@ -217,13 +217,6 @@ class ManagedProcess:
             details.append("last traceback:\n" + tb)
         details.append("log tail:\n" + self.log_tail(25))
         return head + "\n" + "\n".join(details)
-
-
-def _is_running(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _describe(p: psutil.Process) -> str:

@@ -134,7 +134,7 @@ def marked(run: str | None = None) -> list[tuple[psutil.Process, Marker]]:
         m = marker_of(p)
         if m is None or (run is not None and m.run_id != run) or p.pid == m.driver_pid:
             continue
-        if _running(p):
+        if running(p):
             out.append((p, m))
     return out
 
@@ -203,7 +203,8 @@ def forget_dead_runs() -> None:
 
 # -- stopping -----------------------------------------------------------------------------------
 
-def _running(p: psutil.Process) -> bool:
+def running(p: psutil.Process) -> bool:
+    """Alive and not a zombie (a zombie has exited; only its parent's wait is missing)."""
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -235,7 +236,7 @@ def _with_descendants(procs) -> list[psutil.Process]:
         except psutil.Error:
             pass
     me = os.getpid()
-    return [p for p in found.values() if p.pid != me and _running(p)]
+    return [p for p in found.values() if p.pid != me and running(p)]
 
 
 def stop_processes(procs, grace: float = GRACE_S, more=None) -> dict:
@@ -259,7 +260,7 @@ def stop_processes(procs, grace: float = GRACE_S, more=None) -> dict:
     def alive_now():
         out = []
         for p, _ in seen.values():
-            if _running(p):
+            if running(p):
                 out.append(p)
             else:
                 gone_s.setdefault(p.pid, round(time.monotonic() - t0, 2))
@@ -284,7 +285,7 @@ def stop_processes(procs, grace: float = GRACE_S, more=None) -> dict:
     return {
         "terminated": [d for pid, (_, d) in seen.items() if pid not in killed_pids],
         "killed": [seen[p.pid][1] for p in killed],
-        "survivors": [seen[p.pid][1] for p in killed if _running(p)],
+        "survivors": [seen[p.pid][1] for p in killed if running(p)],
         "gone_s": {str(pid): gone_s.get(pid) for pid in seen},
         "seconds": round(time.monotonic() - t0, 2),
     }
@@ -325,7 +326,7 @@ def session_members(leaders: dict[int, float]) -> list[psutil.Process]:
             continue
         try:
             sid = os.getsid(p.pid)
-            if sid in valid and p.create_time() >= valid[sid] - 1.0 and _running(p):
+            if sid in valid and p.create_time() >= valid[sid] - 1.0 and running(p):
                 out.append(p)
         except (OSError, psutil.Error):
             continue

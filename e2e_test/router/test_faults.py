@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from e2e_test.infra import bursts, settings
+from e2e_test.infra import bursts, reaper, settings
 from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra.errors import StallError, WorkerDied
 
@@ -95,13 +95,6 @@ def extend_pythonpath(first: str, inherited: str | None) -> str:
                                       if p and p != first])
 
 
-def _running(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name):
     """SIGTERM to a pytest that is starting a topology: all gone within 30 s."""
     (tmp_path / "test_child.py").write_text(CHILD_TEST)
@@ -135,7 +128,7 @@ def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name):
     # tree is watched until the 30 s from the signal are up, not sampled once at the exit.
     alive = list(tree)
     while True:
-        alive = [p for p in alive if _running(p)]
+        alive = [p for p in alive if reaper.running(p)]
         if not alive or time.monotonic() - t0 > 30:
             break
         time.sleep(0.1)
