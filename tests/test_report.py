@@ -26,17 +26,34 @@ def test_epd_proof_line():
 
 
 def test_main_job_verdict_lines_proof_oracle_and_failure():
-    from e2e_test.infra import verdicts
+    """The oracle part is built by the real producer (oracle.compare/judge, the shape that
+    comparisons.against_one_worker returns): a hook written against a made-up shape once
+    printed "0 identical, 0 numerics, 0 mismatch" for a 32-item pass."""
+    from e2e_test.infra import oracle, verdicts
+    from e2e_test.infra.oracle import Step
+
+    def steps(*toks):
+        return [Step(t, -0.1, {t: -0.1, "x": -3.0}) for t in toks]
+
+    base = {i: steps("a", "b") for i in range(3)}
+    same = oracle.compare("gsm8k", "vllm/prefill-0 alone", "vllm/1p1d", base, base)
+    control = oracle.ControlArm([same])
+    bad = {**base, 2: steps("a", "c")}
     printed = []
     lines = verdicts.print_verdicts({
         "pd_proof": {"decode_external": 1445, "prompt_tokens": 1445, "decode_local_compute": 0,
                      "nixl_bytes": 2**20 * 35.0},
-        "oracle": {"verdict": "pass", "baseline": "1", "items": [
-            {"index": 0, "verdict": "identical"}, {"index": 1, "verdict": "identical"},
-            {"index": 2, "verdict": "numerics"}]}}, out=printed.append)
-    assert lines == [("KV proof: decode got 1445/1445 prompt tokens by transfer, recomputed 0, "
-                      "35.0 MiB over NIXL"),
-                     "answers vs `1`: 2 identical, 1 numerics, 0 mismatch (verdict pass)"]
+        "oracle": {"gsm8k": oracle.judge(same, control).to_dict(),
+                   "mmlu": oracle.judge(oracle.compare("mmlu", "vllm/prefill-0 alone",
+                                                      "vllm/1p1d", base, bad),
+                                        control).to_dict()}}, out=printed.append)
+    assert lines[0] == ("KV proof: decode got 1445/1445 prompt tokens by transfer, recomputed 0, "
+                        "35.0 MiB over NIXL")
+    assert lines[1].startswith("answers, gsm8k: ok: gsm8k vllm/1p1d vs vllm/prefill-0 alone: "
+                               "3 identical, 0 numerics, 0 mismatch"), lines[1]
+    # negative control: a mismatching item is counted and fails the line
+    assert lines[2].startswith("answers, mmlu: FAILED: "), lines[2]
+    assert "2 identical, 0 numerics, 1 mismatch" in lines[2], lines[2]
     assert printed[0].startswith("  KV proof")
     assert verdicts.print_verdicts({"topology": "1"}, out=printed.append) == []
     assert verdicts.proof_lines({"proof_error": "PD transfer proof failed on 1p1d: x"}) == [

@@ -38,30 +38,19 @@ def proof_lines(summary: dict) -> list[str]:
     return out
 
 
-def oracle_line(summary: dict) -> str | None:
-    """HOOK for the comparison oracle (e2e_test/infra/oracle.py, the lead's): when the main job
-    puts the oracle's record under summary["oracle"] ({"verdict", "baseline", "items": [{
-    "index", "verdict": identical|numerics|mismatch}], "control": {...}}), this prints e.g.
-    "answers vs `1`: 30 identical, 2 numerics, 0 mismatch (verdict pass)". Replace or extend
-    the wording here; cmd_main only calls print_verdicts."""
-    o = summary.get("oracle")
-    if not o:
-        return None
-    items = o.get("items") or []
-    counts = {v: sum(1 for i in items if i.get("verdict") == v)
-              for v in ("identical", "numerics", "mismatch")}
-    line = f"answers vs `{o.get('baseline', '1')}`: " + ", ".join(
-        f"{n} {v}" for v, n in counts.items())
-    if o.get("verdict") is not None:
-        line += f" (verdict {o['verdict']})"
-    return line
+def oracle_lines(summary: dict) -> list[str]:
+    """The comparison oracle's verdicts in `summary["oracle"]` ({eval: Verdict.to_dict()}, as
+    comparisons.against_one_worker returns them), one line per eval, worded by
+    report._oracle_line as in every other report: e.g. "answers, gsm8k: ok: gsm8k vllm/1p1d
+    vs vllm/prefill-0 alone: 31 identical, 1 numerics, 0 mismatch (numerics budget 7 from the
+    control arm); max first-step delta 0.126 nats"."""
+    return [f"answers, {name}: {report._oracle_line(v)}"
+            for name, v in (summary.get("oracle") or {}).items()]
 
 
 def print_verdicts(summary: dict, out=print) -> list[str]:
     lines = proof_lines(summary)
-    oracle = oracle_line(summary)
-    if oracle:
-        lines.append(oracle)
+    lines += oracle_lines(summary)
     for ln in lines:
         out(f"  {ln}")
     return lines
