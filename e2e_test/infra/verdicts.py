@@ -16,8 +16,7 @@ KEYS = {"pd": "pd_proof", "epd": "epd_proof", "afd": "afd_ffn_proof"}
 def disagg_proof(cluster) -> dict:
     kind = cluster.topology.kind
     if kind == "pd":
-        p = (proof.pd_transfer_tokenspeed(cluster) if cluster.engine == "tokenspeed"
-             else proof.pd_transfer(cluster))
+        p = cluster.driver.pd_proof(cluster)     # the engine's own proof (Engine.pd_proof)
     elif kind == "epd":
         p = proof.epd_encoder_ran(cluster)
     elif kind == "afd" and not cluster.topology.name.startswith("native"):
