@@ -112,12 +112,7 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
             await asyncio.sleep(0.05)
         if task.done():
             task.result()          # raises what went wrong
-        # What every role holds the moment before the client leaves.
-        case.running_at_cancel = await asyncio.to_thread(_loads, cluster)
-        case.seconds_before_cancel = round(time.monotonic() - t0, 3)
-        task.cancel()              # closes the response and its connection
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        return await _drop(cluster, task, case, t0)
 
 
 async def _post_then_drop(cluster, content: str, max_tokens: int, stop_when,
@@ -130,17 +125,29 @@ async def _post_then_drop(cluster, content: str, max_tokens: int, stop_when,
         while not task.done():
             running = await asyncio.to_thread(_running, cluster)
             if stop_when(running, time.monotonic() - t0):
-                case.running_at_cancel = await asyncio.to_thread(_loads, cluster)
                 break
             await asyncio.sleep(0.1)
         if task.done():
             r = task.result()
             raise HarnessError(f"{case.case}: the request finished (HTTP {r.status_code}) "
                                "before the cancel")
-        case.seconds_before_cancel = round(time.monotonic() - t0, 3)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        return await _drop(cluster, task, case, t0)
+
+
+async def _drop(cluster, task, case: CancelCase, t0: float) -> float:
+    """Leave now: cancel the request's task (closing its connection) at once, and scrape what
+    every role holds alongside, not before: a scrape of busy workers takes seconds on a loaded
+    machine, and a cancel that waits for it is late (on 2 CPU cores the first token of a 1p1d
+    prefill once came 2.8 s after the cancel was due, while the scrape ran). Returns the
+    monotonic time of the cancel."""
+    loads = asyncio.ensure_future(asyncio.to_thread(_loads, cluster))
+    t_cancel = time.monotonic()
+    case.seconds_before_cancel = round(t_cancel - t0, 3)
+    task.cancel()              # closes the response and its connection; no chunk counts after
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    case.running_at_cancel = await loads
+    return t_cancel
 
 
 def _after(cluster, case: CancelCase, t_cancel: float, bound_s: float,
@@ -165,9 +172,9 @@ def cancel_mid_stream(cluster, chunks: int = 8, bound_s: float = 30.0, next_n: i
     """A streaming client that disconnects after `chunks` content chunks."""
     mt = max_new_tokens(cluster)
     case = CancelCase("cancel mid-stream", cluster.topology.name, mt, 8)
-    asyncio.run(_stream_then_drop(cluster, "Tell me a very long story about the sea.", mt,
-                                  lambda n, _t: n >= chunks, case, timeout))
-    return _after(cluster, case, time.monotonic(), bound_s, next_n)
+    t_cancel = asyncio.run(_stream_then_drop(cluster, "Tell me a very long story about the sea.",
+                                             mt, lambda n, _t: n >= chunks, case, timeout))
+    return _after(cluster, case, t_cancel, bound_s, next_n)
 
 
 def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.5,
@@ -184,15 +191,15 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
     cluster.wait_idle(timeout=bound_s)
     case = CancelCase("cancel during prefill", cluster.topology.name, mt, prompt_words)
     delay = max(0.05, fraction * ttft)
-    asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
-                                  lambda n, t: n > 0 or t >= delay, case, timeout))
+    t_cancel = asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
+                                             lambda n, t: n > 0 or t >= delay, case, timeout))
     if case.chunks_before_cancel:
         raise HarnessError(f"cancel during prefill: a token came back after "
-                           f"{case.first_token_s} s, before the cancel at {delay:.2f} s "
-                           f"(probe time to first token {ttft} s): the prompt is too short "
-                           "on this machine")
+                           f"{case.first_token_s} s, before the cancel at "
+                           f"{case.seconds_before_cancel} s (due at {delay:.2f} s; probe time "
+                           f"to first token {ttft} s): the prompt is too short on this machine")
     case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
-    return _after(cluster, case, time.monotonic(), bound_s, next_n)
+    return _after(cluster, case, t_cancel, bound_s, next_n)
 
 
 def cancel_during_decode(cluster, after_running_s: float = 1.5, bound_s: float = 30.0,
@@ -209,9 +216,9 @@ def cancel_during_decode(cluster, after_running_s: float = 1.5, bound_s: float =
             seen.setdefault("t", t)
         return "t" in seen and t - seen["t"] >= after_running_s
 
-    asyncio.run(_post_then_drop(cluster, "Tell me a very long story about the mountains.", mt,
-                                stop_when, case, timeout))
-    return _after(cluster, case, time.monotonic(), bound_s, next_n)
+    t_cancel = asyncio.run(_post_then_drop(cluster, "Tell me a very long story about the "
+                                           "mountains.", mt, stop_when, case, timeout))
+    return _after(cluster, case, t_cancel, bound_s, next_n)
 
 
 @contextlib.contextmanager
