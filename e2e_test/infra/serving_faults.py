@@ -63,6 +63,10 @@ class CancelCase:
     next_requests_ok: int = 0
     next_requests: int = 0
     idle: dict = field(default_factory=dict)
+    # Diagnostics of the client's own timing: when the response headers came (smg sends them
+    # with the first token in PD), and the longest the client's loop went unscheduled.
+    headers_s: float | None = None
+    loop_gap_max_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,6 +92,7 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
         async def consume():
             async with client.stream("POST", CHAT, json=_body(cluster, content, max_tokens,
                                                               True)) as r:
+                case.headers_s = round(time.monotonic() - t0, 3)
                 if r.status_code != 200:
                     raise HarnessError(f"{case.case}: HTTP {r.status_code} before the cancel: "
                                        f"{(await r.aread())[:300]!r}")
@@ -106,8 +111,12 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
                                f"({case.chunks_before_cancel} chunks)")
 
         task = asyncio.ensure_future(consume())
+        last = time.monotonic()
         while not task.done():
-            if stop_when(case.chunks_before_cancel, time.monotonic() - t0):
+            now = time.monotonic()
+            case.loop_gap_max_s = round(max(case.loop_gap_max_s, now - last), 3)
+            last = now
+            if stop_when(case.chunks_before_cancel, now - t0):
                 break
             await asyncio.sleep(0.05)
         if task.done():
@@ -197,7 +206,9 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
         raise HarnessError(f"cancel during prefill: a token came back after "
                            f"{case.first_token_s} s, before the cancel at "
                            f"{case.seconds_before_cancel} s (due at {delay:.2f} s; probe time "
-                           f"to first token {ttft} s): the prompt is too short on this machine")
+                           f"to first token {ttft} s; response headers at {case.headers_s} s, "
+                           f"client loop unscheduled for up to {case.loop_gap_max_s} s): the "
+                           "prompt is too short on this machine")
     case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
     return _after(cluster, case, t_cancel, bound_s, next_n)
 
