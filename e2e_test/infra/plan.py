@@ -309,6 +309,9 @@ def place(topology: Topology, spec: ModelSpec, backend: str, devices: str | None
     the devices (GPUs) or cores (CPU), plan, refuse packing for an engine whose workers cannot
     share a GPU, and give workers that share one their start stage and memory share when the
     engine asks (`engine.packed_schedule`). Too few devices is a TooFewDevices error."""
+    if engine is not None and len(nodes) > 1 and not getattr(engine, "multinode", False):
+        raise ConfigError(f"engine {engine.name!r} cannot place workers on other nodes yet "
+                          f"(its workers bind 127.0.0.1); use --launcher local")
     if backend == "cuda":
         plan = make_plan(topology, spec, "cuda", devices=resolve_devices(topology, devices),
                          nodes=nodes)
