@@ -27,8 +27,11 @@ def device_shortfall(model: str, topology, backend: str, devices: str | None,
     GPU they cannot share); None when it fits. `engine`: the --engine name (default: the
     first that runs this topology kind). Other configuration errors (a bad device list, an
     unknown model, no GPU at all on cuda) propagate."""
+    from .infra import settings
     from .infra.model_specs import get_spec
     from .infra.plan import TooFewDevices, place
+    if settings.get("E2E_LAUNCHER") != "local":
+        return None     # the nodes are the launcher's: the Cluster's own plan checks them
     topo = parse_topology(topology)
     driver = for_topology(engine or kind_engines()[topo.kind][0], topo)
     try:

@@ -91,16 +91,30 @@ def merge_reports(local: teardown.TeardownReport,
     return out
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface of this host (namespace) that holds `address`."""
+    import psutil
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
 # -- actors (their classes become Ray actors in RayLauncher; plain Python here) -----------------
 
 class RoleActor:
     """One worker's process on this node."""
 
     def __init__(self, name: str, argv: list[str], env: dict, unset_env: tuple, log_path: str,
-                 cores: tuple, metrics_dir: str | None):
+                 cores: tuple, metrics_dir: str | None, address: str):
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
             Path(metrics_dir).mkdir(parents=True)
+        env = dict(env)
+        if "UCX_TLS" in env and "UCX_NET_DEVICES" not in env:
+            iface = interface_of(address)
+            if iface:           # UCX over the node's own interface only (not lo, not others)
+                env["UCX_NET_DEVICES"] = iface
         unset = tuple(unset_env) + tuple(v for v in RAY_WORKER_ENV if v not in env)
         self.proc = ManagedProcess(name, argv, env, Path(log_path), unset_env=unset,
                                    cpu_affinity=cores)
@@ -208,8 +222,7 @@ class RayHandle:
         if self._lost:
             return self._lost
         code = self._code
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return f"{how} on {self.node.label}"
+        return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
     def remember_descendants(self) -> None:
         if not self._lost:
@@ -352,7 +365,7 @@ class RayLauncher:
         nd = self._nodes[node][0]
         actor = ray.remote(RoleActor).options(**self._options(node)).remote(
             f"{name} on {nd.label}", command.argv, command.env, tuple(command.unset_env),
-            str(log_path), tuple(cores), command.metrics_dir)
+            str(log_path), tuple(cores), command.metrics_dir, nd.address)
         h = RayHandle(name, list(command.argv), Path(log_path), nd, actor)
         try:
             h._pid = ray.get(actor.start.remote(), timeout=120)["pid"]

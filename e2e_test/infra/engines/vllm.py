@@ -91,11 +91,14 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = entry.host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.aux["nixl"])
             if options.backend == "cpu":
-                env["UCX_TLS"] = "sm,tcp,self"
-                # One host: loopback only. On a node with its own address UCX picks the
-                # interface that carries it (TCP between nodes).
                 if entry.host.startswith("127."):
+                    env["UCX_TLS"] = "sm,tcp,self"
                     env["UCX_NET_DEVICES"] = "lo"
+                else:
+                    # Another node: TCP over the interface that carries the node's address
+                    # (the launcher sets UCX_NET_DEVICES on the node: ray_launcher.py); no
+                    # shared memory, which simulated hosts on one machine could still use.
+                    env["UCX_TLS"] = "tcp,self"
         elif options.kv_connector == "mooncake":
             kv_connector = "MooncakeConnector"
     elif topology.kind not in ("regular", "dp"):
