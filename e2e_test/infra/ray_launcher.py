@@ -256,6 +256,20 @@ class RayHandle:
     def tree_pids(self) -> list[int]:
         return [] if self._lost else self._get(self.actor.tree_pids.remote(), CALL_TIMEOUT_S)
 
+    def tree(self) -> list:
+        """The worker's processes as psutil objects where its node is this machine (simulated
+        hosts: stack dumps and the like work as on one host); [] for another machine."""
+        import psutil
+        if self.node.host_id != socket.gethostname():
+            return []
+        out = []
+        for pid in self.tree_pids():
+            try:
+                out.append(psutil.Process(pid))
+            except psutil.Error:
+                pass
+        return out
+
     def stop(self, grace: float = 15.0) -> StopReport:
         t0 = time.monotonic()
         if not self._lost:

@@ -130,6 +130,7 @@ class SimulatedHosts:
     ray_started: list[SimNode] = field(default_factory=list)
     temp_dir: str = ""
     timing: dict = field(default_factory=dict)
+    survivors: list[str] = field(default_factory=list)   # what stop_ray could not stop
 
     def __post_init__(self):
         self.bridge, self.bridge_addr, self.nodes = layout(self.n, self.tag, self.subnet)
@@ -226,7 +227,7 @@ class SimulatedHosts:
     def remove(self) -> None:
         t0 = time.monotonic()
         if self.ray_started:
-            self.stop_ray()
+            self.survivors = self.stop_ray()
         have = existing_namespaces()
         for argv in teardown_commands(self.bridge, self.nodes):
             if argv[:3] == ["ip", "netns", "del"] and argv[3] not in have:

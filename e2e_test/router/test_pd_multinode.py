@@ -158,7 +158,7 @@ def test_pd_across_two_nodes(own_cluster, record, engine_name, oracle_store):
     timing["total_s"] = round(time.monotonic() - t0, 1)
     timing.update(hosts.timing)
     left = hosts.leftovers()
-    survivors = [x.pid for x in hosts.ray_processes()]
+    survivors = hosts.survivors + [f"pid {x.pid}" for x in hosts.ray_processes()]
     record["timing"] = timing
     record["leftovers"] = {"links_and_namespaces": left, "processes": survivors}
     print(f"multi-node timing: {timing}; left: {left or 'nothing'}")
