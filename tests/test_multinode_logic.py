@@ -6,8 +6,8 @@ import pytest
 
 from e2e_test.infra import simhosts
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.ray_launcher import RayHandle, merge_reports, order_nodes
 from e2e_test.infra.plan import Node
+from e2e_test.infra.ray_launcher import RayHandle, merge_reports, order_nodes
 from e2e_test.infra.teardown import TeardownReport
 
 
@@ -112,7 +112,9 @@ def test_simulated_host_layout_and_commands():
     assert ["ip", "netns", "exec", "e2e-123456-1", "ip", "addr", "add", "10.77.0.3/24", "dev",
             nodes[1].veth_node] in setup
     down = simhosts.teardown_commands(bridge, nodes)
-    assert down == [["ip", "netns", "del", "e2e-123456-0"], ["ip", "netns", "del", "e2e-123456-1"],
+    assert down == [["ip", "link", "del", nodes[0].veth_host],
+                    ["ip", "link", "del", nodes[1].veth_host],
+                    ["ip", "netns", "del", "e2e-123456-0"], ["ip", "netns", "del", "e2e-123456-1"],
                     ["ip", "link", "del", bridge]]
     with pytest.raises(Exception, match="1..200 nodes"):
         simhosts.layout(0, "x")

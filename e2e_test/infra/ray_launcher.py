@@ -37,6 +37,7 @@ from .process import ManagedProcess, StopReport
 
 STATUS_TIMEOUT_S = 5.0        # an actor that does not answer within this is lost
 CALL_TIMEOUT_S = 60.0
+CONNECT_S = 60.0              # how long ray.init may keep failing before it is an error
 NODE_RESOURCE = re.compile(r"^e2e_node_(\d+)$")
 # Ray sets these for its workers (OMP_NUM_THREADS=1 for a 0-CPU actor); an engine started by
 # the actor must not inherit them.
@@ -320,14 +321,21 @@ class RayLauncher:
         except ImportError:
             raise ConfigError("--launcher ray needs Ray: pip install -e '.[multinode]' "
                               "(ray==2.60.0)") from None
-        if not ray.is_initialized():
+        # A cluster that has just started can refuse the first connections (Ray Client's
+        # proxy answers "Initialization failure from server" until its server is up): retry
+        # for CONNECT_S, then one line.
+        deadline = time.monotonic() + CONNECT_S
+        while not ray.is_initialized():
             try:
                 ray.init(address=self.address, log_to_driver=False, namespace="e2e",
                          logging_level="WARNING")
             except Exception as e:
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                if time.monotonic() < deadline:
+                    time.sleep(2.0)
+                    continue
+                text = " ".join(str(e).split()) or type(e).__name__
                 raise ConfigError(f"E2E_RAY_ADDRESS={self.address!r}: cannot connect to the "
-                                  f"Ray cluster: {first}") from None
+                                  f"Ray cluster within {CONNECT_S:.0f} s: {text[:300]}") from None
 
     def nodes(self) -> tuple[Node, ...]:
         if not self._nodes:

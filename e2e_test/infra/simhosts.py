@@ -70,8 +70,10 @@ def setup_commands(bridge: str, bridge_addr: str, nodes: list[SimNode]) -> list[
 
 
 def teardown_commands(bridge: str, nodes: list[SimNode]) -> list[list[str]]:
-    # Deleting a namespace deletes the veth end inside it, and with it its peer.
-    return [["ip", "netns", "del", nd.netns] for nd in nodes] + [["ip", "link", "del", bridge]]
+    # Deleting one end of a veth pair deletes both; deleting a namespace would too, but the
+    # kernel does that asynchronously, after the namespace's last process is gone.
+    return ([["ip", "link", "del", nd.veth_host] for nd in nodes]
+            + [["ip", "netns", "del", nd.netns] for nd in nodes] + [["ip", "link", "del", bridge]])
 
 
 def ray_start_argv(ray_bin: str, node: SimNode, head: SimNode, num_cpus: int,
@@ -233,6 +235,9 @@ class SimulatedHosts:
             if argv[:3] == ["ip", "netns", "del"] and argv[3] not in have:
                 continue
             _run(argv, check=False)
+        deadline = time.monotonic() + 10
+        while self.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.2)
         self.timing["remove_s"] = round(time.monotonic() - t0, 2)
 
     def leftovers(self) -> list[str]:
