@@ -238,7 +238,20 @@ class SimulatedHosts:
         deadline = time.monotonic() + 10
         while self.leftovers() and time.monotonic() < deadline:
             time.sleep(0.2)
+        self._keep_ray_logs()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
         self.timing["remove_s"] = round(time.monotonic() - t0, 2)
+
+    def _keep_ray_logs(self) -> None:
+        """Each node's Ray logs into log_dir/ray/nK (when given) before the temp dir goes."""
+        if not self.log_dir:
+            return
+        for logs in Path(self.temp_dir).glob("n*/session_*/logs"):
+            try:
+                shutil.copytree(logs, Path(self.log_dir) / "ray" / logs.parts[-3],
+                                dirs_exist_ok=True)
+            except (OSError, shutil.Error):
+                pass
 
     def leftovers(self) -> list[str]:
         """Namespaces and links of this instance still present (empty after remove())."""

@@ -31,13 +31,16 @@ from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra.errors import WorkerDied
 from e2e_test.infra.evals import recall
 
-pytestmark = [pytest.mark.e2e, pytest.mark.multinode, pytest.mark.pd,
-              pytest.mark.engines("vllm")]
+# Not marked `pd`: the GPU PD lanes select by it, and this test runs the CPU engines only.
+pytestmark = [pytest.mark.e2e, pytest.mark.multinode, pytest.mark.engines("vllm")]
 EAGER = EngineOptions(enforce_eager=True)     # boots in about half the time on CPU
 DETECT_S = 10.0                               # a dead worker or node is named within this
 
 
-def _require():
+def _require(backend: str):
+    if backend != "cpu":
+        pytest.skip("simulated hosts run the CPU engine; on GPUs use a real Ray cluster "
+                    "(docs/multinode.md)")
     why = simhosts.available()
     if why is None:
         try:
@@ -75,15 +78,15 @@ def _kill_mid_burst(c, kill, what: str) -> tuple[str, float]:
     return str(exc.value), time.monotonic() - stamp["t"]
 
 
-def test_pd_across_two_nodes(own_cluster, record, engine_name, oracle_store):
-    _require()
+def test_pd_across_two_nodes(own_cluster, record, engine_name, oracle_store, e2e_backend):
+    _require(e2e_backend)
     import ray
 
     from e2e_test.infra.ray_launcher import RayLauncher
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     t0 = time.monotonic()
     timing: dict = {}
-    hosts = simhosts.SimulatedHosts(2)
+    hosts = simhosts.SimulatedHosts(2, log_dir=settings.get("E2E_RESULTS_DIR") / "multinode")
     with hosts:
         hosts.start_ray(num_cpus=1, env={"PYTHONPATH": _extend_pythonpath(root)})
         a, b = hosts.nodes
