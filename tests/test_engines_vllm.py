@@ -229,6 +229,7 @@ def test_pd_on_other_nodes_binds_node_addresses_and_uses_ucx_tcp():
     assert pc.argv[pc.argv.index("--host") + 1] == "10.77.0.2"
     assert dc.argv[dc.argv.index("--host") + 1] == "10.77.0.3"
     assert dc.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.77.0.3"
+    assert (pc.env["VLLM_HOST_IP"], dc.env["VLLM_HOST_IP"]) == ("10.77.0.2", "10.77.0.3")
     # TCP only (no shared memory between simulated hosts); the interface is the node's,
     # chosen on the node by the launcher, so no loopback device here
     assert dc.env["UCX_TLS"] == "tcp,self" and "UCX_NET_DEVICES" not in dc.env

@@ -64,6 +64,10 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     # (e.g. the default running window max_num_seqs). Every server binds its node's address
     # only (127.0.0.1 on one host; plan.PlanEntry.host).
     env: dict[str, str] = {"VLLM_SERVER_DEV_MODE": "1"}
+    if not entry.host.startswith("127."):
+        # On another node: vLLM's own address (its torch.distributed rendezvous) is the node's,
+        # not what a route to the internet says (a simulated host has none: 0.0.0.0).
+        env["VLLM_HOST_IP"] = entry.host
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
     if entry.tp > 1:
