@@ -44,7 +44,7 @@ def test_role_actor_on_node_b_and_per_node_teardown(tmp_path):
         try:
             launcher = RayLauncher(hosts.ray_client_address)
             nodes = launcher.nodes()
-            assert [n.address for n in nodes] == ["10.77.0.2", "10.77.0.3"]
+            assert [n.address for n in nodes] == [x.address for x in hosts.nodes]
             b = nodes[1]
             entry = PlanEntry("decode-0", "decode", 0, 1, 1, node=1, host=b.address)
             base = launcher.baseline(())
@@ -62,13 +62,13 @@ def test_role_actor_on_node_b_and_per_node_teardown(tmp_path):
                         break
                 except httpx.HTTPError:
                     pass
-            assert h.alive() and h.where == ", node 1 (10.77.0.3)"
+            assert h.alive() and h.where == f", node 1 ({b.address})"
             assert f"Serving HTTP on {b.address} port {port}" in h.log_text()
             rep = h.stop(5)
             assert not rep.survivors and not h.alive()
             clean = launcher.verify([rep], {port}, base)
             assert clean.ok, clean.verdict()
-            assert set(clean.nodes) == {"driver", "node 0 (10.77.0.2)", "node 1 (10.77.0.3)"}
+            assert set(clean.nodes) == {"driver", nodes[0].label, b.label}
 
             # Negative control: a server still listening on node B fails the report, by node.
             launcher2 = RayLauncher(hosts.ray_client_address)
@@ -83,7 +83,7 @@ def test_role_actor_on_node_b_and_per_node_teardown(tmp_path):
                     pass
             dirty = launcher2.verify([], {port2}, base)
             assert not dirty.ok
-            assert dirty.verdict() == (f"NOT clean: node 1 (10.77.0.3): ports still listening: "
+            assert dirty.verdict() == (f"NOT clean: {b.label}: ports still listening: "
                                        f"[{port2}]"), dirty.verdict()
         finally:
             ray.shutdown()

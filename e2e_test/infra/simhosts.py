@@ -115,6 +115,16 @@ def _run(argv: list[str], check: bool = True, timeout: float = 60, env=None) -> 
     return r.stdout
 
 
+def used_subnets() -> set[int]:
+    """K of every 10.K.0.0/24 route here (the subnets simulated hosts must not take)."""
+    out = set()
+    for line in _run(["ip", "-4", "route"], check=False).splitlines():
+        parts = line.split()[0].split(".") if line.strip() else []
+        if len(parts) == 4 and parts[0] == "10" and parts[1].isdigit():
+            out.add(int(parts[1]))
+    return out
+
+
 def existing_namespaces() -> set[str]:
     out = _run(["ip", "netns", "list"], check=False)
     return {line.split()[0] for line in out.splitlines() if line.strip()}
@@ -150,6 +160,13 @@ class SimulatedHosts:
         why = available()
         if why:
             raise HarnessError(f"simulated hosts cannot be made: {why}")
+        taken = used_subnets()
+        if self.subnet in taken:       # another run's simulated hosts (or a real network)
+            free = [k for k in range(77, 100) if k not in taken]
+            if not free:
+                raise HarnessError("simulated hosts: 10.77-99.0.0/24 are all in use")
+            self.subnet = free[0]
+            self.bridge, self.bridge_addr, self.nodes = layout(self.n, self.tag, self.subnet)
         t0 = time.monotonic()
         try:
             for argv in setup_commands(self.bridge, self.bridge_addr, self.nodes):
