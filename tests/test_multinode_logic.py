@@ -92,7 +92,17 @@ def test_lost_node_message_names_node_and_role():
     assert h.failure_summary().startswith("decode-0 on node 1 (10.77.0.3): node 1 (10.77.0.3) "
                                           "lost")
     rep = h.stop()
-    assert rep.survivors and "not verified" in rep.survivors[0]   # never reported as clean
+    assert rep.survivors == []       # nothing claimed alive; verify() marks the node unverified
+
+
+def test_negative_control_unverified_node_is_never_clean():
+    rep = merge_reports(TeardownReport(), {
+        "node 0 (a)": TeardownReport(),
+        "node 1 (b)": TeardownReport(unverified=["worker-0 (pid 4): node 1 (b) lost: gone"])})
+    assert not rep.ok
+    assert rep.unverified == ["node 1 (b): worker-0 (pid 4): node 1 (b) lost: gone"]
+    assert rep.verdict() == ("NOT clean: node 1 (b): not verified: worker-0 (pid 4): "
+                             "node 1 (b) lost: gone")
 
 
 def test_negative_control_exited_worker_is_not_called_lost():

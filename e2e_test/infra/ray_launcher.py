@@ -78,6 +78,7 @@ def merge_reports(local: teardown.TeardownReport,
     out = replace(local, escalated=list(local.escalated), survivors=list(local.survivors),
                   busy_ports=list(local.busy_ports), gpu_leaks=dict(local.gpu_leaks),
                   shm_removed=list(local.shm_removed), shm_left=list(local.shm_left),
+                  unverified=list(local.unverified),
                   gpu_holders=dict(local.gpu_holders), nodes={"driver": local.to_dict()})
     for label, r in per_node.items():
         out.escalated += [f"{label}: {x}" for x in r.escalated]
@@ -85,6 +86,7 @@ def merge_reports(local: teardown.TeardownReport,
         out.busy_ports += [p for p in r.busy_ports if p not in out.busy_ports]
         out.shm_removed += [f"{label}: {x}" for x in r.shm_removed]
         out.shm_left += [f"{label}: {x}" for x in r.shm_left]
+        out.unverified += [f"{label}: {x}" for x in r.unverified]
         for d, mib in r.gpu_leaks.items():
             out.gpu_leaks[f"{label} gpu {d}"] = mib
         out.gpu_checked = out.gpu_checked or r.gpu_checked
@@ -281,9 +283,9 @@ class RayHandle:
                 return self.report
             except Exception as e:
                 self._lose(e)
+        # Nothing could be stopped or checked there: verify() reports the node as unverified.
         self.report = StopReport(self.name, self._pid, self._code, False,
-                                 time.monotonic() - t0,
-                                 [f"{self.name} (pid {self._pid}): not verified, {self._lost}"])
+                                 time.monotonic() - t0, [])
         return self.report
 
     def kill(self) -> None:
@@ -410,15 +412,17 @@ class RayLauncher:
                 continue
             mine = [h.report for h in self.handles if h.node.index == k and h.report]
             lost = [h for h in self.handles if h.node.index == k and h._lost]
+            if lost:        # its agent went with the node: do not wait for it
+                per_node[nd.label] = teardown.TeardownReport(unverified=[
+                    f"{h.name} (pid {h.pid}): {h._lost}" for h in lost])
+                continue
             try:
                 rep = ray.get(self._agents[k].verify.remote(
                     mine, self._ports.get(k, set()), self._baselines.get(k, Baseline())),
                     timeout=CALL_TIMEOUT_S)
             except Exception as e:
-                rep = teardown.TeardownReport(survivors=[
-                    f"not verified: its node agent is gone ({type(e).__name__})"])
-            if lost and not rep.survivors:
-                rep.survivors = [s for h in lost for s in h.report.survivors]
+                rep = teardown.TeardownReport(unverified=[
+                    f"its node agent did not answer ({type(e).__name__})"])
             per_node[nd.label] = rep
         self.close()
         return merge_reports(local, per_node)

@@ -40,10 +40,13 @@ class TeardownReport:
     # Multi-node launchers (ray_launcher.merge_reports): node label -> that node's report
     # (as to_dict); "driver" is this host's. Empty on one host.
     nodes: dict[str, dict] = field(default_factory=dict)
+    # Hosts whose processes could not be checked (a lost node), with why: never clean.
+    unverified: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.survivors or self.busy_ports or self.gpu_leaks or self.shm_left)
+        return not (self.survivors or self.busy_ports or self.gpu_leaks or self.shm_left
+                    or self.unverified)
 
     def verdict(self) -> str:
         if self.ok:
@@ -71,6 +74,8 @@ class TeardownReport:
             parts.append(part)
         if self.shm_left:
             parts.append(f"/dev/shm segments left: {self.shm_left[:5]}")
+        if self.unverified:
+            parts.append(f"not verified: {'; '.join(self.unverified[:5])}")
         return "NOT clean: " + "; ".join(parts)
 
     def to_dict(self) -> dict:
