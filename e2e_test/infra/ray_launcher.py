@@ -387,6 +387,7 @@ class RayLauncher:
         import ray
         self.agent(node)
         nd = self._nodes[node][0]
+        log_path = Path(log_path).resolve()     # the actor's working folder is Ray's
         actor = ray.remote(RoleActor).options(**self._options(node)).remote(
             f"{name} on {nd.label}", command.argv, command.env, tuple(command.unset_env),
             str(log_path), tuple(cores), command.metrics_dir, nd.address)
