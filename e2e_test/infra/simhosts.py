@@ -29,6 +29,7 @@ from pathlib import Path
 from .errors import HarnessError
 
 RAY_PORT = 6379
+RAY_NODE_ENV = {"RAY_kill_child_processes_on_worker_exit": "0"}
 CLIENT_PORT = 10001
 
 
@@ -185,7 +186,10 @@ class SimulatedHosts:
         t0 = time.monotonic()
         ray_bin = str(Path(sys.executable).parent / "ray")
         Path(self.temp_dir).mkdir(parents=True, exist_ok=True)
-        full_env = {**os.environ, **(env or {})}
+        # A Ray worker that exits SIGKILLs its direct children (Ray's default): that would
+        # take the harness's guardian with the actor and orphan the engine's own children.
+        # Off, the guardian outlives its actor and stops the whole tree (reaper.py).
+        full_env = {**os.environ, **RAY_NODE_ENV, **(env or {})}
         for nd in self.nodes:
             self.ray_started.append(nd)
             _run(netns_exec(nd.netns, ray_start_argv(ray_bin, nd, self.nodes[0], num_cpus,
