@@ -27,12 +27,19 @@ def device_shortfall(model: str, topology, backend: str, devices: str | None,
     GPU they cannot share); None when it fits. `engine`: the --engine name (default: the
     first that runs this topology kind). Other configuration errors (a bad device list, an
     unknown model, no GPU at all on cuda) propagate."""
+    from .infra import settings
     from .infra.model_specs import get_spec
-    from .infra.plan import TooFewDevices, place
+    from .infra.plan import LOCAL_NODES, Node, TooFewDevices, place
+    if settings.get("E2E_LAUNCHER") != "local":
+        return None     # the nodes are the launcher's: the Cluster's own plan checks them
     topo = parse_topology(topology)
     driver = for_topology(engine or kind_engines()[topo.kind][0], topo)
+    # Roles pinned to nodes (`d.node=1`): as many nodes on this one machine (simulated hosts),
+    # so the question stays whether this machine's devices hold the topology.
+    pins = [g.node for g in topo.roles if g.node is not None]
+    nodes = tuple(Node(k, "127.0.0.1") for k in range(max(pins) + 1)) if pins else LOCAL_NODES
     try:
-        place(topo, get_spec(model), backend, devices, driver)
+        place(topo, get_spec(model), backend, devices, driver, nodes=nodes)
     except TooFewDevices as e:
         return e.summary
     return None

@@ -40,6 +40,10 @@ def pytest_addoption(parser):
                 help="ordered device list, e.g. 0,1 (env E2E_DEVICES)")
     g.addoption("--backend", default=settings.raw("E2E_BACKEND"),
                 help="cpu or cuda (default: cuda when NVML sees a GPU)")
+    g.addoption("--launcher", default=None,
+                help="local (processes on this host) or ray (roles as Ray actors on the nodes "
+                     "of the Ray cluster at E2E_RAY_ADDRESS; docs/multinode.md); env "
+                     "E2E_LAUNCHER")
 
 
 def _csv(v: str) -> list[str]:
@@ -86,6 +90,9 @@ def pytest_configure(config):
                          model=_given(config, "--model", "E2E_MODEL"),
                          engines=_given(config, "--engine", "E2E_ENGINES"),
                          topologies=_given(config, "--topology", "E2E_TOPOLOGIES"))
+        if config.getoption("--launcher"):    # every Cluster of the session reads it
+            os.environ["E2E_LAUNCHER"] = settings.value(
+                "E2E_LAUNCHER", config.getoption("--launcher"), "--launcher")
         if settings.get("E2E_DATASET_DIR"):
             from .infra import datasets
             for name in ("gsm8k", "mmlu"):

@@ -33,7 +33,10 @@ stamp="$VENV/.e2e-bootstrap-$EXTRAS"
 want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "bootstrap: installing the harness with extra [$EXTRAS] into $VENV"
-  quiet "${PIP[@]}" install -q -e ".[$EXTRAS,dev]"
+  # The CPU venv also gets Ray (extra multinode): the simulated multi-node test of the CPU
+  # lane (e2e_test/router/test_pd_multinode.py, docs/multinode.md).
+  if [ "$EXTRAS" = cpu ]; then SET="cpu,dev,multinode"; else SET="$EXTRAS,dev"; fi
+  quiet "${PIP[@]}" install -q -e ".[$SET]"
   if [ "$EXTRAS" = cpu ]; then
     # PyPI's torchvision/torchaudio/torchcodec builds break beside torch 2.13.0+cpu.
     quiet "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec || true

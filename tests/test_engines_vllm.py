@@ -217,3 +217,20 @@ def test_refuses_epd_and_afd():
 ])
 def test_core_list(cores, expected):
     assert core_list(cores) == expected
+
+
+def test_pd_on_other_nodes_binds_node_addresses_and_uses_ucx_tcp():
+    from dataclasses import replace as _r
+    t, e = cpu_entries("1p1d", cores=(0, 1, 2, 3))
+    p = _r(e["prefill-0"], node=0, host="10.77.0.2")
+    d = _r(e["decode-0"], node=1, host="10.77.0.3")
+    pc = vllm.build(SMOL, t, p, Ports(api=21000, aux={"nixl": 21001}), "/models/smol", CPU)
+    dc = vllm.build(SMOL, t, d, Ports(api=21002, aux={"nixl": 21003}), "/models/smol", CPU)
+    assert pc.argv[pc.argv.index("--host") + 1] == "10.77.0.2"
+    assert dc.argv[dc.argv.index("--host") + 1] == "10.77.0.3"
+    assert dc.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.77.0.3"
+    assert (pc.env["VLLM_HOST_IP"], dc.env["VLLM_HOST_IP"]) == ("10.77.0.2", "10.77.0.3")
+    # TCP only (no shared memory between simulated hosts); the interface is the node's,
+    # chosen on the node by the launcher, so no loopback device here
+    assert dc.env["UCX_TLS"] == "tcp,self" and "UCX_NET_DEVICES" not in dc.env
+    assert (dc.readiness.host, dc.readiness.port) == ("10.77.0.3", 21002)

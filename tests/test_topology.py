@@ -92,8 +92,11 @@ def test_options_one_role():
     ("dp0", "dp count 0 must be 1..64"),
     ("3a2f", "topology '3a2f': AFD needs attention ranks (3) to be a multiple of FFN ranks (2)"),
     ("1a2f", "AFD needs attention ranks (1) to be a multiple of FFN ranks (2)"),
-    ("1p1d,tp2", "topology '1p1d,tp2': bad option 'tp2' (use tp=K or ROLE.tp=K)"),
+    ("1p1d,tp2", "topology '1p1d,tp2': bad option 'tp2' (use tp=K, ROLE.tp=K or ROLE.node=K)"),
     ("1p1d,pp=2", "bad option 'pp=2'"),
+    ("1p1d,p.node=x", "bad option 'p.node=x'"),
+    ("1p1d,p.node=999", "node=999 must be 0..255"),
+    ("1p1d,e.node=1", "no 'encode' role in pd"),
     ("1p1d,tp=3", "tp=3 must be 1, 2, 4, 8 or 16"),
     ("1p1d,tp=0", "tp=0 must be 1, 2, 4, 8 or 16"),
     ("1p1d,x.tp=2", ("topology '1p1d,x.tp=2': unknown role 'x' (roles: worker, encode, "

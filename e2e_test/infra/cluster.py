@@ -34,7 +34,7 @@ from . import engines, metrics, ports, progress, reaper, settings, teardown
 from . import gateway as gw
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, Ports, WorkerCommand
 from .errors import ConfigError, StartupError
-from .launcher import Baseline, Handle, Launcher, LocalLauncher
+from .launcher import Baseline, Handle, Launcher, make_launcher
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
 from .models import weights_path
 from .plan import Plan, PlanEntry, place
@@ -72,11 +72,11 @@ class Worker:
     @property
     def url(self) -> str:
         scheme = "grpc" if self.command.protocol == "grpc" else "http"
-        return f"{scheme}://127.0.0.1:{self.ports.api}"
+        return f"{scheme}://{self.entry.host}:{self.ports.api}"
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.api}"
+        return f"http://{self.entry.host}:{self.ports.api}"
 
     def metrics(self, timeout: float = 5.0) -> dict:
         if self.command.metrics_dir:      # no /metrics endpoint, multiprocess files instead
@@ -113,14 +113,15 @@ class Cluster:
         if devices:
             settings.check_devices(devices, self.backend, "devices")
         self.model_path = weights_path(self.spec)
-        self.plan: Plan = place(self.topology, self.spec, self.backend, devices, self.driver)
+        self.launcher: Launcher = launcher or make_launcher()
+        self.plan: Plan = place(self.topology, self.spec, self.backend, devices, self.driver,
+                                nodes=self.launcher.nodes())
         self.admission = admission
         self.policy = policy
         self.gateway_args = tuple(gateway_args)
         self.startup_timeout = startup_timeout or self.spec.startup_timeout_s
         self.name = name or f"{self.engine}-{self.topology.name}-{os.getpid()}-{next(_ids)}"
         self.dir = Path(results_dir) if results_dir else results_root() / "clusters" / self.name
-        self.launcher: Launcher = launcher or LocalLauncher()
         opts = replace(options or EngineOptions(), backend=self.backend)
         if not opts.state_dir:
             opts = replace(opts, state_dir=str(self.dir.resolve() / "state"))
@@ -142,7 +143,7 @@ class Cluster:
         names = self.driver.aux_ports(self.topology, entry, self.options)
         preset = self.driver.fixed_ports(self.options)
         fresh = [n for n in names if n not in preset]
-        allocated = ports.allocate(1 + len(fresh))
+        allocated = self.launcher.allocate_ports(entry, 1 + len(fresh))
         aux = {**dict(zip(fresh, allocated[1:])), **{n: preset[n] for n in names if n in preset}}
         p = Ports(api=allocated[0], aux=aux)
         cmd = self.driver.worker_command(self.spec, self.topology, entry, p,
@@ -219,7 +220,8 @@ class Cluster:
 
     def _launch(self, w: Worker) -> None:
         log = self.dir / "logs" / f"{w.name}{'.' + str(w.restarts) if w.restarts else ''}.log"
-        w.process = self.launcher.start(w.name, w.command, log, cores=w.entry.cores)
+        w.process = self.launcher.start(w.name, w.command, log, cores=w.entry.cores,
+                                        node=w.entry.node)
 
     def _start_workers(self, t0: float) -> None:
         stages = sorted({w.command.start_stage for w in self.workers})
@@ -366,9 +368,8 @@ class Cluster:
         dead = []
         for name, p in [("gateway", self.gateway)] + [(w.name, w.process) for w in self.workers]:
             if p is not None and p.started_at is not None and not p.alive():
-                code = p.exit_code
-                how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                dead.append(f"{name} (pid {p.pid}) died: {how}")
+                dead.append(f"{name} (pid {p.pid}{getattr(p, 'where', '')}) died: "
+                            f"{p.death_reason()}")
         if not dead:
             return None
         return f"topology {self.topology.name} ({self.engine}): " + "; ".join(dead)

@@ -4,9 +4,10 @@ checked afterwards.
 The Cluster asks a Launcher to start each worker and the gateway and gets back a Handle
 (alive, exit code, log, stop, kill). Teardown verification runs where the processes ran, so
 the Launcher provides it too: `baseline()` before the first start, `verify()` after the last
-stop. `LocalLauncher` (processes on this host, ManagedProcess) is the only implementation;
-a launcher for other hosts (Ray actors, one per node) implements the same three methods and
-the Cluster's logic does not change.
+stop. It also names the nodes workers may go on (`nodes()`, for plan.place) and allocates
+each worker's ports on its node (`allocate_ports`). `LocalLauncher` runs processes on this
+host (ManagedProcess); `ray_launcher.RayLauncher` runs each role as a Ray actor on its node
+(`--launcher ray`, E2E_LAUNCHER / E2E_RAY_ADDRESS). The Cluster's logic is the same for both.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from . import teardown
+from . import ports, settings, teardown
 from .engines import WorkerCommand
+from .plan import LOCAL_NODES, Node, PlanEntry
 from .process import ManagedProcess, StopReport
 
 
@@ -45,6 +47,8 @@ class Handle(Protocol):
 
     def failure_summary(self) -> str: ...
 
+    def death_reason(self) -> str: ...
+
     def remember_descendants(self) -> None: ...
 
     def stop(self, grace: float = ...) -> StopReport: ...
@@ -60,10 +64,15 @@ class Baseline:
 
 
 class Launcher(Protocol):
+    def nodes(self) -> tuple[Node, ...]: ...
+
+    def allocate_ports(self, entry: PlanEntry, n: int) -> list[int]: ...
+
     def baseline(self, gpus: tuple[int, ...]) -> Baseline: ...
 
     def start(self, name: str, command: WorkerCommand, log_path: Path,
-              cores: tuple[int, ...] = ()) -> Handle: ...
+              cores: tuple[int, ...] = (), node: int | None = None) -> Handle: ...
+    # node None: this host (the gateway); else the plan's node index
 
     def verify(self, stops: list[StopReport], ports: set[int],
                baseline: Baseline) -> teardown.TeardownReport: ...
@@ -72,12 +81,18 @@ class Launcher(Protocol):
 class LocalLauncher:
     """Processes on this host, each in its own session with its own log (process.py)."""
 
+    def nodes(self) -> tuple[Node, ...]:
+        return LOCAL_NODES
+
+    def allocate_ports(self, entry: PlanEntry, n: int) -> list[int]:
+        return ports.allocate(n)
+
     def baseline(self, gpus: tuple[int, ...]) -> Baseline:
         return Baseline(shm=teardown.shm_snapshot(),
                         gpu_mib=teardown.gpu_memory_mib(gpus) if gpus else {})
 
     def start(self, name: str, command: WorkerCommand, log_path: Path,
-              cores: tuple[int, ...] = ()) -> ManagedProcess:
+              cores: tuple[int, ...] = (), node: int | None = None) -> ManagedProcess:
         if command.metrics_dir:   # must exist, and start empty (a restart starts counters anew)
             shutil.rmtree(command.metrics_dir, ignore_errors=True)
             Path(command.metrics_dir).mkdir(parents=True)
@@ -95,3 +110,13 @@ class LocalLauncher:
         rep.shm_removed, rep.shm_left = teardown.clean_shm(baseline.shm)
         rep.seconds = round(time.monotonic() - t0, 2)
         return rep
+
+
+def make_launcher(name: str | None = None, address: str | None = None) -> Launcher:
+    """The launcher E2E_LAUNCHER (or `--launcher`) names: local, or ray on the cluster at
+    E2E_RAY_ADDRESS."""
+    name = name or settings.get("E2E_LAUNCHER")
+    if name == "ray":
+        from .ray_launcher import RayLauncher
+        return RayLauncher(address or settings.get("E2E_RAY_ADDRESS"))
+    return LocalLauncher()

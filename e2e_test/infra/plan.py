@@ -9,6 +9,13 @@ device as long as their memory fractions add up to at most 1.0, each worker on t
 the most room left (the earlier ones on a tie), spreading them over the listed devices.
 
 On CPU each worker gets its own cores (E2E_CPU_CORES or this process's affinity), split evenly.
+
+Nodes (multi-node launchers, launcher.py / ray_launcher.py): every entry is on one node and gets
+that node's address (`node`, `host`). A role pinned with `ROLE.node=K` goes to node K; the
+other workers spread over the nodes in plan order (worker k of the unpinned ones on node
+k mod N). Devices and cores are planned per host: nodes on one machine (simulated hosts, same
+hostname) share its inventory and split it as above; each other machine plans its own workers
+on its own inventory (the same device list on every machine: homogeneous nodes).
 Pure: no process is started, nothing but the inventory is read.
 """
 
@@ -33,6 +40,24 @@ class PlanEntry:
     cores: tuple[int, ...] = ()  # CPU cores (empty on GPU)
     mem_fraction: float = 0.0  # the memory share the engine is given
     start_stage: int = 0       # workers start stage by stage (engines/*.packed_schedule)
+    node: int = 0              # index into the launcher's nodes
+    host: str = "127.0.0.1"    # the node's address: the worker binds it, smg reaches it there
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine (or simulated host) a launcher can start workers on."""
+    index: int
+    address: str               # what its servers bind and others connect to
+    host_id: str = "local"     # nodes with the same host_id share one machine's devices/cores
+    name: str = ""             # for messages: "node 1 (10.77.0.3)"
+
+    @property
+    def label(self) -> str:
+        return self.name or f"node {self.index} ({self.address})"
+
+
+LOCAL_NODES = (Node(0, "127.0.0.1"),)
 
 
 @dataclass(frozen=True)
@@ -43,6 +68,10 @@ class Plan:
     devices: tuple[int, ...] = ()
     packed: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def multinode(self) -> bool:
+        return any(e.node or e.host != "127.0.0.1" for e in self.entries)
 
     def by_role(self, role: str) -> list[PlanEntry]:
         return [e for e in self.entries if e.role == role]
@@ -58,7 +87,8 @@ class Plan:
             where = (f"gpu {','.join(map(str, e.gpus))} mem {e.mem_fraction:.2f}" if e.gpus
                      else f"cores {','.join(map(str, e.cores))}")
             stage = f" start stage {e.start_stage}" if e.start_stage else ""
-            lines.append(f"  {e.name:<12} tp={e.tp} dp={e.dp} {where}{stage}")
+            node = f" node {e.node} {e.host}" if self.multinode else ""
+            lines.append(f"  {e.name:<12} tp={e.tp} dp={e.dp} {where}{stage}{node}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -155,21 +185,22 @@ def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
     return xdist_share(cores, env)
 
 
-def _workers(topology: Topology):
+def _workers(topology: Topology, only: set | None = None):
     for g in topology.roles:
         for i in range(g.count):
-            yield g, i
+            if only is None or (g.role, i) in only:
+                yield g, i
 
 
-def plan_cpu(topology: Topology, cores: tuple[int, ...]) -> Plan:
-    n = topology.num_workers
+def plan_cpu(topology: Topology, cores: tuple[int, ...], only: set | None = None) -> Plan:
+    n = len(list(_workers(topology, only)))
     if n > len(cores):
         raise TooFewDevices(f"topology {topology.name!r} needs {n} worker(s) with their own "
                             f"cores; only {len(cores)} core(s) available "
                             f"({','.join(map(str, cores))})")
     share, extra = divmod(len(cores), n)
     entries, pos = [], 0
-    for k, (g, i) in enumerate(_workers(topology)):
+    for k, (g, i) in enumerate(_workers(topology, only)):
         take = share + (1 if k < extra else 0)
         entries.append(PlanEntry(f"{g.role}-{i}", g.role, i, g.tp, g.dp,
                                  cores=tuple(cores[pos:pos + take])))
@@ -177,7 +208,8 @@ def plan_cpu(topology: Topology, cores: tuple[int, ...]) -> Plan:
     return Plan(topology.name, "cpu", tuple(entries), devices=())
 
 
-def plan_gpu(topology: Topology, spec: ModelSpec, devices: tuple[int, ...]) -> Plan:
+def plan_gpu(topology: Topology, spec: ModelSpec, devices: tuple[int, ...],
+             only: set | None = None) -> Plan:
     if not devices:
         raise ConfigError(f"topology {topology.name!r} needs GPUs but none were found "
                           "(set E2E_DEVICES or CUDA_VISIBLE_DEVICES)")
@@ -185,8 +217,8 @@ def plan_gpu(topology: Topology, spec: ModelSpec, devices: tuple[int, ...]) -> P
     if dup:
         raise ConfigError(f"device list {','.join(map(str, devices))}: duplicate device(s) {dup}")
     frac = spec.gpu_memory_fraction
-    need = devices_needed(topology, spec)
-    workers = list(_workers(topology))
+    workers = list(_workers(topology, only))
+    need = sum(g.devices_per_worker * spec.tp for g, _ in workers)
     entries: list[PlanEntry] = []
     if need <= len(devices):
         pos = 0
@@ -218,25 +250,71 @@ def plan_gpu(topology: Topology, spec: ModelSpec, devices: tuple[int, ...]) -> P
                        f"memory fraction {frac}",))
 
 
+def node_of_workers(topology: Topology, nodes: tuple[Node, ...]) -> dict[tuple[str, int], int]:
+    """(role, index) -> node index: pinned roles (`ROLE.node=K`) on their node, the others
+    spread in plan order (the k-th unpinned worker on node k mod N). Pure."""
+    if not nodes:
+        raise ConfigError("no nodes to place workers on")
+    out, k = {}, 0
+    for g, i in _workers(topology):
+        if g.node is not None:
+            if g.node >= len(nodes):
+                raise ConfigError(
+                    f"topology {topology.name!r}: {g.role} pinned to node {g.node}, but the "
+                    f"launcher has {len(nodes)} node(s) "
+                    f"({', '.join(n.label for n in nodes)})")
+            out[(g.role, i)] = g.node
+        else:
+            out[(g.role, i)] = k % len(nodes)
+            k += 1
+    return out
+
+
 def make_plan(topology: Topology, spec: ModelSpec, backend: str,
               devices: tuple[int, ...] | None = None,
-              cores: tuple[int, ...] | None = None) -> Plan:
-    if backend == "cpu":
-        return plan_cpu(topology, cores if cores is not None else cpu_cores())
-    if backend == "cuda":
-        return plan_gpu(topology, spec,
-                        devices if devices is not None else resolve_devices(topology))
-    raise ConfigError(f"unknown backend {backend!r} (cpu or cuda)")
+              cores: tuple[int, ...] | None = None,
+              nodes: tuple[Node, ...] = LOCAL_NODES) -> Plan:
+    """Plan per host (see the module docstring); one host = the single-machine plan."""
+    if backend not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown backend {backend!r} (cpu or cuda)")
+    where = node_of_workers(topology, nodes)
+    hosts: dict[str, set] = {}
+    for key, k in where.items():
+        hosts.setdefault(nodes[k].host_id, set()).add(key)
+    parts = []
+    for host_id, only in hosts.items():
+        sub = None if len(hosts) == 1 else only
+        if backend == "cpu":
+            parts.append(plan_cpu(topology, cores if cores is not None else cpu_cores(), sub))
+        else:
+            parts.append(plan_gpu(topology, spec, devices if devices is not None
+                                  else resolve_devices(topology), sub))
+    by_key = {(e.role, e.index): e for p in parts for e in p.entries}
+    entries = []
+    for g, i in _workers(topology):
+        nd = nodes[where[(g.role, i)]]
+        entries.append(replace(by_key[(g.role, i)], node=nd.index, host=nd.address))
+    first = parts[0]
+    notes = tuple(n for p in parts for n in p.notes)
+    if len(hosts) > 1:
+        notes += (f"{len(hosts)} hosts, each planned on its own "
+                  f"{'cores' if backend == 'cpu' else 'devices'}",)
+    return replace(first, entries=tuple(entries), packed=any(p.packed for p in parts),
+                   notes=notes)
 
 
 def place(topology: Topology, spec: ModelSpec, backend: str, devices: str | None = None,
-          engine=None) -> Plan:
+          engine=None, nodes: tuple[Node, ...] = LOCAL_NODES) -> Plan:
     """The one placement check, used by the Cluster, the pytest plugin and the CLI: resolve
     the devices (GPUs) or cores (CPU), plan, refuse packing for an engine whose workers cannot
     share a GPU, and give workers that share one their start stage and memory share when the
     engine asks (`engine.packed_schedule`). Too few devices is a TooFewDevices error."""
+    if engine is not None and len(nodes) > 1 and not getattr(engine, "multinode", False):
+        raise ConfigError(f"engine {engine.name!r} cannot place workers on other nodes yet "
+                          f"(its workers bind 127.0.0.1); use --launcher local")
     if backend == "cuda":
-        plan = make_plan(topology, spec, "cuda", devices=resolve_devices(topology, devices))
+        plan = make_plan(topology, spec, "cuda", devices=resolve_devices(topology, devices),
+                         nodes=nodes)
         if plan.packed and engine is not None and not engine.packable:
             need = devices_needed(topology, spec)
             raise TooFewDevices(f"topology {topology.name!r} ({engine.name}) needs {need} "
@@ -250,5 +328,5 @@ def place(topology: Topology, spec: ModelSpec, backend: str, devices: str | None
         return plan
     if backend == "cpu":
         cores = parse_device_list(devices, "--devices") if devices else cpu_cores()
-        return make_plan(topology, spec, "cpu", cores=cores)
+        return make_plan(topology, spec, "cpu", cores=cores, nodes=nodes)
     raise ConfigError(f"unknown backend {backend!r} (cpu or cuda)")

@@ -38,20 +38,22 @@ def is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def allocate(n: int = 1) -> list[int]:
+def allocate(n: int = 1, host: str = "127.0.0.1") -> list[int]:
+    """n free ports on `host` (the address the servers will bind; a node's own address on a
+    multi-node launcher, asked on that node)."""
     lo, hi = _slice()
     out: list[int] = []
     with _lock:
         start = random.randrange(lo, hi)
         for i in range(hi - lo):
             p = lo + (start - lo + i) % (hi - lo)
-            if p in _handed_out or not is_free(p):
+            if p in _handed_out or not is_free(p, host):
                 continue
             _handed_out.add(p)
             out.append(p)
             if len(out) == n:
                 return out
-    raise RuntimeError(f"no free loopback port left in {lo}-{hi}")
+    raise RuntimeError(f"no free port left on {host} in {lo}-{hi}")
 
 
 def allocate_block(k: int) -> int:

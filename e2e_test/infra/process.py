@@ -108,6 +108,13 @@ class ManagedProcess:
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    where = ""       # where it runs, for messages (", node 1 (10.77.0.3)" on other hosts)
+
+    def death_reason(self) -> str:
+        """How it ended, in words: `signal 9` or `exit code 1`."""
+        code = self.exit_code
+        return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+
     def remember_descendants(self) -> None:
         if not self.alive():
             return

@@ -221,6 +221,10 @@ _add("E2E_MODEL_ROOT", PathKind(must_be_dir=True), None, "folder holding hub-id 
 _add("E2E_CACHE_DIR", PathKind(), Path("~/.cache/e2e_test").expanduser(), "cache of prepared models and downloaded datasets")
 _add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: the cache")
 _add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go")
+# Where workers run (launcher.py)
+_add("E2E_LAUNCHER", Choice("local", "ray"), "local", "how workers start: processes on this host (local) or Ray actors on the nodes of a Ray cluster (ray; `--launcher`, docs/multinode.md)")
+_add("E2E_RAY_ADDRESS", Text(), "auto", "the Ray cluster of `--launcher ray`: auto (this node's), HOST:PORT, or ray://HOST:PORT (Ray Client, from a machine that is no node)")
+_add("E2E_REQUIRE_MULTINODE", Bool(), False, "the simulated multi-node test (test_pd_multinode.py) fails instead of skipping where namespaces or Ray are missing (.ci/run sets it)")
 # Workers
 _add("E2E_ENFORCE_EAGER", Bool(), False, "pass --enforce-eager to vLLM workers (`--enforce-eager`)")
 _add("E2E_ENGINE_ARGS", ShellWords(), (), "extra flags for every worker, shell-quoted")

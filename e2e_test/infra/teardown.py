@@ -37,15 +37,27 @@ class TeardownReport:
     gpu_settle_s: float | None = None    # stop -> memory back to baseline; None: never within
     gpu_wait_s: float | None = None      # the bound waited
     gpu_holders: dict[int, list[str]] = field(default_factory=dict)  # device -> NVML processes
+    # Multi-node launchers (ray_launcher.merge_reports): node label -> that node's report
+    # (as to_dict); "driver" is this host's. Empty on one host.
+    nodes: dict[str, dict] = field(default_factory=dict)
+    # Hosts whose processes could not be checked (a lost node), with why: never clean.
+    unverified: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.survivors or self.busy_ports or self.gpu_leaks or self.shm_left)
+        return not (self.survivors or self.busy_ports or self.gpu_leaks or self.shm_left
+                    or self.unverified)
 
     def verdict(self) -> str:
         if self.ok:
             extra = f", {len(self.escalated)} needed SIGKILL" if self.escalated else ""
-            return f"clean in {self.seconds:.1f} s{extra}"
+            where = (f" on {len(self.nodes) - 1} node(s) and the driver's host" if self.nodes
+                     else "")
+            return f"clean in {self.seconds:.1f} s{where}{extra}"
+        if self.nodes and any(not sub["ok"] for sub in self.nodes.values()):
+            return "NOT clean: " + "; ".join(
+                f"{label}: {sub['verdict'].removeprefix('NOT clean: ')}"
+                for label, sub in self.nodes.items() if not sub["ok"])
         parts = []
         if self.survivors:
             parts.append(f"{len(self.survivors)} process(es) alive: {self.survivors[:5]}")
@@ -62,6 +74,8 @@ class TeardownReport:
             parts.append(part)
         if self.shm_left:
             parts.append(f"/dev/shm segments left: {self.shm_left[:5]}")
+        if self.unverified:
+            parts.append(f"not verified: {'; '.join(self.unverified[:5])}")
         return "NOT clean: " + "; ".join(parts)
 
     def to_dict(self) -> dict:

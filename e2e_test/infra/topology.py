@@ -9,7 +9,9 @@ Grammar:  CORE[,OPTION]*
           `XaYf`              AFD: attention on X ranks, FFN on Y ranks (X a multiple of Y)
           `native-dpN`        AFD's native baseline: one engine, DP N with expert parallel
   OPTION  `tp=K` (every role) or `ROLE.tp=K` / `ROLE.dp=K`, ROLE one of the role names below
-          (short forms e/p/d/a/f accepted), e.g. `1p1d,p.tp=2`.
+          (short forms e/p/d/a/f accepted), e.g. `1p1d,p.tp=2`;
+          `ROLE.node=K` pins the role's workers to node K of a multi-node launcher (`--launcher
+          ray`), e.g. `1p1d,p.node=0,d.node=1` (plan.assign_nodes; unpinned roles spread).
 
 Every problem is a one-line ConfigError, raised before anything starts.
 """
@@ -26,6 +28,7 @@ _SHORT = {"w": "worker", "e": "encode", "p": "prefill", "d": "decode", "a": "att
           "f": "ffn"}
 # Which engines run each kind is each engine's knowledge: engines.kind_engines().
 MAX_WORKERS_PER_ROLE = 64
+MAX_NODES = 256
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class RoleGroup:
     count: int
     tp: int = 1
     dp: int = 1
+    node: int | None = None        # pinned to this node of the launcher (None: the planner picks)
 
     @property
     def devices_per_worker(self) -> int:
@@ -130,16 +134,20 @@ def parse(text: str) -> Topology:
 def _apply_options(topo: Topology, opts: list[str], text: str) -> Topology:
     roles = list(topo.roles)
     for opt in opts:
-        m = re.match(r"^(?:([a-z]+)\.)?(tp|dp)=(\d+)$", opt)
+        m = re.match(r"^(?:([a-z]+)\.)?(tp|dp|node)=(\d+)$", opt)
         if not m:
-            raise ConfigError(f"topology {text!r}: bad option {opt!r} (use tp=K or ROLE.tp=K)")
+            raise ConfigError(f"topology {text!r}: bad option {opt!r} (use tp=K, ROLE.tp=K "
+                              "or ROLE.node=K)")
         role = m.group(1)
         role = _SHORT.get(role, role) if role else None
         if role is not None and role not in ROLE_NAMES:
             raise ConfigError(f"topology {text!r}: unknown role {m.group(1)!r} "
                               f"(roles: {', '.join(ROLE_NAMES)})")
         key, value = m.group(2), int(m.group(3))
-        if value not in (1, 2, 4, 8, 16):
+        if key == "node":
+            if value > MAX_NODES - 1:
+                raise ConfigError(f"topology {text!r}: node={value} must be 0..{MAX_NODES - 1}")
+        elif value not in (1, 2, 4, 8, 16):
             raise ConfigError(f"topology {text!r}: {key}={value} must be 1, 2, 4, 8 or 16")
         hit = False
         for i, g in enumerate(roles):

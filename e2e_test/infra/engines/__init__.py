@@ -114,6 +114,7 @@ class Engine:
     kinds: tuple[str, ...] = ()         # topology kinds it builds
     backends: tuple[str, ...] = ("cpu", "cuda")   # where it runs
     packable: bool = True               # its workers may share a GPU
+    multinode: bool = False             # its builder binds plan entries' node addresses
     # Prometheus counters whose sum grows while it processes tokens (the watchdog's progress
     # signal, Cluster.engine_work); empty: the watchdog sees no engine progress.
     work_counters: tuple[str, ...] = ()

@@ -59,16 +59,21 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
           model_path: str, options: EngineOptions) -> WorkerCommand:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_path), "--served-model-name", spec.id,
-            "--host", "127.0.0.1", "--port", str(ports.api)]
+            "--host", entry.host, "--port", str(ports.api)]
     # Dev mode adds /server_info, from which the harness reads the resolved engine config
-    # (e.g. the default running window max_num_seqs). Every server binds 127.0.0.1 only.
+    # (e.g. the default running window max_num_seqs). Every server binds its node's address
+    # only (127.0.0.1 on one host; plan.PlanEntry.host).
     env: dict[str, str] = {"VLLM_SERVER_DEV_MODE": "1"}
+    if not entry.host.startswith("127."):
+        # On another node: vLLM's own address (its torch.distributed rendezvous) is the node's,
+        # not what a route to the internet says (a simulated host has none: 0.0.0.0).
+        env["VLLM_HOST_IP"] = entry.host
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
     if entry.tp > 1:
         argv += ["--tensor-parallel-size", str(entry.tp)]
     if entry.dp > 1:
-        argv += ["--data-parallel-size", str(entry.dp), "--data-parallel-address", "127.0.0.1",
+        argv += ["--data-parallel-size", str(entry.dp), "--data-parallel-address", entry.host,
                  "--data-parallel-rpc-port", str(ports.aux["dp_rpc"])]
     if options.backend == "cuda":
         argv += ["--gpu-memory-utilization", f"{entry.mem_fraction:g}"]
@@ -87,17 +92,24 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv += ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
         if options.kv_connector == "nixl":
             kv_connector = "NixlConnector"
-            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = entry.host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.aux["nixl"])
             if options.backend == "cpu":
-                env["UCX_TLS"] = "sm,tcp,self"
-                env["UCX_NET_DEVICES"] = "lo"
+                if entry.host.startswith("127."):
+                    env["UCX_TLS"] = "sm,tcp,self"
+                    env["UCX_NET_DEVICES"] = "lo"
+                else:
+                    # Another node: TCP over the interface that carries the node's address
+                    # (the launcher sets UCX_NET_DEVICES on the node: ray_launcher.py); no
+                    # shared memory, which simulated hosts on one machine could still use.
+                    env["UCX_TLS"] = "tcp,self"
         elif options.kv_connector == "mooncake":
             kv_connector = "MooncakeConnector"
     elif topology.kind not in ("regular", "dp"):
         raise ConfigError(f"engines/vllm builds regular, dp and pd workers, not {topology.kind!r}")
     argv += list(spec.vllm_args) + list(options.extra_args)
-    return WorkerCommand(argv=argv, env=env, readiness=HttpGet(ports.api, "/health"),
+    return WorkerCommand(argv=argv, env=env,
+                         readiness=HttpGet(ports.api, "/health", host=entry.host),
                          worker_type=worker_type, kv_connector=kv_connector)
 
 
@@ -109,6 +121,7 @@ class VllmEngine(Engine):
     idle_gauges = IDLE_GAUGES
     name = "vllm"
     kinds = ("regular", "dp", "pd")
+    multinode = True        # binds entry.host: workers may go on other nodes
     work_counters = WORK_COUNTERS
 
     def aux_ports(self, topology, entry, options):
