@@ -71,3 +71,33 @@ def test_compile_cache_counts_and_file(tmp_path):
 def test_empty_session():
     rep = tr.compute([], [], 5, 5)
     assert rep["share_pct"] == {"boot": 0.0, "traffic": 0.0, "teardown": 0.0, "idle": 0.0}
+
+
+def test_cluster_entry_reads_timing_roles_and_the_engines_cache_verdict():
+    from types import SimpleNamespace as NS
+
+    from e2e_test.infra.cluster import Timing
+    from e2e_test.infra.engines import EngineOptions, vllm
+
+    class Proc:
+        def __init__(self, text):
+            self.text = text
+
+        def log_text(self):
+            return self.text
+    t = Timing(workers={"prefill-0": 40.0, "decode-0": 41.0}, total_ready_s=43.0,
+               gateway_ready_s=2.0, teardown_s=1.0, boot_started=100.0, teardown_started=200.0)
+    workers = [NS(name="prefill-0", entry=NS(role="prefill"),
+                  process=Proc("I fx graph cache hit for key f")),
+               NS(name="decode-0", entry=NS(role="decode"), process=None)]
+    c = NS(name="vllm-1p1d-1", topology=NS(name="1p1d"), timing=t, workers=workers,
+           driver=vllm.ENGINE, options=EngineOptions())
+    e = tr.cluster_entry(c)
+    assert e["profile"] == "compiled" and e["roles"] == {"prefill-0": "prefill",
+                                                          "decode-0": "decode"}
+    assert e["compile_cache"] == {"prefill-0": "hit", "decode-0": "unknown"}
+    rep = tr.compute([e], [], 100.0, 250.0)
+    assert rep["boot_s"] == 43.0 and rep["teardown_s"] == 1.0
+    assert rep["boot_by_role_s"] == {"prefill": 40.0, "decode": 41.0, "gateway": 2.0}
+    c.options = EngineOptions(enforce_eager=True)
+    assert tr.cluster_entry(c)["profile"] == "eager"
