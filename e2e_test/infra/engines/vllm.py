@@ -66,11 +66,16 @@ def compile_cache_env(options: EngineOptions) -> dict[str, str]:
     return env
 
 
+SERVING = "Application startup complete"   # uvicorn's line: the boot ends here
+
+
 def compile_cache_status(log_text: str, options: EngineOptions) -> str:
-    """hit (every compile was loaded from a cache), miss (at least one compiled from scratch,
-    nothing loaded), partial (both), off (eager) or unknown (no cache line in the log)."""
+    """The boot's verdict (the log up to the API server's startup line; a graph that traffic
+    compiles later is not the boot's): hit (loaded from a cache), miss (compiled from scratch,
+    nothing loaded), partial (both), off (eager) or unknown (no cache line)."""
     if options.enforce_eager:
         return "off"
+    log_text = log_text.split(SERVING, 1)[0]
     hit, miss = bool(CACHE_HIT.search(log_text)), bool(CACHE_MISS.search(log_text))
     if hit and miss:
         return "partial"
