@@ -171,8 +171,8 @@ class Engine:
 
     def compile_cache_status(self, log_text: str, options: EngineOptions) -> str:
         """Whether a worker's boot reused a compile cache, read from its log (the lane's time
-        report): hit | miss | off (eager, or no shared cache) | unknown (the engine does not
-        say). Pure."""
+        report): hit | miss | partial | off (eager) | unknown (the engine does not say).
+        Pure."""
         return "unknown"
 
 
