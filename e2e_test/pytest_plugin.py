@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -323,6 +324,8 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if rep.when == "call" or (rep.when == "setup" and rep.outcome != "passed"):
         item.stash[OUTCOME] = rep.outcome
+    if rep.when == "call":     # the test body's interval, for the time report
+        state(item.config).calls.append((rep.start, rep.stop))
     if (rep.when == "setup" and rep.failed and "record" in getattr(item, "fixturenames", ())
             and not item.stash.get(RECORDED, False)):
         # A fixture before `record` failed (a topology that did not start): still leave a
@@ -352,6 +355,11 @@ def pytest_sessionfinish(session, exitstatus):
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write
     st.summary = results.write_session(st.records, st.clusters,
                                        wall_s=time.monotonic() - st.t0)
+    from .infra import time_report
+    st.time_report = time_report.compute([time_report.cluster_entry(c)
+                                          for c in st.clusters.values()],
+                                         st.calls, st.t0_epoch, time.time())
+    time_report.write(st.time_report, Path(st.summary["dir"]))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -363,3 +371,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section("e2e results")
         terminalreporter.write_line(out["table"])
         terminalreporter.write_line(f"results: {out['dir']}")
+    if st.time_report:
+        from .infra import time_report
+        terminalreporter.write_line(f"time: {time_report.headline(st.time_report)}", bold=True)

@@ -12,6 +12,9 @@ import pytest
 @dataclass
 class SessionState:
     t0: float = field(default_factory=time.monotonic)
+    t0_epoch: float = field(default_factory=time.time)
+    calls: list = field(default_factory=list)              # (start, stop) of each test body
+    time_report: dict | None = None                        # time_report.compute's answer
     records: list = field(default_factory=list)            # one dict per test (results.py)
     clusters: dict = field(default_factory=dict)           # name -> Cluster started here
     teardown_violations: list = field(default_factory=list)

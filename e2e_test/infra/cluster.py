@@ -36,7 +36,7 @@ from .engines import DEFAULT_ENGINE, Engine, EngineOptions, Ports, WorkerCommand
 from .errors import ConfigError, StartupError
 from .launcher import Baseline, Handle, Launcher, make_launcher
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
-from .models import weights_path
+from .models import cache_dir, weights_path
 from .plan import Plan, PlanEntry, place
 from .process import StopReport, classify_log
 from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step
@@ -91,6 +91,11 @@ class Timing:
     gateway_ready_s: float | None = None
     total_ready_s: float | None = None
     teardown_s: float | None = None
+    # Epoch seconds, for the lane's time report (time_report.py): when the boot and the
+    # teardown began, and [start, seconds] of every restarted worker's boot.
+    boot_started: float | None = None
+    teardown_started: float | None = None
+    restart_boots: list = field(default_factory=list)
 
 
 class Cluster:
@@ -125,6 +130,8 @@ class Cluster:
         opts = replace(options or EngineOptions(), backend=self.backend)
         if not opts.state_dir:
             opts = replace(opts, state_dir=str(self.dir.resolve() / "state"))
+        if not opts.compile_cache_dir and settings.get("E2E_COMPILE_CACHE") == "shared":
+            opts = replace(opts, compile_cache_dir=str(cache_dir() / "compile"))
         self.options = self.driver.prepare(self.topology, self.spec, opts, self.dir,
                                            ports.allocate_block)
         self.workers: list[Worker] = [self._make_worker(e) for e in self.plan.entries]
@@ -211,6 +218,7 @@ class Cluster:
         self._baseline = self.launcher.baseline(self.plan.devices if self.backend == "cuda"
                                                 else ())
         t0 = time.monotonic()
+        self.timing.boot_started = time.time()
         self._start_workers(t0)
         self.timing.topology_ready_s = round(time.monotonic() - t0, 2)
         self._start_gateway()
@@ -321,6 +329,7 @@ class Cluster:
             return self.teardown_report
         self._stopped = True
         t0 = time.monotonic()
+        self.timing.teardown_started = time.time()
         if self._client:
             self._client.close()
         procs = [w.process for w in self.workers if w.process]
@@ -423,11 +432,12 @@ class Cluster:
             if rep.survivors:
                 raise StartupError(f"restart {name}: the old process tree did not stop",
                                    "\n".join(rep.survivors))
-        t0 = time.monotonic()
+        t0, epoch = time.monotonic(), time.time()
         w.restarts += 1
         self._launch(w)
         with httpx.Client(timeout=2.0) as client:
             self._wait_ready([w], client, t0 + (timeout or self.startup_timeout))
+        self.timing.restart_boots.append([epoch, round(time.monotonic() - t0, 2)])
         if w.command.kv_connector is not None and self.gateway is not None:
             gw.register_workers(self.gateway_url, [gw.GatewayWorker(
                 url=w.url, worker_type=w.command.worker_type,

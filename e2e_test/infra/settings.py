@@ -228,6 +228,7 @@ _add("E2E_REQUIRE_MULTINODE", Bool(), False, "the simulated multi-node test (tes
 # Workers
 _add("E2E_ENFORCE_EAGER", Bool(), False, "pass --enforce-eager to vLLM workers (`--enforce-eager`)")
 _add("E2E_ENGINE_ARGS", ShellWords(), (), "extra flags for every worker, shell-quoted")
+_add("E2E_COMPILE_CACHE", Choice("shared", "engine"), "shared", "compile cache of the workers: one shared under E2E_CACHE_DIR/compile, reused across topologies and runs (shared), or each engine's own default (engine)")
 _add("E2E_MOONCAKE_TRANSPORT", Choice("nvlink", "tcp"), "nvlink", "TokenSpeed PD/EPD Mooncake transport on one host")
 # Suites
 _add("E2E_WATCHDOG_S", Float(0), 60.0, "no-progress window after which a suite fails as stuck")

