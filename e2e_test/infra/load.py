@@ -316,7 +316,8 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
                     done_all.cancel()
                     for t in tasks:
                         t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                    # done_all too: its CancelledError, never retrieved, was printed at exit
+                    await asyncio.gather(done_all, *tasks, return_exceptions=True)
                     raise WorkerDied(f"{watchdog.what}: {dead}")
                 idle = time.monotonic() - progress.last
                 if progress.inflight > 0 and idle > watchdog.window_s:
