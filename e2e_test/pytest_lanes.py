@@ -65,6 +65,23 @@ def require_devices(config, topology, backend: str, engine: str | None = None) -
         pytest.skip(f"too few devices: {why}")
 
 
+def require_multinode() -> None:
+    """The simulated-hosts tests' guard: skip with the reason where network namespaces or Ray
+    are missing, fail instead under E2E_REQUIRE_MULTINODE=1 (`.ci/run` as root)."""
+    from .infra import simhosts
+    why = simhosts.available()
+    if why is None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            why = "ray is not installed (pip install -e '.[multinode]')"
+    if why:
+        if settings.get("E2E_REQUIRE_MULTINODE"):
+            pytest.fail(f"multi-node test required (E2E_REQUIRE_MULTINODE=1): {why}",
+                        pytrace=False)
+        pytest.skip(why)
+
+
 def _deselect_reason(item, config) -> str:
     kexpr = (getattr(config.option, "keyword", "") or "").strip()
     mexpr = (getattr(config.option, "markexpr", "") or "").strip()

@@ -11,36 +11,24 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e_test.infra import settings, simhosts
+from e2e_test.infra import simhosts
 from e2e_test.infra.engines import WorkerCommand
 from e2e_test.infra.plan import PlanEntry
+from e2e_test.infra.process import extend_pythonpath
+from e2e_test.pytest_lanes import require_multinode
 
 pytestmark = [pytest.mark.multinode]
 ROOT = str(Path(__file__).resolve().parents[1])
 
 
-def _require():
-    why = simhosts.available()
-    if why is None:
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            why = "ray is not installed (pip install -e '.[multinode]')"
-    if why:
-        if settings.get("E2E_REQUIRE_MULTINODE"):
-            pytest.fail(f"E2E_REQUIRE_MULTINODE=1: {why}", pytrace=False)
-        pytest.skip(why)
-
-
 def test_role_actor_on_node_b_and_per_node_teardown(tmp_path):
-    _require()
+    require_multinode()
     import ray
 
     from e2e_test.infra.ray_launcher import RayLauncher
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     hosts = simhosts.SimulatedHosts(2, tag=f"u{os.getpid() % 10000}")
     with hosts:
-        hosts.start_ray(env={"PYTHONPATH": os.pathsep.join([ROOT, *inherited])})
+        hosts.start_ray(env={"PYTHONPATH": extend_pythonpath(ROOT)})
         try:
             launcher = RayLauncher(hosts.ray_client_address)
             nodes = launcher.nodes()

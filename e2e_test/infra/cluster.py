@@ -377,7 +377,7 @@ class Cluster:
         dead = []
         for name, p in [("gateway", self.gateway)] + [(w.name, w.process) for w in self.workers]:
             if p is not None and p.started_at is not None and not p.alive():
-                dead.append(f"{name} (pid {p.pid}{getattr(p, 'where', '')}) died: "
+                dead.append(f"{name} (pid {p.pid}{p.where}) died: "
                             f"{p.death_reason()}")
         if not dead:
             return None

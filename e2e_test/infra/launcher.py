@@ -32,6 +32,7 @@ class Handle(Protocol):
     argv: list[str]
     log_path: Path
     started_at: float | None
+    where: str               # ", node K (address)" on another node; "" on this host
 
     @property
     def pid(self) -> int: ...

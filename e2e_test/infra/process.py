@@ -226,6 +226,15 @@ class ManagedProcess:
         return head + "\n" + "\n".join(details)
 
 
+def extend_pythonpath(first: str, inherited: str | None = None) -> str:
+    """`first` ahead of the inherited PYTHONPATH (default: this process's), never instead of
+    it: on a runner whose engines come from PYTHONPATH a child must still import them."""
+    if inherited is None:
+        inherited = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([first] + [p for p in inherited.split(os.pathsep)
+                                      if p and p != first])
+
+
 def _describe(p: psutil.Process) -> str:
     try:
         return f"pid {p.pid} {' '.join(p.cmdline())[:160]}"

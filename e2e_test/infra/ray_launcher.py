@@ -171,6 +171,8 @@ class NodeAgent:
 
 # -- the driver's side -----------------------------------------------------------------------
 
+LOST = object()      # RayHandle._ask's answer when the node did not answer
+
 @dataclass
 class RayHandle:
     """A worker on a node, as the Cluster sees it (launcher.Handle)."""
@@ -212,6 +214,16 @@ class RayHandle:
         self._lost = f"{self.node.label} lost: {why}"
         self._alive = False
 
+    def _ask(self, method: str, *args, timeout: float = CALL_TIMEOUT_S):
+        """Call the role actor's `method`; LOST when the node is (or now becomes) lost."""
+        if self._lost:
+            return LOST
+        try:
+            return self._get(getattr(self.actor, method).remote(*args), timeout)
+        except Exception as e:
+            self._lose(e)
+            return LOST
+
     def alive(self) -> bool:
         if not self._alive:
             return False
@@ -228,18 +240,12 @@ class RayHandle:
         return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
     def remember_descendants(self) -> None:
-        if not self._lost:
-            try:
-                self._get(self.actor.remember_descendants.remote(), STATUS_TIMEOUT_S)
-            except Exception as e:
-                self._lose(e)
+        self._ask("remember_descendants", timeout=STATUS_TIMEOUT_S)
 
     def log_text(self, max_bytes: int = 2_000_000) -> str:
-        if not self._lost:
-            try:
-                self._tail = self._get(self.actor.log_text.remote(max_bytes), CALL_TIMEOUT_S)
-            except Exception as e:
-                self._lose(e)
+        text = self._ask("log_text", max_bytes)
+        if text is not LOST:
+            self._tail = text
         if self._lost and not self._tail and self.log_path.exists():
             self._tail = self.log_path.read_text(errors="replace")[-max_bytes:]
         return self._tail
@@ -248,11 +254,9 @@ class RayHandle:
         return "\n".join(self.log_text(200_000).splitlines()[-n:])
 
     def failure_summary(self) -> str:
-        if not self._lost:
-            try:
-                return self._get(self.actor.failure_summary.remote(), CALL_TIMEOUT_S)
-            except Exception as e:
-                self._lose(e)
+        summary = self._ask("failure_summary")
+        if summary is not LOST:
+            return summary
         return (f"{self.name} on {self.node.label}: {self._lost}\nargv: {' '.join(self.argv)}\n"
                 f"log: {self.log_path}\nlog tail (last fetched):\n{self.log_tail(25)}")
 
@@ -289,11 +293,7 @@ class RayHandle:
         return self.report
 
     def kill(self) -> None:
-        if not self._lost:
-            try:
-                self._get(self.actor.kill.remote(), CALL_TIMEOUT_S)
-            except Exception as e:
-                self._lose(e)
+        self._ask("kill")
 
     def _copy_log(self) -> None:
         """The node's log into the driver's results (a no-op when both are one file)."""

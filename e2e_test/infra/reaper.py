@@ -478,8 +478,8 @@ class Guardian:
         env = {k: v for k, v in os.environ.items()
                if k not in (RUN_ID_ENV, DRIVER_PID_ENV, DRIVER_CREATE_ENV)}
         env[GUARDIAN_ENV] = me["run_id"]
-        env["PYTHONPATH"] = os.pathsep.join(
-            x for x in (_ROOT, os.environ.get("PYTHONPATH", "")) if x)
+        from .process import extend_pythonpath     # process imports this module
+        env["PYTHONPATH"] = extend_pythonpath(_ROOT)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "e2e_test.infra.reaper", "--fd", str(r),

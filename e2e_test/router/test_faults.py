@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from e2e_test.infra import bursts, reaper, settings
+from e2e_test.infra import bursts, process, reaper, settings
 from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra.errors import StallError, WorkerDied
 
@@ -88,13 +88,6 @@ CHILD_TEST = textwrap.dedent("""
 """)
 
 
-def extend_pythonpath(first: str, inherited: str | None) -> str:
-    """`first` ahead of the inherited PYTHONPATH, never instead of it: on a runner whose
-    engines come from PYTHONPATH the child must still import them."""
-    return os.pathsep.join([first] + [p for p in (inherited or "").split(os.pathsep)
-                                      if p and p != first])
-
-
 def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name):
     """SIGTERM to a pytest that is starting a topology: all gone within 30 s."""
     (tmp_path / "test_child.py").write_text(CHILD_TEST)
@@ -104,7 +97,7 @@ def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name):
         [sys.executable, "-m", "pytest", "-p", "e2e_test.pytest_plugin", "-q", "-s",
          "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_child.py"),
          "--topology", "1", "--engine", engine_name],
-        cwd=root, env={**env, "PYTHONPATH": extend_pythonpath(root, env.get("PYTHONPATH"))},
+        cwd=root, env={**env, "PYTHONPATH": process.extend_pythonpath(root, env.get("PYTHONPATH", ""))},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     # Wait until its worker has spawned its engine process (a tree of at least 2), remember

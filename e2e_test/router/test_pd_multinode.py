@@ -30,6 +30,8 @@ from e2e_test.infra import bursts, comparisons, oracle, settings, simhosts
 from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra.errors import WorkerDied
 from e2e_test.infra.evals import recall
+from e2e_test.infra.process import extend_pythonpath
+from e2e_test.pytest_lanes import require_multinode
 from e2e_test.pytest_state import state
 
 # Not marked `pd`: the GPU PD lanes select by it, and this test runs the CPU engines only.
@@ -42,22 +44,7 @@ def _require(backend: str):
     if backend != "cpu":
         pytest.skip("simulated hosts run the CPU engine; on GPUs use a real Ray cluster "
                     "(docs/multinode.md)")
-    why = simhosts.available()
-    if why is None:
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            why = "ray is not installed (pip install -e '.[multinode]')"
-    if why:
-        if settings.get("E2E_REQUIRE_MULTINODE"):
-            pytest.fail(f"multi-node test required (E2E_REQUIRE_MULTINODE=1): {why}",
-                        pytrace=False)
-        pytest.skip(why)
-
-
-def _extend_pythonpath(first: str) -> str:
-    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != first]
-    return os.pathsep.join([first] + rest)
+    require_multinode()
 
 
 def _later(delay, fn, stamp):
@@ -90,7 +77,7 @@ def test_pd_across_two_nodes(request, own_cluster, record, engine_name, oracle_s
     timing: dict = {}
     hosts = simhosts.SimulatedHosts(2, log_dir=settings.get("E2E_RESULTS_DIR") / "multinode")
     with hosts:
-        hosts.start_ray(num_cpus=1, env={"PYTHONPATH": _extend_pythonpath(root)})
+        hosts.start_ray(num_cpus=1, env={"PYTHONPATH": extend_pythonpath(root)})
         a, b = hosts.nodes
         record["nodes"] = [{"index": n.index, "netns": n.netns, "address": n.address}
                            for n in hosts.nodes]

@@ -16,6 +16,7 @@ import pytest
 
 from e2e_test.infra import reaper
 from e2e_test.infra.errors import PreflightError
+from e2e_test.infra.process import extend_pythonpath
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault, pytest.mark.engines("vllm")]
 GONE_WITHIN_S = 10.0
@@ -55,7 +56,7 @@ def _start_driver(tmp_path, model, engine, backend):
     res = tmp_path / "results"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "E2E_RESULTS_DIR": str(res), "CI": "",
-           "PYTHONPATH": os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)}
+           "PYTHONPATH": extend_pythonpath(root)}
     driver = subprocess.Popen([sys.executable, str(script), model, engine, backend], cwd=root,
                               env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
