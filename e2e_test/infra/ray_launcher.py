@@ -35,7 +35,12 @@ from .launcher import Baseline, LocalLauncher
 from .plan import Node, PlanEntry
 from .process import ManagedProcess, StopReport
 
-STATUS_TIMEOUT_S = 5.0        # an actor that does not answer within this is lost
+STATUS_TIMEOUT_S = 5.0        # one status call waits this long for its answer
+# A call that times out is silence, not loss: on a busy host (two engines compiling on two
+# cores) Ray's own processes can stall for seconds. Loss is what Ray itself reports (the
+# actor died or is unreachable: a killed raylet is seen so in about 3 s) or a node silent
+# for longer than this.
+SILENT_LOST_S = 60.0
 CALL_TIMEOUT_S = 60.0
 CONNECT_S = 60.0              # how long ray.init may keep failing before it is an error
 NODE_RESOURCE = re.compile(r"^e2e_node_(\d+)$")
@@ -171,7 +176,7 @@ class NodeAgent:
 
 # -- the driver's side -----------------------------------------------------------------------
 
-LOST = object()      # RayHandle._ask's answer when the node did not answer
+LOST = object()      # RayHandle._ask's answer when the node is lost or did not answer
 
 @dataclass
 class RayHandle:
@@ -186,6 +191,7 @@ class RayHandle:
     _alive: bool = True
     _code: int | None = None
     _lost: str | None = None          # why the node or the actor stopped answering
+    _silent_since: float | None = None  # when the calls began to time out (None: answering)
     _tail: str = ""                   # the last log text fetched (kept for a lost node)
     report: StopReport | None = None
 
@@ -205,32 +211,46 @@ class RayHandle:
         import ray
         return ray.get(ref, timeout=timeout)
 
-    def _lose(self, e: BaseException) -> None:
+    def _lose(self, e: BaseException, waited: float = 0.0) -> None:
+        """Mark the node lost for a call that failed with `e` after `waited` s: at once when
+        Ray says the actor is gone; a timeout only when the node has been silent (every call
+        timing out) for SILENT_LOST_S."""
         import ray
+        now = time.monotonic()
         if isinstance(e, ray.exceptions.GetTimeoutError):
-            why = f"its actor did not answer within {STATUS_TIMEOUT_S:.0f} s"
+            began = now - waited
+            if self._silent_since is None or began < self._silent_since:
+                self._silent_since = began
+            if now - self._silent_since < SILENT_LOST_S:
+                return
+            why = f"its actor has not answered for {now - self._silent_since:.0f} s"
         else:
             why = f"its actor died ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
         self._lost = f"{self.node.label} lost: {why}"
         self._alive = False
 
+    def _call(self, method: str, *args, timeout: float):
+        """The actor's answer to `method`, or LOST (then `_lose` has judged the failure)."""
+        try:
+            out = self._get(getattr(self.actor, method).remote(*args), timeout)
+        except Exception as e:
+            self._lose(e, timeout)
+            return LOST
+        self._silent_since = None
+        return out
+
     def _ask(self, method: str, *args, timeout: float = CALL_TIMEOUT_S):
-        """Call the role actor's `method`; LOST when the node is (or now becomes) lost."""
+        """Call the role actor's `method`; LOST when the node is lost or did not answer."""
         if self._lost:
             return LOST
-        try:
-            return self._get(getattr(self.actor, method).remote(*args), timeout)
-        except Exception as e:
-            self._lose(e)
-            return LOST
+        return self._call(method, *args, timeout=timeout)
 
     def alive(self) -> bool:
         if not self._alive:
             return False
-        try:
-            self._alive, self._code = self._get(self.actor.status.remote(), STATUS_TIMEOUT_S)
-        except Exception as e:
-            self._lose(e)
+        got = self._call("status", timeout=STATUS_TIMEOUT_S)
+        if got is not LOST:             # (silence keeps the last answer until it is loss)
+            self._alive, self._code = got
         return self._alive
 
     def death_reason(self) -> str:
@@ -246,7 +266,7 @@ class RayHandle:
         text = self._ask("log_text", max_bytes)
         if text is not LOST:
             self._tail = text
-        if self._lost and not self._tail and self.log_path.exists():
+        if text is LOST and not self._tail and self.log_path.exists():
             self._tail = self.log_path.read_text(errors="replace")[-max_bytes:]
         return self._tail
 
@@ -257,11 +277,13 @@ class RayHandle:
         summary = self._ask("failure_summary")
         if summary is not LOST:
             return summary
-        return (f"{self.name} on {self.node.label}: {self._lost}\nargv: {' '.join(self.argv)}\n"
+        why = self._lost or f"its actor did not answer within {CALL_TIMEOUT_S:.0f} s"
+        return (f"{self.name} on {self.node.label}: {why}\nargv: {' '.join(self.argv)}\n"
                 f"log: {self.log_path}\nlog tail (last fetched):\n{self.log_tail(25)}")
 
     def tree_pids(self) -> list[int]:
-        return [] if self._lost else self._get(self.actor.tree_pids.remote(), CALL_TIMEOUT_S)
+        pids = self._ask("tree_pids")
+        return [] if pids is LOST else pids
 
     def tree(self) -> list:
         """The worker's processes as psutil objects where its node is this machine (simulated
@@ -286,7 +308,7 @@ class RayHandle:
                 self._copy_log()
                 return self.report
             except Exception as e:
-                self._lose(e)
+                self._lose(e, grace + CALL_TIMEOUT_S)
         # Nothing could be stopped or checked there: verify() reports the node as unverified.
         self.report = StopReport(self.name, self._pid, self._code, False,
                                  time.monotonic() - t0, [])
@@ -395,7 +417,7 @@ class RayLauncher:
         try:
             h._pid = ray.get(actor.start.remote(), timeout=120)["pid"]
         except Exception as e:
-            h._lose(e)
+            h._lose(e, 120)
         h.started_at = time.monotonic()
         self.handles.append(h)
         return h
