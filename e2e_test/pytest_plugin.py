@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -17,7 +18,8 @@ pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
 from .infra import lifecycle, progress, results, settings
 from .infra.cluster import Cluster
-from .infra.engines import DEFAULT_ENGINE, engine_names, kind_engines, options_from_env
+from .infra.engines import (DEFAULT_ENGINE, EngineOptions, engine_names, kind_engines,
+                            options_from_env)
 from .infra.errors import HarnessError
 from .infra.model_specs import DEFAULT_MODEL
 from .infra.topology import parse as parse_topology
@@ -117,6 +119,8 @@ def pytest_generate_tests(metafunc):
     topologies = [parse_topology(t) for t in _csv(metafunc.config.getoption("--topology"))]
     m_kinds = metafunc.definition.get_closest_marker("topology_kinds")
     m_engines = metafunc.definition.get_closest_marker("engines")
+    m_profile = metafunc.definition.get_closest_marker("cluster_profile")
+    profile = cluster_profile(m_profile.args[0]).name if m_profile else None
     params = []
     for engine in engines:
         if m_engines and engine not in m_engines.args:
@@ -129,8 +133,8 @@ def pytest_generate_tests(metafunc):
             marks = [getattr(pytest.mark, engine)]
             if topo.kind != "regular":
                 marks.append(getattr(pytest.mark, topo.kind))
-            params.append(pytest.param((engine, topo.name), id=f"{engine}-{topo.name}",
-                                       marks=marks))
+            key = (engine, topo.name) + ((profile,) if profile else ())
+            params.append(pytest.param(key, id=f"{engine}-{topo.name}", marks=marks))
     if not params:
         params = [pytest.param(None, id="no-topology", marks=pytest.mark.skip(
             reason="no selected engine/topology fits this test"))]
@@ -144,8 +148,10 @@ def cluster_key(request):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Tests that bring up their own topology (own_cluster) run after every shared one, so
-    the shared topologies boot once each and never overlap with a private one."""
+    """Tests on a shared topology run grouped by its key (engine, topology, profile), so each
+    key boots once; within a group, tests marked `breaks_cluster` run last (after them the
+    topology is stopped). Tests that bring up their own topology (own_cluster) run after
+    every shared one, so a private topology never overlaps with a shared one."""
     topologies = _csv(config.getoption("--topology"))
     engines = _csv(config.getoption("--engine"))
     pos = {id(i): n for n, i in enumerate(items)}
@@ -157,17 +163,45 @@ def pytest_collection_modifyitems(session, config, items):
     def key(item):
         ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key")
         if "own_cluster" in getattr(item, "fixturenames", ()):
-            return (2, 0, 0, mod[id(item)], pos[id(item)])
+            return (2, 0, 0, "", 0, mod[id(item)], pos[id(item)])
         if not ck:
-            return (0, 0, 0, mod[id(item)], pos[id(item)])
-        engine, topo = ck
+            return (0, 0, 0, "", 0, mod[id(item)], pos[id(item)])
+        engine, topo, *profile = ck
         # Shared topologies in the selected order (so `1` has run before a test compares
-        # with it), each group in file order.
+        # with it), each profile of a topology right after its plain group, each group in
+        # file order with the tests that break it at its end.
+        breaks = 1 if item.get_closest_marker("breaks_cluster") else 0
         return (1, engines.index(engine) if engine in engines else 99,
-                topologies.index(topo) if topo in topologies else 99, mod[id(item)],
-                pos[id(item)])
+                topologies.index(topo) if topo in topologies else 99,
+                profile[0] if profile else "", breaks, mod[id(item)], pos[id(item)])
 
     items.sort(key=key)
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    """A named variant of a shared topology for the tests that ask for it with
+    `@pytest.mark.cluster_profile(NAME)`: booted once for all of them, like a plain one."""
+    name: str
+    why: str
+    options: Callable[[], EngineOptions]      # read when the topology boots (settings)
+
+
+PROFILES = {p.name: p for p in [
+    ClusterProfile(
+        "window", "the engine's running window (--max-num-seqs) at E2E_BURST_WINDOW, booted "
+        "eager: the small-window bursts, and the fault tests that break a topology after "
+        "them (little traffic: eager is cheaper end to end, docs/lanes.md)",
+        lambda: options_from_env(max_num_seqs=settings.get("E2E_BURST_WINDOW"),
+                                 enforce_eager=True)),
+]}
+
+
+def cluster_profile(name: str) -> ClusterProfile:
+    if name not in PROFILES:
+        raise pytest.UsageError(f"cluster_profile({name!r}): no such profile "
+                                f"(known: {', '.join(sorted(PROFILES))})")
+    return PROFILES[name]
 
 
 @pytest.fixture(scope="session")
@@ -205,10 +239,12 @@ class ClusterPool:
         print(f"\n{c.plan.describe()}\nready: {c.timing}")
         return c
 
-    def release(self) -> None:
+    def release(self):
+        """Stop the current topology; its teardown report (None when none was up)."""
         if self.current is not None:
             c, self.current, self.key = self.current, None, None
-            c.stop(verify_strict=False)   # violations fail the session at its end
+            return c.stop(verify_strict=False)   # violations fail the session at its end
+        return None
 
 
 @pytest.fixture(scope="session")
@@ -229,10 +265,11 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
     """A running topology behind the gateway, shared by every test of the same key."""
     if cluster_key is None:
         pytest.skip("no topology")
-    engine, topo = cluster_key
+    engine, topo, *profile = cluster_key
     require_devices(request.config, topo, e2e_backend, engine)
+    kw = {"options": cluster_profile(profile[0]).options()} if profile else {}
     return cluster_pool.get(cluster_key, lambda: make_cluster(request.config, engine, topo,
-                                                              e2e_backend))
+                                                              e2e_backend, **kw))
 
 
 @pytest.fixture(autouse=True)
@@ -241,6 +278,11 @@ def _e2e_idle_after(request):
     a leaked request fails the test that leaked it. The leaking topology is then stopped, so
     the next test gets a fresh one instead of inheriting the leak."""
     yield
+    if "cluster" in request.fixturenames and request.node.get_closest_marker("breaks_cluster"):
+        # It broke its topology on purpose (and may have stopped it to check the teardown):
+        # no idle check; stopped here in any case, so the next test gets a fresh one.
+        request.getfixturevalue("cluster_pool").release()
+        return
     if "cluster" not in request.fixturenames or not settings.get("E2E_IDLE_AFTER_TEST"):
         return
     try:

@@ -25,6 +25,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -82,6 +83,16 @@ class Worker:
         if self.command.metrics_dir:      # no /metrics endpoint, multiprocess files instead
             return metrics.read_multiproc_dir(self.command.metrics_dir)
         return metrics.scrape(f"{self.http_url}/metrics", timeout=timeout)
+
+
+@dataclass(frozen=True)
+class ExtraGateway:
+    """A second gateway of a running topology (Cluster.extra_gateway)."""
+    name: str
+    url: str
+    metrics_url: str
+    argv: list[str]
+    process: Handle
 
 
 @dataclass
@@ -144,6 +155,9 @@ class Cluster:
         self._baseline = Baseline()
         self._stopped = False
         self._client: httpx.Client | None = None
+        self._extra_ports: set[int] = set()          # extra_gateway's
+        self._extra_gateways: list[Handle] = []      # ... running
+        self._extra_stops: list[StopReport] = []     # ... stopped
 
     # -- construction helpers -----------------------------------------------------------------
     def _make_worker(self, entry: PlanEntry) -> Worker:
@@ -159,7 +173,7 @@ class Cluster:
 
     @property
     def allocated_ports(self) -> set[int]:
-        out = {self.gateway_port, self.prometheus_port}
+        out = {self.gateway_port, self.prometheus_port, *self._extra_ports}
         for w in self.workers:
             out.add(w.ports.api)
             out.update(w.ports.aux.values())
@@ -290,39 +304,75 @@ class Cluster:
 
     def _start_gateway(self) -> None:
         t0 = time.monotonic()
+
+        def keep(argv, handle):
+            self.gateway_argv, self.gateway = argv, handle
+        self._launch_gateway(self.gateway_port, self.prometheus_port, self.admission,
+                             "gateway", keep)
+        self.timing.gateway_ready_s = round(time.monotonic() - t0, 2)
+
+    def _launch_gateway(self, port: int, prometheus_port: int, admission: gw.Admission | None,
+                        name: str, keep) -> tuple[list[str], Handle]:
+        """A gateway in front of every serving worker, ready (workers registered where the
+        mode registers them, the model served): (argv, handle). `keep(argv, handle)` is
+        called as soon as it is started, so that stop() stops it even if it never gets
+        ready."""
+        t0 = time.monotonic()
         gws = tuple(gw.GatewayWorker(url=w.url, worker_type=w.command.worker_type,
                                      bootstrap_port=w.command.bootstrap_port,
                                      kv_connector=w.command.kv_connector,
                                      runtime_type=self.engine)
                     for w in self.workers if w.command.worker_type != "none")
-        cfg = gw.GatewayConfig(kind=self.topology.kind, workers=gws, port=self.gateway_port,
-                               prometheus_port=self.prometheus_port, policy=self.policy,
-                               dp_aware=self.topology.engine_dp, admission=self.admission,
+        cfg = gw.GatewayConfig(kind=self.topology.kind, workers=gws, port=port,
+                               prometheus_port=prometheus_port, policy=self.policy,
+                               dp_aware=self.topology.engine_dp, admission=admission,
                                extra_args=self.gateway_args,
                                model_path=str(self.model_path))
-        self.gateway_argv = gw.build_argv(cfg)
-        self.gateway = self.launcher.start("gateway", WorkerCommand(self.gateway_argv, {}),
-                                           self.dir / "logs" / "gateway.log")
+        argv = gw.build_argv(cfg)
+        handle = self.launcher.start(name, WorkerCommand(argv, {}),
+                                     self.dir / "logs" / f"{name}.log")
+        keep(argv, handle)
+        url = f"http://127.0.0.1:{port}"
         dynamic = [g for g in gws if g.register_dynamically]
-        ready = AllOf(HttpGet(self.gateway_port, "/health"),
+        ready = AllOf(HttpGet(port, "/health"),
                       *([Step("registering workers", lambda: gw.register_workers(
-                          self.gateway_url, dynamic, timeout=GATEWAY_READY_S,
-                          alive=self.gateway.alive))] if dynamic else []),
-                      ModelServed(self.gateway_url, self.model_name))
+                          url, dynamic, timeout=GATEWAY_READY_S,
+                          alive=handle.alive))] if dynamic else []),
+                      ModelServed(url, self.model_name))
         deadline = t0 + GATEWAY_READY_S
         with httpx.Client(timeout=30.0) as client:
             while True:
-                if not self.gateway.alive():
-                    head, _, details = self.gateway.failure_summary().partition("\n")
+                if not handle.alive():
+                    head, _, details = handle.failure_summary().partition("\n")
                     raise StartupError(head, details)
                 self._check_others_alive([])
                 if ready.ready(client):
-                    self.timing.gateway_ready_s = round(time.monotonic() - t0, 2)
-                    return
+                    return argv, handle
                 if time.monotonic() > deadline:
-                    raise StartupError(f"gateway not ready within {GATEWAY_READY_S:.0f} s: "
-                                       f"{ready.pending()}", self.gateway.log_tail(20))
+                    raise StartupError(f"{name} not ready within {GATEWAY_READY_S:.0f} s: "
+                                       f"{ready.pending()}", handle.log_tail(20))
                 time.sleep(POLL_S)
+
+    @contextmanager
+    def extra_gateway(self, admission: gw.Admission | None, name: str = "gateway-2"):
+        """A second gateway in front of the same running workers, configured differently
+        (admission, for the window bursts): the workers need no restart for a gateway
+        setting. Yields an ExtraGateway; stopped at the end, and its stop report and ports
+        join this topology's teardown verification."""
+        port, prom = ports.allocate(2)
+        self._extra_ports.update((port, prom))
+        started: list[Handle] = []
+        try:
+            argv, handle = self._launch_gateway(port, prom, admission, name,
+                                                lambda _, h: (started.append(h),
+                                                              self._extra_gateways.append(h)))
+            yield ExtraGateway(name, f"http://127.0.0.1:{port}",
+                               f"http://127.0.0.1:{prom}/metrics", argv, handle)
+        finally:
+            for h in started:
+                if h in self._extra_gateways:        # (not when stop() has stopped it)
+                    self._extra_gateways.remove(h)
+                    self._extra_stops.append(h.stop(grace=STOP_GRACE_S))
 
     def stop(self, verify_strict: bool | None = None) -> teardown.TeardownReport:
         if self._stopped:
@@ -332,11 +382,13 @@ class Cluster:
         self.timing.teardown_started = time.time()
         if self._client:
             self._client.close()
-        procs = [w.process for w in self.workers if w.process]
+        procs = [w.process for w in self.workers if w.process] + self._extra_gateways
+        self._extra_gateways = []
         if self.gateway:
             procs.insert(0, self.gateway)
         with ThreadPoolExecutor(max_workers=max(1, len(procs))) as ex:
             self.stop_reports = list(ex.map(lambda p: p.stop(grace=STOP_GRACE_S), procs))
+        self.stop_reports += self._extra_stops
         rep = self.launcher.verify(self.stop_reports, self.allocated_ports, self._baseline)
         rep.seconds = round(time.monotonic() - t0, 2)
         self.timing.teardown_s = rep.seconds
@@ -354,7 +406,7 @@ class Cluster:
 
     def kill_now(self) -> None:
         """Second Ctrl-C: SIGKILL every process tree at once, no grace."""
-        for p in [self.gateway] + [w.process for w in self.workers]:
+        for p in [self.gateway, *self._extra_gateways] + [w.process for w in self.workers]:
             if p:
                 p.kill()
 
@@ -375,7 +427,8 @@ class Cluster:
     def dead_processes(self) -> str | None:
         """One line naming every worker (or the gateway) that exited, with its exit code."""
         dead = []
-        for name, p in [("gateway", self.gateway)] + [(w.name, w.process) for w in self.workers]:
+        for name, p in ([("gateway", self.gateway)] + [(h.name, h) for h in self._extra_gateways]
+                        + [(w.name, w.process) for w in self.workers]):
             if p is not None and p.started_at is not None and not p.alive():
                 dead.append(f"{name} (pid {p.pid}{p.where}) died: "
                             f"{p.death_reason()}")

@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-from e2e_test.infra import bursts, results, settings
+from e2e_test.infra import bursts, settings
 from e2e_test.infra.cluster import results_root
-from e2e_test.infra.engines import options_from_env
 from e2e_test.infra.gateway import Admission
 
 pytestmark = pytest.mark.e2e
@@ -43,31 +42,29 @@ def test_burst_within_capacity(cluster, record, stream):
     bursts.check_within_capacity(res)
 
 
-def _window_case(own_cluster, record, engine_name, topology):
+def _window_case(cluster, record):
+    """A burst against the shared small-window topology (profile `window`: --max-num-seqs at
+    E2E_BURST_WINDOW, eager) through a second gateway with admission configured: admission
+    is a gateway setting, so the workers need no boot of their own for it."""
     admission = Admission(max_concurrent_requests=WINDOW, queue_size=WINDOW,
                           queue_timeout_secs=settings.get("E2E_QUEUE_TIMEOUT_S"))
-    # Its own topology: the window (--max-num-seqs) is a launch flag of the engine, so the shared
-    # topology (vLLM's default window) cannot serve it. Booted eager: for a burst of 16 it is
-    # cheaper end to end than a compiled boot even with the compile cache hit (CPU, measured:
-    # 100 s against 135 s for both window tests; docs/lanes.md).
-    c = own_cluster(topology, engine=engine_name, admission=admission,
-                    options=options_from_env(max_num_seqs=WINDOW, enforce_eager=True))
+    c = cluster
     n = max(BURST_N, 4 * WINDOW)
-    with c:
-        if topology == "1":
-            _preflight_negative_control(c, record, n)
+    if c.topology.kind == "regular":
+        _preflight_negative_control(c, record, n)
+    with c.extra_gateway(admission, name="gateway-admission") as g:
         record["window_preflight"] = bursts.preflight(c, n, admission)
-        res = bursts.burst(c.gateway_url, c.model_name, n=n,
-                           max_tokens=64, name=f"versus-window-{topology}",
-                           metrics_url=c.gateway_metrics_url, watchdog=c.watchdog("burst"))
-        w = c.workers[-1]
-        res.effective_window = bursts.effective_window(w.url, w.process.log_text())
-        res.admission = vars(admission)
-        record.update(cluster=c.name, **results.cluster_facts(c))
-        _save(record, res, c)
-        verdict = bursts.check_admission(res, admission)
-        record["bursts"][res.name]["verdict"] = verdict
-        assert res.effective_window.get("max_num_seqs") in (None, WINDOW)
+        res = bursts.burst(g.url, c.model_name, n=n, max_tokens=64,
+                           name=f"versus-window-{c.topology.name}", metrics_url=g.metrics_url,
+                           watchdog=c.watchdog("burst"))
+    w = c.workers[-1]
+    res.effective_window = bursts.effective_window(w.url, w.process.log_text())
+    res.admission = vars(admission)
+    record["gateway"] = {"name": g.name, "argv": g.argv}
+    _save(record, res, c)
+    verdict = bursts.check_admission(res, admission)
+    record["bursts"][res.name]["verdict"] = verdict
+    assert res.effective_window.get("max_num_seqs") in (None, WINDOW)
 
 
 def _preflight_negative_control(c, record, n):
@@ -85,13 +82,16 @@ def _preflight_negative_control(c, record, n):
     assert took < PREFLIGHT_FAIL_S, f"preflight took {took:.1f} s"
 
 
-def test_burst_versus_window(own_cluster, record, engine_name):
+@pytest.mark.cluster_profile("window")
+@pytest.mark.topology_kinds("regular")
+def test_burst_versus_window(cluster, record):
     """The seed case on one worker: the gateway says no, quickly and legibly."""
-    _window_case(own_cluster, record, engine_name, "1")
+    _window_case(cluster, record)
 
 
-@pytest.mark.pd
-def test_pd_burst_versus_window(own_cluster, record, engine_name):
+@pytest.mark.cluster_profile("window")
+@pytest.mark.topology_kinds("pd")
+def test_pd_burst_versus_window(cluster, record):
     """On 1p1d a burst larger than the decode window is shed or queued by the gateway and
     every admitted request completes: never an engine-side (bootstrap) timeout."""
-    _window_case(own_cluster, record, engine_name, "1p1d")
+    _window_case(cluster, record)

@@ -13,13 +13,10 @@ import psutil
 import pytest
 
 from e2e_test.infra import bursts, process, reaper, settings
-from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra.errors import StallError, WorkerDied
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault, pytest.mark.engines("vllm")]
 STALL_WINDOW_S = settings.get("E2E_FAULT_STALL_WINDOW_S")
-# Faults do not need fast decoding: eager workers boot in about half the time on CPU.
-EAGER = EngineOptions(enforce_eager=True)
 
 
 def _kill_later(proc_tree_pids, sig, delay, stamp):
@@ -36,22 +33,24 @@ def _kill_later(proc_tree_pids, sig, delay, stamp):
     return t
 
 
-def test_worker_killed_mid_burst(own_cluster, record, engine_name):
-    c = own_cluster("1", engine=engine_name, options=EAGER)
-    with c:
-        w = c.workers[0]
-        stamp = {}
-        # kill -9 the API server process only: its engine children become orphans that
-        # teardown must still find and stop.
-        _kill_later(lambda: [w.process.pid], signal.SIGKILL, 3.0, stamp)
-        with pytest.raises(WorkerDied) as exc:
-            bursts.burst(c.gateway_url, c.model_name, n=16, max_tokens=256, stream=True,
-                         name="kill-9", watchdog=c.watchdog("burst"))
-        detected_s = time.monotonic() - stamp["t"]
-        msg = str(exc.value)
-        assert "worker-0" in msg and "signal 9" in msg, msg
-        assert detected_s <= 5.0, f"worker death noticed after {detected_s:.1f} s"
-    rep = c.teardown_report
+@pytest.mark.breaks_cluster
+@pytest.mark.topology_kinds("regular")
+def test_worker_killed_mid_burst(cluster, cluster_pool, record):
+    """The last test on the shared regular topology (it breaks it): no boot of its own."""
+    c = cluster
+    w = c.workers[0]
+    stamp = {}
+    # kill -9 the API server process only: its engine children become orphans that
+    # teardown must still find and stop.
+    _kill_later(lambda: [w.process.pid], signal.SIGKILL, 3.0, stamp)
+    with pytest.raises(WorkerDied) as exc:
+        bursts.burst(c.gateway_url, c.model_name, n=16, max_tokens=256, stream=True,
+                     name="kill-9", watchdog=c.watchdog("burst"))
+    detected_s = time.monotonic() - stamp["t"]
+    msg = str(exc.value)
+    assert "worker-0" in msg and "signal 9" in msg, msg
+    assert detected_s <= 5.0, f"worker death noticed after {detected_s:.1f} s"
+    rep = cluster_pool.release()
     record.update(fault="kill -9 worker mid-burst", message=msg.splitlines()[0],
                   detected_s=round(detected_s, 2), teardown=rep.to_dict())
     print(f"kill -9: failed after {detected_s:.2f} s: {msg.splitlines()[0]}; "
@@ -59,21 +58,23 @@ def test_worker_killed_mid_burst(own_cluster, record, engine_name):
     assert rep.ok, rep.verdict()
 
 
-def test_decode_stalled(own_cluster, record, engine_name):
-    c = own_cluster("1p1d", engine=engine_name, options=EAGER)
-    with c:
-        d = c.role("decode")[0]
-        stamp = {}
-        _kill_later(lambda: [p.pid for p in d.process.tree()], signal.SIGSTOP, 3.0, stamp)
-        with pytest.raises(StallError) as exc:
-            bursts.burst(c.gateway_url, c.model_name, n=8, max_tokens=256, stream=True,
-                         name="sigstop-decode",
-                         watchdog=c.watchdog("burst", window_s=STALL_WINDOW_S))
-        detected_s = time.monotonic() - stamp["t"]
-        msg = str(exc.value)
-        assert "decode-0" in msg.splitlines()[0], msg
-        assert detected_s <= STALL_WINDOW_S + 15, f"stall noticed after {detected_s:.1f} s"
-    rep = c.teardown_report
+@pytest.mark.breaks_cluster
+@pytest.mark.topology_kinds("pd")
+def test_decode_stalled(cluster, cluster_pool, record):
+    """The last test on the shared PD topology (it breaks it): no boot of its own."""
+    c = cluster
+    d = c.role("decode")[0]
+    stamp = {}
+    _kill_later(lambda: [p.pid for p in d.process.tree()], signal.SIGSTOP, 3.0, stamp)
+    with pytest.raises(StallError) as exc:
+        bursts.burst(c.gateway_url, c.model_name, n=8, max_tokens=256, stream=True,
+                     name="sigstop-decode",
+                     watchdog=c.watchdog("burst", window_s=STALL_WINDOW_S))
+    detected_s = time.monotonic() - stamp["t"]
+    msg = str(exc.value)
+    assert "decode-0" in msg.splitlines()[0], msg
+    assert detected_s <= STALL_WINDOW_S + 15, f"stall noticed after {detected_s:.1f} s"
+    rep = cluster_pool.release()
     record.update(fault="SIGSTOP decode", message=msg.splitlines()[0],
                   detected_s=round(detected_s, 2), window_s=STALL_WINDOW_S,
                   teardown=rep.to_dict())

@@ -2,8 +2,9 @@
 idle, a lost leg errors fast, a restarted worker rejoins.
 
 The cancellation cases and the idle negative control run on the lane's shared `1` and `1p1d`
-topologies (no extra boot). Leg loss and restart-rejoin break their topology: they share ONE
-own `1p1d` (decode killed mid-traffic, restarted, takes traffic again; then prefill killed).
+topologies (no extra boot). Leg loss and restart-rejoin break their topology: they run last on
+the shared small-window `1p1d` (profile `window`, after its window burst; no boot of their
+own): decode killed mid-traffic, restarted, takes traffic again; then prefill killed.
 Every bound is stated here and measured figures land in the result records
 (docs/lifecycle.md has them).
 """
@@ -13,7 +14,6 @@ import time
 import pytest
 
 from e2e_test.infra import serving_faults as sf
-from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra import settings
 from e2e_test.infra.idle import IdleError
 
@@ -24,7 +24,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 CANCEL_IDLE_S = settings.get("E2E_CANCEL_IDLE_S")
 # Losing a leg: every request in flight must end with an error within this (smg's sweep: 20 s).
 LEG_LOSS_S = settings.get("E2E_LEG_LOSS_S")
-EAGER = EngineOptions(enforce_eager=True)
 SHARED = pytest.mark.topology_kinds("regular", "pd")
 
 
@@ -102,44 +101,46 @@ def _check_leg_loss(loss: sf.LegLoss):
     assert after.get("status") != 200 and after["seconds"] <= LEG_LOSS_S, loss
 
 
-@pytest.mark.pd
 @pytest.mark.engines("vllm")
-def test_pd_leg_loss_restart_rejoin(own_cluster, record, engine_name):
-    """One own 1p1d: kill the decode leg mid-traffic (every in-flight request errors within
-    LEG_LOSS_S), restart it on its ports (re-registered with smg) and see it take traffic,
-    then kill the prefill leg mid-traffic."""
-    c = own_cluster("1p1d", engine=engine_name, options=EAGER)
-    with c:
-        decode = sf.leg_loss(c, "decode")
-        record["decode_leg_loss"] = decode.to_dict()
-        _check_leg_loss(decode)
+@pytest.mark.topology_kinds("pd")
+@pytest.mark.cluster_profile("window")
+@pytest.mark.breaks_cluster
+def test_pd_leg_loss_restart_rejoin(cluster, cluster_pool, record):
+    """On the shared small-window PD topology, after its window burst (no boot of its own):
+    kill the decode leg mid-traffic (every in-flight request errors within LEG_LOSS_S),
+    restart it on its ports (re-registered with smg) and see it take traffic, then kill the
+    prefill leg mid-traffic."""
+    c = cluster
+    decode = sf.leg_loss(c, "decode")
+    record["decode_leg_loss"] = decode.to_dict()
+    _check_leg_loss(decode)
 
-        name = c.role("decode")[0].name
-        before = sf.selections(c)
-        t0 = time.monotonic()
-        c.restart(name)
-        restart_s = round(time.monotonic() - t0, 2)
-        answers = [c.chat(f"After the restart {i}: say OK.", max_tokens=8) for i in range(4)]
-        after = sf.selections(c)
-        picked = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        record["restart"] = {"worker": name, "seconds": restart_s, "selections": picked,
-                             "answers": len(answers)}
-        print(f"restart {name}: ready and registered in {restart_s} s; selections since "
-              f"{picked}")
-        assert all(a["choices"][0]["message"]["content"] for a in answers)
-        # smg counts selections per worker type; the restarted worker is the only decode
-        # worker, so every decode selection since the restart went to it.
-        assert len(c.role("decode")) == 1
-        assert picked.get("decode", 0) >= len(answers), f"restarted {name} not selected: {picked}"
-        served = c.worker(name).metrics()
-        record["restart"]["restarted_worker_metrics_answer"] = bool(served)
-        idle = c.wait_idle(timeout=CANCEL_IDLE_S)
-        record["restart"]["idle_s"] = round(idle.seconds, 3)
+    name = c.role("decode")[0].name
+    before = sf.selections(c)
+    t0 = time.monotonic()
+    c.restart(name)
+    restart_s = round(time.monotonic() - t0, 2)
+    answers = [c.chat(f"After the restart {i}: say OK.", max_tokens=8) for i in range(4)]
+    after = sf.selections(c)
+    picked = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    record["restart"] = {"worker": name, "seconds": restart_s, "selections": picked,
+                         "answers": len(answers)}
+    print(f"restart {name}: ready and registered in {restart_s} s; selections since "
+          f"{picked}")
+    assert all(a["choices"][0]["message"]["content"] for a in answers)
+    # smg counts selections per worker type; the restarted worker is the only decode
+    # worker, so every decode selection since the restart went to it.
+    assert len(c.role("decode")) == 1
+    assert picked.get("decode", 0) >= len(answers), f"restarted {name} not selected: {picked}"
+    served = c.worker(name).metrics()
+    record["restart"]["restarted_worker_metrics_answer"] = bool(served)
+    idle = c.wait_idle(timeout=CANCEL_IDLE_S)
+    record["restart"]["idle_s"] = round(idle.seconds, 3)
 
-        # Long prompts, killed 1 s in: requests are queued at or running on the prefill leg.
-        prefill = sf.leg_loss(c, "prefill", max_tokens=64, prompt_words=400, kill_after_s=1.0)
-        record["prefill_leg_loss"] = prefill.to_dict()
-        _check_leg_loss(prefill)
-    rep = c.teardown_report
+    # Long prompts, killed 1 s in: requests are queued at or running on the prefill leg.
+    prefill = sf.leg_loss(c, "prefill", max_tokens=64, prompt_words=400, kill_after_s=1.0)
+    record["prefill_leg_loss"] = prefill.to_dict()
+    _check_leg_loss(prefill)
+    rep = cluster_pool.release()
     record["teardown"] = rep.to_dict()
     assert rep.ok, rep.verdict()
