@@ -2,6 +2,8 @@
 `ray.nodes()`, the merged per-node teardown report, the namespace/veth/Ray command builders,
 and the messages that name a node. No Ray, no namespace, no process."""
 
+import json
+
 import pytest
 
 from e2e_test.infra import simhosts
@@ -137,6 +139,7 @@ def test_ray_start_commands_bind_node_addresses_dashboard_off():
     assert "--head" in head and "--include-dashboard=false" in head
     assert head[head.index("--resources") + 1] == '{"e2e_node_0": 1}'
     assert head[head.index("--temp-dir") + 1] == "/tmp/r/n0"
+    assert json.loads(head[head.index("--system-config") + 1])["health_check_period_ms"] == 1000
     worker = simhosts.ray_start_argv("ray", b, a, 1, "/tmp/r")
     assert worker[worker.index("--address") + 1] == "10.77.0.2:6379"
     assert "--head" not in worker and worker[worker.index("--temp-dir") + 1] == "/tmp/r/n1"

@@ -98,3 +98,19 @@ def test_a_start_that_timed_out_is_loss(monkeypatch):
     clock.t += 120
     h._lose(timeout(), 120)
     assert h._lost and "not answered for 120 s" in h._lost
+
+
+def test_silence_on_a_node_ray_declared_dead_is_loss_at_once(monkeypatch):
+    # The GCS's own verdict (its health checks) ends the silence window early.
+    h, _ = handle(monkeypatch, [timeout()])
+    h.node_dead = lambda: True
+    assert h.alive() is False
+    assert h.death_reason().startswith("node 1 (10.77.0.3) lost: Ray reports the node dead")
+
+
+def test_a_gcs_that_does_not_answer_gives_no_verdict(monkeypatch):
+    def gcs_down():
+        raise ConnectionError("GCS unreachable")
+    h, _ = handle(monkeypatch, [timeout(), (True, None)])
+    h.node_dead = gcs_down
+    assert h.alive() is True and h.alive() is True and h._lost is None

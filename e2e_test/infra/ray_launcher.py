@@ -76,6 +76,12 @@ def order_nodes(infos: list[dict]) -> list[tuple[Node, str]]:
                   i["NodeManagerAddress"]), i["NodeID"]) for k, i in enumerate(alive)]
 
 
+def node_dead(node_id: str) -> bool:
+    """Whether Ray's GCS has declared the node dead (after its own health checks)."""
+    import ray
+    return any(i.get("NodeID") == node_id and not i.get("Alive") for i in ray.nodes())
+
+
 def merge_reports(local: teardown.TeardownReport,
                   per_node: dict[str, teardown.TeardownReport]) -> teardown.TeardownReport:
     """One report: this host's (the gateway's) and each node's, every finding prefixed with
@@ -194,6 +200,7 @@ class RayHandle:
     _silent_since: float | None = None  # when the calls began to time out (None: answering)
     _tail: str = ""                   # the last log text fetched (kept for a lost node)
     report: StopReport | None = None
+    node_dead: object = None            # () -> bool: Ray's GCS says the node is dead
 
     @property
     def where(self) -> str:
@@ -221,13 +228,23 @@ class RayHandle:
             began = now - waited
             if self._silent_since is None or began < self._silent_since:
                 self._silent_since = began
-            if now - self._silent_since < SILENT_LOST_S:
+            if self.node_dead is not None and self._node_dead():
+                why = (f"Ray reports the node dead (its actor silent for "
+                       f"{now - self._silent_since:.0f} s)")
+            elif now - self._silent_since < SILENT_LOST_S:
                 return
-            why = f"its actor has not answered for {now - self._silent_since:.0f} s"
+            else:
+                why = f"its actor has not answered for {now - self._silent_since:.0f} s"
         else:
             why = f"its actor died ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
         self._lost = f"{self.node.label} lost: {why}"
         self._alive = False
+
+    def _node_dead(self) -> bool:
+        try:
+            return bool(self.node_dead())
+        except Exception:          # the GCS did not answer either: no verdict from it
+            return False
 
     def _call(self, method: str, *args, timeout: float):
         """The actor's answer to `method`, or LOST (then `_lose` has judged the failure)."""
@@ -413,7 +430,8 @@ class RayLauncher:
         actor = ray.remote(RoleActor).options(**self._options(node)).remote(
             f"{name} on {nd.label}", command.argv, command.env, tuple(command.unset_env),
             str(log_path), tuple(cores), command.metrics_dir, nd.address)
-        h = RayHandle(name, list(command.argv), Path(log_path), nd, actor)
+        h = RayHandle(name, list(command.argv), Path(log_path), nd, actor,
+                      node_dead=lambda node_id=self._nodes[node][1]: node_dead(node_id))
         try:
             h._pid = ray.get(actor.start.remote(), timeout=120)["pid"]
         except Exception as e:

@@ -31,6 +31,11 @@ from .errors import HarnessError
 RAY_PORT = 6379
 RAY_NODE_ENV = {"RAY_kill_child_processes_on_worker_exit": "0"}
 CLIENT_PORT = 10001
+# The head's GCS declares a node dead after this many failed health checks, one a second
+# (Ray's defaults: 5 every 3 s after 5 s). A killed raylet refuses at once, so it is dead in
+# about 3 s; a live but starved one answers within Ray's 10 s per-check timeout.
+HEAD_SYSTEM_CONFIG = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+                      "health_check_failure_threshold": 3}
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,8 @@ def ray_start_argv(ray_bin: str, node: SimNode, head: SimNode, num_cpus: int,
             "--object-store-memory", str(100 * 2**20), "--disable-usage-stats"]
     if node.index == head.index:
         argv += ["--head", "--port", str(RAY_PORT), "--ray-client-server-port",
-                 str(CLIENT_PORT), "--include-dashboard=false"]
+                 str(CLIENT_PORT), "--include-dashboard=false",
+                 "--system-config", json.dumps(HEAD_SYSTEM_CONFIG)]
     else:
         argv += ["--address", f"{head.address}:{RAY_PORT}"]
     return argv
