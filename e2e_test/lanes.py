@@ -388,7 +388,7 @@ WORKFLOW_JOB = """\
           python-version: "{python}"
           cache: pip
           cache-dependency-path: pyproject.toml
-      - name: Bootstrap ({extras_title})
+{compile_cache}      - name: Bootstrap ({extras_title})
         run: {bootstrap}
       - name: Run lane {name}
         run: {python_bin} -m e2e_test run {name}
@@ -406,6 +406,23 @@ RETENTION_DAYS = 30
 DATA_MISSING = ("E2E_DATASET_DIR is not set: set the repository variable E2E_DATASET_DIR "
                 "(Settings > Secrets and variables > Actions > Variables) to the runner's "
                 "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl")
+
+
+def _compile_cache_step(lane: Lane) -> str:
+    """Hosted CPU runners start empty: the workers' shared compile cache (E2E_COMPILE_CACHE=
+    shared, a few MB for the default model) is kept between runs with actions/cache, so the
+    lane's first compiled boot hits too (docs/lanes.md: cold 119 s, warm about 45 s on 2
+    cores). Each run saves a new entry (run_id) and restores the newest of its lane and pins.
+    Self-hosted GPU runners keep their own ~/.cache."""
+    if lane.gpus:
+        return ""
+    key = f"e2e-compile-${{{{ runner.os }}}}-{lane.name}-${{{{ hashFiles('pyproject.toml') }}}}-"
+    return ("      - name: Compile cache\n"
+            "        uses: actions/cache@v5\n"
+            "        with:\n"
+            "          path: ~/.cache/e2e_test/compile\n"
+            f"          key: {key}${{{{ github.run_id }}}}\n"
+            f"          restore-keys: {key}\n")
 
 
 def _data_step(lane: Lane) -> str:
@@ -466,6 +483,7 @@ def render_workflow(lanes: dict[str, Lane] | None = None) -> str:
             cond=_job_if(ln, dispatch_all=not ln.opt_in), runs_on=", ".join(ln.runs_on),
             timeout=ln.timeout_minutes, env=env, extras_title=", ".join(ln.extras),
             bootstrap=_bootstrap(ln), data=_data_step(ln), python=PYTHON_VERSION,
+            compile_cache=_compile_cache_step(ln),
             python_bin=f"{ln.venv_order[0]}/bin/python", retention=RETENTION_DAYS))
     return text + "\n".join(jobs)
 

@@ -183,6 +183,13 @@ def test_workflow_has_one_job_per_lane():
         assert setup["uses"].startswith("actions/setup-python@")
         assert setup["with"]["cache"] == "pip"
         assert setup["with"]["cache-dependency-path"] == "pyproject.toml"
+        if not lane.gpus:
+            # hosted CPU runners keep the shared compile cache between runs (actions/cache)
+            cache = steps.pop(3)
+            assert cache["uses"].startswith("actions/cache@")
+            assert cache["with"]["path"] == "~/.cache/e2e_test/compile"
+            assert cache["with"]["restore-keys"] in cache["with"]["key"]
+            assert f"-{name}-" in cache["with"]["key"]
         boot = steps[3]["run"].strip().splitlines()
         assert boot[:len(lane.venv_order)] == lanes.bootstrap_commands(lane)[
             :len(lane.venv_order)]
