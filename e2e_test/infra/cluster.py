@@ -304,20 +304,15 @@ class Cluster:
 
     def _start_gateway(self) -> None:
         t0 = time.monotonic()
-
-        def keep(argv, handle):
-            self.gateway_argv, self.gateway = argv, handle
-        self._launch_gateway(self.gateway_port, self.prometheus_port, self.admission,
-                             "gateway", keep)
+        self.gateway_argv, self.gateway, dynamic = self._spawn_gateway(
+            self.gateway_port, self.prometheus_port, self.admission, "gateway")
+        self._await_gateway(self.gateway_port, self.gateway, "gateway", dynamic)
         self.timing.gateway_ready_s = round(time.monotonic() - t0, 2)
 
-    def _launch_gateway(self, port: int, prometheus_port: int, admission: gw.Admission | None,
-                        name: str, keep) -> tuple[list[str], Handle]:
-        """A gateway in front of every serving worker, ready (workers registered where the
-        mode registers them, the model served): (argv, handle). `keep(argv, handle)` is
-        called as soon as it is started, so that stop() stops it even if it never gets
-        ready."""
-        t0 = time.monotonic()
+    def _spawn_gateway(self, port: int, prometheus_port: int, admission: gw.Admission | None,
+                       name: str) -> tuple[list[str], Handle, list]:
+        """A gateway in front of every serving worker, started: (argv, handle, the workers
+        it must be sent through POST /workers)."""
         gws = tuple(gw.GatewayWorker(url=w.url, worker_type=w.command.worker_type,
                                      bootstrap_port=w.command.bootstrap_port,
                                      kv_connector=w.command.kv_connector,
@@ -331,9 +326,13 @@ class Cluster:
         argv = gw.build_argv(cfg)
         handle = self.launcher.start(name, WorkerCommand(argv, {}),
                                      self.dir / "logs" / f"{name}.log")
-        keep(argv, handle)
+        return argv, handle, [g for g in gws if g.register_dynamically]
+
+    def _await_gateway(self, port: int, handle: Handle, name: str, dynamic: list) -> None:
+        """Until the gateway is ready: workers registered where the mode registers them, the
+        model served; StartupError when it dies or the time is up."""
+        t0 = time.monotonic()
         url = f"http://127.0.0.1:{port}"
-        dynamic = [g for g in gws if g.register_dynamically]
         ready = AllOf(HttpGet(port, "/health"),
                       *([Step("registering workers", lambda: gw.register_workers(
                           url, dynamic, timeout=GATEWAY_READY_S,
@@ -347,7 +346,7 @@ class Cluster:
                     raise StartupError(head, details)
                 self._check_others_alive([])
                 if ready.ready(client):
-                    return argv, handle
+                    return
                 if time.monotonic() > deadline:
                     raise StartupError(f"{name} not ready within {GATEWAY_READY_S:.0f} s: "
                                        f"{ready.pending()}", handle.log_tail(20))
@@ -361,18 +360,16 @@ class Cluster:
         join this topology's teardown verification."""
         port, prom = ports.allocate(2)
         self._extra_ports.update((port, prom))
-        started: list[Handle] = []
+        argv, handle, dynamic = self._spawn_gateway(port, prom, admission, name)
+        self._extra_gateways.append(handle)          # stop() stops it if we never get back
         try:
-            argv, handle = self._launch_gateway(port, prom, admission, name,
-                                                lambda _, h: (started.append(h),
-                                                              self._extra_gateways.append(h)))
+            self._await_gateway(port, handle, name, dynamic)
             yield ExtraGateway(name, f"http://127.0.0.1:{port}",
                                f"http://127.0.0.1:{prom}/metrics", argv, handle)
         finally:
-            for h in started:
-                if h in self._extra_gateways:        # (not when stop() has stopped it)
-                    self._extra_gateways.remove(h)
-                    self._extra_stops.append(h.stop(grace=STOP_GRACE_S))
+            if handle in self._extra_gateways:        # (not when stop() has stopped it)
+                self._extra_gateways.remove(handle)
+                self._extra_stops.append(handle.stop(grace=STOP_GRACE_S))
 
     def stop(self, verify_strict: bool | None = None) -> teardown.TeardownReport:
         if self._stopped:
