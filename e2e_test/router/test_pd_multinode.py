@@ -106,6 +106,10 @@ def test_pd_across_two_nodes(request, own_cluster, record, engine_name, oracle_s
                 print(f"decode killed: failed after {detected:.2f} s: {msg.splitlines()[0]}")
                 assert "decode-0" in msg and f"node 1 ({b.address})" in msg, msg
                 assert detected <= DETECT_S, f"noticed after {detected:.1f} s"
+            # How long the nodes took to answer (the noise under the silence rule).
+            record["slowest_answer_s"] = {w.name: round(w.process.slowest_answer_s, 2)
+                                          for w in c.workers}
+            print(f"slowest actor answer: {record['slowest_answer_s']}")
             rep = c.teardown_report
             record["teardown_1p1d"] = rep.to_dict()
             print(f"teardown 1p1d: {rep.verdict()}")
