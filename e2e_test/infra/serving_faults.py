@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from . import idle, load
+from . import idle, load, metrics
 from .errors import HarnessError
 from .proof import long_unique_prompt
 
@@ -280,6 +280,7 @@ class LegLoss:
     status_counts: dict = field(default_factory=dict)
     first_errors: list[str] = field(default_factory=list)
     dead: str | None = None
+    frozen_first: bool = False          # the role was SIGSTOPped before traffic (see leg_loss)
     after_kill_request: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -298,11 +299,24 @@ def kill_role(cluster, role: str) -> list[str]:
     return names
 
 
+def freeze_role(cluster, role: str) -> list[str]:
+    """SIGSTOP every process of every worker of `role`: it accepts connections (the kernel
+    does) but answers nothing, so whatever reaches it stays there until it is killed."""
+    names = []
+    for w in cluster.role(role):
+        w.process.remember_descendants()
+        w.process.signal_tree(signal.SIGSTOP)
+        names.append(w.name)
+    return names
+
+
 def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s: float = 3.0,
-             prompt_words: int = 0, hang_s: float = 120.0) -> LegLoss:
+             prompt_words: int = 0, hang_s: float = 120.0, freeze_first: bool = False) -> LegLoss:
     """Stream `n` requests, SIGKILL every `role` worker `kill_after_s` into the run, and see
     how each request ends (the client gives up only after `hang_s`). `prompt_words` > 0 sends
-    long unique prompts, so that requests are still in prefill at the kill."""
+    long unique prompts. `freeze_first` SIGSTOPs the role before the requests start, so that
+    every request is still waiting on that leg at the kill whatever the hardware's speed (on
+    an H200 a prefill is over in milliseconds, before any kill can land)."""
     def content(i):
         return (long_unique_prompt(prompt_words, seed=i) if prompt_words
                 else f"Request {i}: tell me a long story.")
@@ -316,6 +330,8 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s
         box["report"] = load.run(cluster.gateway_url, reqs, concurrency=n, stream=True,
                                  timeout=hang_s)
 
+    if freeze_first:
+        freeze_role(cluster, role)
     th = threading.Thread(target=drive, daemon=True)
     th.start()
     time.sleep(kill_after_s)
@@ -326,7 +342,7 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s
         raise HarnessError(f"leg loss ({role}): requests still open {hang_s + 30:.0f} s after "
                            f"killing {', '.join(killed)}")
     rep: load.RunReport = box["report"]
-    res = LegLoss(role, killed, n, status_counts=rep.status_counts())
+    res = LegLoss(role, killed, n, status_counts=rep.status_counts(), frozen_first=freeze_first)
     kill_rel = t_kill - box["t_run"]
     ends, all_ends = [], []
     for r in rep.results:
@@ -352,15 +368,99 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s
     res.max_end_after_kill_s = round(max(all_ends), 3) if all_ends else None
     time.sleep(0.5)
     res.dead = cluster.dead_processes()
+    res.after_kill_request = watched_request(cluster, _body(cluster, "Say OK.", 4, False),
+                                             timeout=hang_s)
+    return res
+
+
+def leg_loss_problems(loss: LegLoss, bound_s: float) -> list[str]:
+    """What a leg loss did wrong, one line each (empty: it behaved). The rules:
+    - none hangs: every request ended, ok or not, within `bound_s` of the kill;
+    - decode lost: every request streams from it, so all of them fail;
+    - prefill lost: it was frozen before the requests started (`freeze_first`), so every one
+      was waiting on it at the kill: all fail, none after a first token;
+    - no error without a message; the harness names every killed worker as dead;
+    - the next request after the kill is an error (never a 200) within `bound_s`."""
+    out = []
+    if loss.max_end_after_kill_s is None or loss.max_end_after_kill_s > bound_s:
+        out.append(f"a request was still open {loss.max_end_after_kill_s} s after the kill "
+                   f"(bound {bound_s} s)")
+    if loss.role == "decode":
+        if loss.ok or loss.in_flight_at_kill != loss.requests:
+            out.append(f"decode lost, yet {loss.ok}/{loss.requests} answered and "
+                       f"{loss.in_flight_at_kill} were in flight at the kill")
+    elif not loss.frozen_first:
+        out.append("prefill lost mid-traffic: whether a request still needed it is unknown "
+                   "(freeze_first=True makes every request wait on it)")
+    elif loss.ok or loss.errors_before_first_token != loss.requests:
+        out.append(f"prefill lost with every request waiting on it, yet {loss.ok}/"
+                   f"{loss.requests} answered and {loss.errors_before_first_token} failed "
+                   f"before a first token")
+    if loss.silent_errors:
+        out.append(f"{loss.silent_errors} error(s) without a message")
+    if not loss.dead or not all(f"{n} " in loss.dead for n in loss.killed):
+        out.append(f"the harness did not name {', '.join(loss.killed)} as dead: {loss.dead}")
+    after = loss.after_kill_request
+    if after.get("status") == 200:
+        out.append("the next request after the kill answered 200")
+    elif after.get("seconds") is None or after["seconds"] > bound_s:
+        out.append(f"the next request after the kill took {after.get('seconds')} s to fail "
+                   f"(bound {bound_s} s; gateway transport errors meanwhile: "
+                   f"{after.get('gateway_transport_errors')}; workers: {after.get('workers')})")
+    return out
+
+
+def watched_request(cluster, body: dict, timeout: float) -> dict:
+    """One request through the gateway, with where its time went: the gateway's log lines
+    written meanwhile that name a transport error (one per attempt: smg retries a PD pair on
+    one), and, per live worker, the tokens it processed and the seconds it had requests
+    running or waiting (its idle gauges, polled every 0.25 s). So a slow answer says whether
+    an engine was busy or the wait was elsewhere."""
+    gauges = idle.gauges_of(cluster) or {}
+    live = [w for w in cluster.workers if w.process is not None and w.process.alive()]
+    log0 = len(cluster.gateway.log_text(50_000_000)) if cluster.gateway else 0
+    work0 = {w.name: _work(cluster, w) for w in live}
+    busy = {w.name: 0.0 for w in live}
+    stop = threading.Event()
+
+    def poll():
+        last = time.monotonic()
+        while not stop.wait(0.25):
+            now = time.monotonic()
+            for w in live:
+                ld = idle.worker_load(w, gauges, timeout=1.0) if gauges else None
+                if ld is not None and not ld.error and ((ld.running or 0) + (ld.waiting or 0)) > 0:
+                    busy[w.name] += now - last
+            last = now
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
     t0 = time.monotonic()
     try:
-        r = cluster.client.post(CHAT, json=_body(cluster, "Say OK.", 4, False), timeout=hang_s)
-        res.after_kill_request = {"status": r.status_code, "body": r.text[:300],
-                                  "seconds": round(time.monotonic() - t0, 3)}
+        r = cluster.client.post(CHAT, json=body, timeout=timeout)
+        out = {"status": r.status_code, "body": r.text[:300]}
     except httpx.HTTPError as e:
-        res.after_kill_request = {"status": None, "body": f"{type(e).__name__}: {e}"[:300],
-                                  "seconds": round(time.monotonic() - t0, 3)}
-    return res
+        out = {"status": None, "body": f"{type(e).__name__}: {e}"[:300]}
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    stop.set()
+    th.join(5)
+    text = cluster.gateway.log_text(50_000_000)[log0:] if cluster.gateway else ""
+    out["gateway_transport_errors"] = sum("transport error" in ln for ln in text.splitlines())
+    out["workers"] = {w.name: {"tokens": _delta(work0[w.name], _work(cluster, w)),
+                               "busy_s": round(busy[w.name], 2)} for w in live}
+    return out
+
+
+def _work(cluster, worker) -> float | None:
+    try:
+        s = worker.metrics(timeout=2.0)
+    except (httpx.HTTPError, OSError, ValueError):    # down, refused, unparsable
+        return None
+    return sum(metrics.total(s, name) for name in cluster.driver.work_counters)
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(b - a, 1)
 
 
 def selections(cluster) -> dict[str, float]:

@@ -4,7 +4,8 @@ idle, a lost leg errors fast, a restarted worker rejoins.
 The cancellation cases and the idle negative control run on the lane's shared `1` and `1p1d`
 topologies (no extra boot). Leg loss and restart-rejoin break their topology: they run last on
 the shared small-window `1p1d` (profile `window`, after its window burst; no boot of their
-own): decode killed mid-traffic, restarted, takes traffic again; then prefill killed.
+own): decode killed mid-traffic, restarted, takes traffic again; then prefill frozen with
+requests waiting on it, and killed.
 Every bound is stated here and measured figures land in the result records
 (docs/lifecycle.md has them).
 """
@@ -85,20 +86,8 @@ def _check_leg_loss(loss: sf.LegLoss):
           f"within {loss.max_end_after_kill_s} s; statuses {loss.status_counts}; first: "
           f"{loss.first_errors[:1]}; next request {loss.after_kill_request}; "
           f"harness: {loss.dead}")
-    # None hangs: every request ended (ok or not) within the bound after the kill.
-    assert loss.max_end_after_kill_s is not None and loss.max_end_after_kill_s <= LEG_LOSS_S, loss
-    if loss.role == "decode":
-        # Every request streams from the decode leg: all of them must fail.
-        assert loss.ok == 0 and loss.in_flight_at_kill == loss.requests, loss
-    else:
-        # A request whose prefill was done (first token seen) no longer needs the prefill
-        # leg and may finish; every other one must fail.
-        assert loss.errors >= loss.requests - loss.past_prefill_at_kill, loss
-        assert loss.errors_before_first_token >= 1, loss
-    assert loss.silent_errors == 0, loss
-    assert loss.dead and all(f"{n} " in loss.dead for n in loss.killed), loss
-    after = loss.after_kill_request
-    assert after.get("status") != 200 and after["seconds"] <= LEG_LOSS_S, loss
+    problems = sf.leg_loss_problems(loss, LEG_LOSS_S)
+    assert not problems, f"{'; '.join(problems)}. {loss}"
 
 
 @pytest.mark.engines("vllm")
@@ -108,8 +97,8 @@ def _check_leg_loss(loss: sf.LegLoss):
 def test_pd_leg_loss_restart_rejoin(cluster, cluster_pool, record):
     """On the shared small-window PD topology, after its window burst (no boot of its own):
     kill the decode leg mid-traffic (every in-flight request errors within LEG_LOSS_S),
-    restart it on its ports (re-registered with smg) and see it take traffic, then kill the
-    prefill leg mid-traffic."""
+    restart it on its ports (re-registered with smg) and see it take traffic, then freeze
+    the prefill leg, send requests to it and kill it."""
     c = cluster
     decode = sf.leg_loss(c, "decode")
     record["decode_leg_loss"] = decode.to_dict()
@@ -137,8 +126,10 @@ def test_pd_leg_loss_restart_rejoin(cluster, cluster_pool, record):
     idle = c.wait_idle(timeout=CANCEL_IDLE_S)
     record["restart"]["idle_s"] = round(idle.seconds, 3)
 
-    # Long prompts, killed 1 s in: requests are queued at or running on the prefill leg.
-    prefill = sf.leg_loss(c, "prefill", max_tokens=64, prompt_words=400, kill_after_s=1.0)
+    # The prefill leg frozen (SIGSTOP) before the requests start and killed 1 s in: every
+    # request is waiting on it at the kill, on any hardware.
+    prefill = sf.leg_loss(c, "prefill", max_tokens=64, prompt_words=400, kill_after_s=1.0,
+                          freeze_first=True)
     record["prefill_leg_loss"] = prefill.to_dict()
     _check_leg_loss(prefill)
     rep = cluster_pool.release()
