@@ -443,18 +443,20 @@ class Cluster:
                         diagnose=lambda: diagnose_stall(self), check=self.dead_processes,
                         engine_progress=self.engine_work)
 
+    def worker_work(self, w: Worker) -> float | None:
+        """Tokens worker `w` has processed (the sum of the engine's work counters); None when
+        it does not answer."""
+        try:
+            s = w.metrics(timeout=2.0)
+        except Exception:
+            return None
+        return sum(metrics.total(s, name) for name in self.driver.work_counters)
+
     def engine_work(self) -> float | None:
-        """Tokens all workers have processed (the sum of the engine's work counters); None
-        when no worker answered. A worker that does not answer contributes nothing."""
-        total, answered = 0.0, False
-        for w in self.workers:
-            try:
-                s = w.metrics(timeout=2.0)
-            except Exception:
-                continue
-            answered = True
-            total += sum(metrics.total(s, name) for name in self.driver.work_counters)
-        return total if answered else None
+        """Tokens all workers have processed; None when no worker answered. A worker that does
+        not answer contributes nothing."""
+        work = [x for x in map(self.worker_work, self.workers) if x is not None]
+        return sum(work) if work else None
 
     def gateway_metrics(self) -> dict:
         return metrics.scrape(self.gateway_metrics_url)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from . import idle, load, metrics
+from . import idle, load
 from .errors import HarnessError
 from .proof import long_unique_prompt
 
@@ -287,27 +287,28 @@ class LegLoss:
         return asdict(self)
 
 
-def kill_role(cluster, role: str) -> list[str]:
-    """SIGKILL every process of every worker of `role` (API server and engine children)."""
+def signal_role(cluster, role: str, sig: int) -> list[str]:
+    """Send `sig` to every process of every worker of `role` (API server and engine
+    children); the workers' names."""
     names = []
     for w in cluster.role(role):
         w.process.remember_descendants()
-        w.process.signal_tree(signal.SIGKILL)
+        w.process.signal_tree(sig)
         names.append(w.name)
     if not names:
         raise HarnessError(f"topology {cluster.topology.name} has no {role} workers")
     return names
 
 
+def kill_role(cluster, role: str) -> list[str]:
+    """SIGKILL every process of every worker of `role`."""
+    return signal_role(cluster, role, signal.SIGKILL)
+
+
 def freeze_role(cluster, role: str) -> list[str]:
     """SIGSTOP every process of every worker of `role`: it accepts connections (the kernel
     does) but answers nothing, so whatever reaches it stays there until it is killed."""
-    names = []
-    for w in cluster.role(role):
-        w.process.remember_descendants()
-        w.process.signal_tree(signal.SIGSTOP)
-        names.append(w.name)
-    return names
+    return signal_role(cluster, role, signal.SIGSTOP)
 
 
 def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s: float = 3.0,
@@ -419,7 +420,7 @@ def watched_request(cluster, body: dict, timeout: float) -> dict:
     gauges = idle.gauges_of(cluster) or {}
     live = [w for w in cluster.workers if w.process is not None and w.process.alive()]
     log0 = len(cluster.gateway.log_text(50_000_000)) if cluster.gateway else 0
-    work0 = {w.name: _work(cluster, w) for w in live}
+    work0 = {w.name: cluster.worker_work(w) for w in live}
     busy = {w.name: 0.0 for w in live}
     stop = threading.Event()
 
@@ -446,17 +447,9 @@ def watched_request(cluster, body: dict, timeout: float) -> dict:
     th.join(5)
     text = cluster.gateway.log_text(50_000_000)[log0:] if cluster.gateway else ""
     out["gateway_transport_errors"] = sum("transport error" in ln for ln in text.splitlines())
-    out["workers"] = {w.name: {"tokens": _delta(work0[w.name], _work(cluster, w)),
+    out["workers"] = {w.name: {"tokens": _delta(work0[w.name], cluster.worker_work(w)),
                                "busy_s": round(busy[w.name], 2)} for w in live}
     return out
-
-
-def _work(cluster, worker) -> float | None:
-    try:
-        s = worker.metrics(timeout=2.0)
-    except (httpx.HTTPError, OSError, ValueError):    # down, refused, unparsable
-        return None
-    return sum(metrics.total(s, name) for name in cluster.driver.work_counters)
 
 
 def _delta(a: float | None, b: float | None) -> float | None:
