@@ -126,7 +126,7 @@ def test_epd_encode_prefill_decode():
 def test_spec_args_and_tp():
     spec = parse_spec("m", {"weights": {"source": "path", "path": "/m"}, "tp": 2,
                             "engines": ["tokenspeed"], "gpu_memory_fraction": 0.5,
-                            "tokenspeed_args": ["--disaggregation-layerwise-interval", "0"]})
+                            "args": {"tokenspeed": ["--disaggregation-layerwise-interval", "0"]}})
     t = parse("1")
     w = plan_gpu(t, spec, (0, 1)).entries[0]
     cmd = tokenspeed.build(spec, t, w, Ports(api=7), "/m", CUDA)

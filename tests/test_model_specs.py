@@ -63,7 +63,6 @@ def test_qwen35_9b_is_tokenspeed_only_without_max_num_seqs():
     assert s.engines == ("tokenspeed",)
     assert not s.supports("vllm", "regular")
     assert s.supports("tokenspeed", "epd")
-    assert "--max-num-seqs" not in s.tokenspeed_args
     assert all("max-num-seqs" not in a for a in s.engine_args("tokenspeed"))
 
 
@@ -135,8 +134,12 @@ def test_wrong_scalar_type(key, value, expected):
 def test_wrong_list_type():
     assert "engines: expected a list of strings" in config_error({"weights": HF,
                                                                   "engines": "vllm"})
-    assert "vllm_args: expected a list of strings" in config_error({"weights": HF,
-                                                                    "vllm_args": ["--x", 1]})
+    assert "args.vllm: expected a list of strings" in config_error({"weights": HF,
+                                                                    "args": {"vllm": ["--x", 1]}})
+    assert "args.vllm: unknown key(s) 'prefil'" in config_error(
+        {"weights": HF, "args": {"vllm": {"prefil": ["--x"]}}})
+    assert "args: unknown key(s) 'sglang'" in config_error({"weights": HF,
+                                                            "args": {"sglang": ["--x"]}})
 
 
 def test_unknown_engine():
@@ -276,6 +279,10 @@ def test_require_errors():
 
 
 def test_engine_args():
-    s = spec(vllm_args=["--a"], tokenspeed_args=["--b"])
+    s = spec(args={"vllm": ["--a"], "tokenspeed": {"all": ["--b"], "prefill": ["--p"]}})
     assert (s.engine_args("vllm"), s.engine_args("tokenspeed"), s.engine_args("other")) == (
         ("--a",), ("--b",), ())
+    # Role-scoped flags go to that role's workers only, after the flags for every worker.
+    assert s.engine_args("tokenspeed", "prefill") == ("--b", "--p")
+    assert s.engine_args("tokenspeed", "decode") == ("--b",)
+    assert s.engine_args("vllm", "prefill") == ("--a",)

@@ -141,7 +141,7 @@ def test_registry_entry():
     assert {"regular", "pd", "epd"} <= set(spec.topologies)
     assert "multimodal" in spec.features and not spec.accuracy
     assert spec.gpu_memory_fraction <= 0.2 and spec.max_model_len == 4096
-    args = spec.tokenspeed_args
+    args = spec.engine_args("tokenspeed")
     assert args[args.index("--disaggregation-layerwise-interval") + 1] == "0"
     assert spec.weights.source == "path" and spec.weights.path.endswith("tiny-qwen3_5-vl")
 

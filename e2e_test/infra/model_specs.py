@@ -58,14 +58,17 @@ class ModelSpec:
     max_model_len: int | None = None
     startup_timeout_s: float = 600.0
     gpu_memory_fraction: float = 0.85
-    vllm_args: tuple[str, ...] = ()
-    tokenspeed_args: tuple[str, ...] = ()
+    # engine -> scope -> extra worker flags; scope "all" (every worker) or a role name
+    # ("encode", "prefill", "decode", "worker", "attention", "ffn"): flags scoped to that role.
+    args: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
     accuracy: dict[str, AccuracyFloor] = field(default_factory=dict)
     opt_in: bool = False
 
-    def engine_args(self, engine: str) -> tuple[str, ...]:
-        """The registry's `<engine>_args` (none for an engine without such a key)."""
-        return getattr(self, f"{engine}_args", ())
+    def engine_args(self, engine: str, role: str | None = None) -> tuple[str, ...]:
+        """The registry's extra flags for `engine`'s workers: those for every worker, then
+        those scoped to `role` (none for an engine the entry has no args for)."""
+        scoped = self.args.get(engine, {})
+        return scoped.get("all", ()) + (scoped.get(role, ()) if role else ())
 
     def supports(self, engine: str, kind: str) -> bool:
         return engine in self.engines and kind in self.topologies
@@ -92,8 +95,10 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "tp": int, "max_model_len": int, "startup_timeout_s": (int, float),
     "gpu_memory_fraction": (int, float), "opt_in": bool,
 }
-_STR_LISTS = ("features", "engines", "topologies", "vllm_args", "tokenspeed_args")
-_ALLOWED = (*_SCALARS, *_STR_LISTS, "weights", "accuracy")
+_STR_LISTS = ("features", "engines", "topologies")
+_ALLOWED = (*_SCALARS, *_STR_LISTS, "weights", "accuracy", "args")
+# Scopes of `args: {engine: {scope: [...]}}`: every worker, or the workers of one role.
+ARG_SCOPES = ("all", "worker", "encode", "prefill", "decode", "attention", "ffn")
 _WEIGHT_KEYS = ("source", "hf_id", "path", "package", "file")
 
 
@@ -113,6 +118,8 @@ def parse_spec(model_id: str, raw: Any) -> ModelSpec:
             kwargs[key] = str_list(f"{where}.{key}", raw[key], allowed_values.get(key))
     if "accuracy" in raw:
         kwargs["accuracy"] = _parse_accuracy(where, raw["accuracy"])
+    if "args" in raw:
+        kwargs["args"] = _parse_args(where, raw["args"])
     spec = ModelSpec(**kwargs)
     if spec.tp not in VALID_TP:
         raise ConfigError(f"{where}.tp: impossible tensor parallel size {spec.tp} "
@@ -125,6 +132,22 @@ def parse_spec(model_id: str, raw: Any) -> ModelSpec:
     if not spec.engines:
         raise ConfigError(f"{where}.engines: must name at least one engine")
     return spec
+
+
+def _parse_args(where: str, raw: Any) -> dict[str, dict[str, tuple[str, ...]]]:
+    """`args: {engine: [flags]}` (every worker) or `{engine: {scope: [flags]}}` with scopes
+    `all` and role names, so a bound a role needs is scoped to that role only."""
+    where = f"{where}.args"
+    mapping(where, raw, known_engines())
+    out = {}
+    for engine, v in raw.items():
+        w = f"{where}.{engine}"
+        if isinstance(v, list):
+            out[engine] = {"all": str_list(w, v)}
+        else:
+            mapping(w, v, ARG_SCOPES)
+            out[engine] = {scope: str_list(f"{w}.{scope}", flags) for scope, flags in v.items()}
+    return out
 
 
 def _parse_weights(where: str, raw: Any) -> Weights:

@@ -149,7 +149,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv += ["--max-model-len", str(spec.max_model_len)]
     if options.max_num_seqs:
         argv += ["--max-num-seqs", str(options.max_num_seqs)]
-    argv += list(spec.vllm_args) + list(options.extra_args)
+    argv += list(spec.engine_args("vllm", entry.role)) + list(options.extra_args)
     if entry.role == "ffn":
         # Stage 0; "up" = its rank 0 listens on the rendezvous port (weights loaded). Its HTTP
         # API only answers after Attention has joined, so the gateway never sees it.

@@ -14,7 +14,7 @@ flag's contract comes from:
 - smg's harness also passes `--grammar-backend xgrammar` (its structured-output tests). This
   harness has none, and TokenSpeed's default grammar backend is none, so the flag is left out:
   a runner without xgrammar (0.2.2, 45 MB) still serves. Add it through the model's
-  tokenspeed_args or E2E_ENGINE_ARGS where structured output is tested.
+  args (`args: {tokenspeed: [...]}`) or E2E_ENGINE_ARGS where structured output is tested.
 - Worker env for disaggregation roles (MC_INTRANODE_NVLINK=1, TOKENSPEED_SKIP_GRPC_WARMUP=1,
   NO_PROXY/no_proxy=*) and CUDA_VISIBLE_DEVICES: smg-project/smg e2e_test/infra/worker.py
   (Worker._build_env; smg uses setdefault, this builder returns plain overrides). Which ports a
@@ -141,7 +141,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv += ["--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
     if options.enforce_eager and not eager:
         argv.append("--enforce-eager")
-    argv += list(spec.tokenspeed_args) + list(options.extra_args)
+    argv += list(spec.engine_args("tokenspeed", entry.role)) + list(options.extra_args)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",

@@ -165,7 +165,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             kv_connector = "MooncakeConnector"
     elif topology.kind not in ("regular", "dp"):
         raise ConfigError(f"engines/vllm builds regular, dp and pd workers, not {topology.kind!r}")
-    argv += list(spec.vllm_args) + list(options.extra_args)
+    argv += list(spec.engine_args("vllm", entry.role)) + list(options.extra_args)
     return WorkerCommand(argv=argv, env=env,
                          readiness=HttpGet(ports.api, "/health", host=entry.host),
                          worker_type=worker_type, kv_connector=kv_connector)
