@@ -1,6 +1,7 @@
 """Command line: `python -m e2e_test <command>`.
 
   models prepare [--model M] [--force]   dequantize the built-in default model into the cache
+  models prepare --gguf FILE --out DIR   dequantize a carried GGUF (offline GPU runners)
   models list                            the registry as a table
   models tiny-moe --out DIR [--family deepseek_v2] [--tokenizer DIR]
                                          random-weight tiny MoE (AFD tests)
@@ -30,10 +31,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from .infra import settings
 from .infra.engines import DEFAULT_ENGINE
-from .infra.errors import HarnessError
+from .infra.errors import ConfigError, HarnessError
 from .infra.model_specs import DEFAULT_MODEL
 
 
@@ -79,8 +81,17 @@ def cmd_models(a) -> int:
                   f"topologies={','.join(s.topologies):<18} weights={s.weights.source}"
                   + ("  (opt-in)" if s.opt_in else ""))
         return 0
-    spec = model_specs.get_spec(a.model)
     t0 = time.monotonic()
+    if a.gguf:
+        # An offline runner converting a carried GGUF (scripts/gpu_lane.sh).
+        src = Path(a.gguf)
+        if not src.is_file() or not a.out:
+            raise ConfigError(f"models prepare --gguf {a.gguf}: needs an existing .gguf file "
+                              "and --out DIR")
+        path = models.convert_gguf(src, Path(a.out).expanduser())
+        print(f"{src.name}: {path} ({time.monotonic() - t0:.1f} s)")
+        return 0
+    spec = model_specs.get_spec(a.model)
     path = models.prepare(spec, force=a.force)
     print(f"{spec.id}: {path} ({time.monotonic() - t0:.1f} s)")
     return 0
@@ -264,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("action", choices=["prepare", "list", "tiny-moe", "tiny-vlm"])
     m.add_argument("--model", default=DEFAULT_MODEL)
     m.add_argument("--force", action="store_true")
-    m.add_argument("--out", help="tiny-moe/tiny-vlm: output folder (tiny-vlm default: the "
-                   "registry path of tiny-random/Qwen3.5-VL)")
+    m.add_argument("--out", help="tiny-moe/tiny-vlm/prepare --gguf: output folder (tiny-vlm "
+                   "default: the registry path of tiny-random/Qwen3.5-VL)")
+    m.add_argument("--gguf", help="prepare: convert this GGUF file into --out instead of the "
+                   "registry's packaged model (an offline runner's carried copy)")
     m.add_argument("--family", default="deepseek_v2", help="tiny-moe: model family")
     m.add_argument("--attention", default="full", choices=["full", "hybrid"],
                    help="tiny-vlm: text layers all full attention (default; TokenSpeed's PyPI "

@@ -130,6 +130,17 @@ def prepare(spec: ModelSpec, force: bool = False, log=print) -> Path:
         except (OSError, ValueError):
             pass
     t0 = time.monotonic()
+    convert_gguf(gguf_file, out, stamp, where=f"model {spec.id!r}")
+    log(f"prepared {spec.id} from {gguf_file.name} into {out} in {time.monotonic() - t0:.1f} s")
+    return out
+
+
+def convert_gguf(gguf_file: Path, out: Path, stamp: dict | None = None,
+                 where: str = "model") -> Path:
+    """Dequantize one GGUF file into a Hugging Face folder `out` (bfloat16 safetensors and the
+    tokenizer), written beside it and renamed into place. Also what an offline GPU runner runs
+    on a carried GGUF (`models prepare --gguf FILE --out DIR`, scripts/gpu_lane.sh)."""
+    stamp = stamp or {"gguf": str(gguf_file), "size": gguf_file.stat().st_size}
     import torch  # heavy imports only when work is needed
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -149,7 +160,7 @@ def prepare(spec: ModelSpec, force: bool = False, log=print) -> Path:
     # Tied embeddings legitimately lack lm_head in the GGUF.
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise ConfigError(f"model {spec.id!r}: GGUF state dict does not fit its config "
+        raise ConfigError(f"{where}: GGUF state dict does not fit its config "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     plain = plain.to(torch.bfloat16)
     plain.save_pretrained(tmp, safe_serialization=True)
@@ -157,5 +168,4 @@ def prepare(spec: ModelSpec, force: bool = False, log=print) -> Path:
     (tmp / _MARKER).write_text(json.dumps(stamp))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    log(f"prepared {spec.id} from {gguf_file.name} into {out} in {time.monotonic() - t0:.1f} s")
     return out
