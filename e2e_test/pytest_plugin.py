@@ -224,6 +224,12 @@ class ClusterPool:
         if key in self.failed:
             raise self.failed[key]
         if self.current is not None and self.key == key and not self.current._stopped:
+            try:
+                self.current.check_alive()      # a worker died since the last test
+            except HarnessError as e:
+                self.failed[key] = e
+                self.release()
+                raise
             return self.current
         self.release()
         c = make()

@@ -22,15 +22,17 @@ class FakeEngine(Engine):
     kinds = ("regular", "dp")
     work_counters = ("fake:tokens_total",)
 
-    def __init__(self, env: dict | None = None, stages: dict | None = None):
+    def __init__(self, env: dict | None = None, stages: dict | None = None,
+                 stop_grace_s: float | None = None):
         self.env = env or {}            # worker name -> extra env (the server's failure modes)
         self.stages = stages or {}      # worker name -> start stage
+        self.stop_grace_s = stop_grace_s    # the worker's own SIGTERM -> SIGKILL grace
 
     def build(self, spec, topology, entry, ports, model_path, options):
         return WorkerCommand(
             argv=[sys.executable, str(SERVER), "--port", str(ports.api), "--model", spec.id],
             env=dict(self.env.get(entry.name, {})), readiness=HttpGet(ports.api, "/health"),
-            start_stage=self.stages.get(entry.name, 0))
+            start_stage=self.stages.get(entry.name, 0), stop_grace_s=self.stop_grace_s)
 
 
 def fake_spec(weights_dir: Path, startup_timeout_s: float = 30.0):

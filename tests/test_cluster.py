@@ -158,6 +158,46 @@ def test_stop_report_names_a_worker_that_needed_sigkill(fake, weights, tmp_path,
     assert _gone([pid])
 
 
+def test_an_engine_stop_grace_escalates_sooner(fake, weights, tmp_path):
+    """A worker whose engine sets its own stop grace gets SIGKILL after it, not after the
+    cluster's 15 s (TokenSpeed: 1.5 s)."""
+    fake.env = {"worker-0": {"FAKE_ENGINE_IGNORE_TERM": "1"}}
+    fake.stop_grace_s = 0.5
+    c = make(weights, tmp_path)
+    with c:
+        pass
+    w = {r.name: r for r in c.stop_reports}["worker-0"]
+    assert w.escalated and w.seconds < 3.0, w      # 0.5 s grace, then SIGKILL
+    assert c.teardown_report.ok
+
+
+def test_a_known_upstream_crash_is_named_and_raised_as_such(fake, weights, tmp_path):
+    """A worker that dies of a crash its engine knows (Engine.known_crashes) is named with
+    the bug and its reference, and the topology raises UpstreamBug; any other death stays a
+    plain WorkerDied (the negative control)."""
+    from e2e_test.infra.engines import KnownCrash
+    from e2e_test.infra.errors import UpstreamBug, WorkerDied
+    fake.known_crashes = (KnownCrash(r"object has no attribute 'request_id'",
+                                     "the fake's loop takes a load query for a request",
+                                     ("fake_engine_server.py:1",), role="worker"),)
+    for crash, want in ((True, UpstreamBug), (False, WorkerDied)):
+        c = make(weights, tmp_path / str(crash))
+        with c:
+            w = c.workers[0]
+            if crash:
+                with open(w.process.log_path, "a") as f:
+                    f.write("AttributeError: 'GetLoadReqInput' object has no attribute "
+                            "'request_id'\n")
+            w.process.kill()
+            assert _gone([w.process.pid])
+            with pytest.raises(WorkerDied) as ei:
+                c.check_alive()
+            assert type(ei.value) is want
+            msg = str(ei.value)
+            assert "worker-0" in msg and "died" in msg
+            assert ("known upstream bug: the fake's loop" in msg) is crash, msg
+
+
 SECOND_CTRL_C = """
 import sys, time
 sys.path.insert(0, {tests!r})

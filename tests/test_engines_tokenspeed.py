@@ -26,7 +26,7 @@ def head(port: int, tp: int = 1) -> list[str]:
             "--model", "/models/q", "--served-model-name", "Qwen/Qwen3.5-9B",
             "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp),
             "--log-level", "warning", "--enable-output-logprobs", "--gpu-memory-utilization", "0.85",
-            "--max-model-len", "8192"]
+            "--disable-kvstore", "--max-model-len", "8192"]
 
 
 DISAGG_ENV = {"MC_INTRANODE_NVLINK": "1", "TOKENSPEED_SKIP_GRPC_WARMUP": "1",
@@ -38,7 +38,10 @@ def test_regular():
     assert tokenspeed.aux_ports(t, e["worker"], CUDA) == []
     cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000), "/models/q", CUDA)
     assert cmd.argv == head(30000)
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4"}
+    # No 1-token gRPC warmup (the gateway's ready probe is a real request).
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", "TOKENSPEED_SKIP_GRPC_WARMUP": "1"}
+    # SIGKILL after 1.5 s: the servicer's own SIGTERM path ends in a SIGKILL of itself.
+    assert cmd.stop_grace_s == 1.5
     assert (cmd.protocol, cmd.worker_type, cmd.bootstrap_port) == ("grpc", "regular", None)
 
 
@@ -59,7 +62,7 @@ def test_engine_dp_needs_dist_init():
                            CUDA)
     assert cmd.argv == head(30000) + ["--data-parallel-size", "2",
                                       "--dist-init-addr", "127.0.0.1:30001"]
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5", "TOKENSPEED_SKIP_GRPC_WARMUP": "1"}
 
 
 def test_prefill():
@@ -133,8 +136,18 @@ def test_spec_args_and_tp():
     assert cmd.argv[cmd.argv.index("--tensor-parallel-size") + 1] == "2"
     assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.5"
     assert cmd.argv[-2:] == ["--disaggregation-layerwise-interval", "0"]
-    assert "--max-model-len" not in cmd.argv
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert "--max-model-len" not in cmd.argv and "--max-total-tokens" not in cmd.argv
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1", "TOKENSPEED_SKIP_GRPC_WARMUP": "1"}
+
+
+def test_kv_budget_bounds_the_pool():
+    """The registry's KV budget becomes the pool bound (--max-total-tokens); the default
+    model has one: 131072 tokens."""
+    spec = get_spec("SmolLM2-135M-Instruct")
+    t, e = entries("1", spec)
+    cmd = tokenspeed.build(spec, t, e["worker"], Ports(api=1), "/m", CUDA)
+    assert cmd.argv[cmd.argv.index("--max-total-tokens") + 1] == str(spec.kv_budget_tokens)
+    assert spec.kv_budget_tokens == 131072 and "--disable-kvstore" in cmd.argv
 
 
 def test_refuses_cpu_and_afd():
@@ -182,6 +195,37 @@ def test_packed_schedule_is_cumulative_and_sequential():
                            "/m", EngineOptions(backend="cuda"))
     assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.5"
     assert cmd.start_stage == 1
+
+
+def test_packed_schedule_starts_together_when_the_pool_is_bounded():
+    """With a KV budget each worker holds far less than its fraction: the cumulative shares
+    stay, and every worker starts at once (stage 0). Without one (above) they are staged."""
+    capped = parse_spec("s", {"weights": {"source": "path", "path": "/m"},
+                              "engines": ["tokenspeed"], "gpu_memory_fraction": 0.25,
+                              "kv_budget_tokens": 4096})
+    plan = plan_gpu(parse("1e1p1d"), capped, (3,))
+    sched = tokenspeed.packed_schedule(plan.entries, capped)
+    assert [sched[en.name] for en in plan.entries] == [(0, 0.25), (0, 0.5), (0, 0.75)]
+
+
+def test_epd_gateway_runs_without_the_load_monitor():
+    """smg's load monitor polls the encode group's GetLoads, which TokenSpeed 0.1.0's encode
+    worker dies of: EPD gateways get no load-aware policy and no polling."""
+    eng = tokenspeed.ENGINE
+    args = eng.gateway_args(parse("1e1p1d"))
+    assert "--disable-load-monitoring" in args and "--disable-worker-overload-protection" in args
+    assert args[args.index("--policy") + 1] == "round_robin"
+    assert eng.gateway_args(parse("1p1d")) == () and eng.gateway_args(parse("1")) == ()
+
+
+def test_known_encode_crash_is_recognised():
+    log = ("  File \".../tokenspeed/runtime/epd/encode_worker.py\", line 97, in submit\n"
+           "AttributeError: 'GetLoadReqInput' object has no attribute 'request_id'\n")
+    k = tokenspeed.ENGINE.known_crash("encode", log)
+    assert k is not None and "encode_worker.py:97" in k.line()
+    # Negative controls: another role, another error.
+    assert tokenspeed.ENGINE.known_crash("prefill", log) is None
+    assert tokenspeed.ENGINE.known_crash("encode", "CUDA error: out of memory") is None
 
 
 def test_packed_schedule_refuses_overcommit():

@@ -34,7 +34,7 @@ import httpx
 from . import engines, metrics, ports, progress, reaper, settings, teardown
 from . import gateway as gw
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, Ports, WorkerCommand
-from .errors import ConfigError, StartupError
+from .errors import ConfigError, StartupError, UpstreamBug, WorkerDied
 from .launcher import Baseline, Handle, Launcher, make_launcher
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
 from .models import cache_dir, weights_path
@@ -321,7 +321,8 @@ class Cluster:
         cfg = gw.GatewayConfig(kind=self.topology.kind, workers=gws, port=port,
                                prometheus_port=prometheus_port, policy=self.policy,
                                dp_aware=self.topology.engine_dp, admission=admission,
-                               extra_args=self.gateway_args,
+                               extra_args=(*self.driver.gateway_args(self.topology),
+                                           *self.gateway_args),
                                model_path=str(self.model_path))
         argv = gw.build_argv(cfg)
         handle = self.launcher.start(name, WorkerCommand(argv, {}),
@@ -383,8 +384,13 @@ class Cluster:
         self._extra_gateways = []
         if self.gateway:
             procs.insert(0, self.gateway)
+        # A worker's own grace where its engine sets one (an engine whose own SIGTERM path
+        # ends in a SIGKILL of itself after seconds; see that engine's STOP_GRACE_S).
+        grace = {id(w.process): w.command.stop_grace_s for w in self.workers
+                 if w.process and w.command.stop_grace_s is not None}
         with ThreadPoolExecutor(max_workers=max(1, len(procs))) as ex:
-            self.stop_reports = list(ex.map(lambda p: p.stop(grace=STOP_GRACE_S), procs))
+            self.stop_reports = list(ex.map(
+                lambda p: p.stop(grace=grace.get(id(p), STOP_GRACE_S)), procs))
         self.stop_reports += self._extra_stops
         rep = self.launcher.verify(self.stop_reports, self.allocated_ports, self._baseline)
         rep.seconds = round(time.monotonic() - t0, 2)
@@ -422,16 +428,32 @@ class Cluster:
         return r.json()
 
     def dead_processes(self) -> str | None:
-        """One line naming every worker (or the gateway) that exited, with its exit code."""
+        """One line naming every worker (or the gateway) that exited, with its exit code, and
+        the known upstream bug it died of where its engine names one (Engine.known_crashes)."""
         dead = []
+        roles = {w.process: w.entry.role for w in self.workers}
         for name, p in ([("gateway", self.gateway)] + [(h.name, h) for h in self._extra_gateways]
                         + [(w.name, w.process) for w in self.workers]):
             if p is not None and p.started_at is not None and not p.alive():
-                dead.append(f"{name} (pid {p.pid}{p.where}) died: "
-                            f"{p.death_reason()}")
+                line = f"{name} (pid {p.pid}{p.where}) died: {p.death_reason()}"
+                known = (self.driver.known_crash(roles[p], p.log_text(200_000))
+                         if p in roles else None)
+                dead.append(line + (f"; {known.line()}" if known else ""))
         if not dead:
             return None
         return f"topology {self.topology.name} ({self.engine}): " + "; ".join(dead)
+
+    @staticmethod
+    def death_error(message: str) -> WorkerDied:
+        """The error for a dead topology: UpstreamBug when a death is a known upstream bug
+        (dead_processes names it), else WorkerDied."""
+        return (UpstreamBug if "known upstream bug: " in message else WorkerDied)(message)
+
+    def check_alive(self) -> None:
+        """Raise death_error when a worker or the gateway has exited."""
+        dead = self.dead_processes()
+        if dead:
+            raise self.death_error(dead)
 
     def watchdog(self, what: str, window_s: float | None = None):
         """A load.Watchdog that fails on a dead worker within a second and on a stall after
@@ -441,6 +463,7 @@ class Cluster:
         window = window_s if window_s is not None else settings.get("E2E_WATCHDOG_S")
         return Watchdog(window_s=window, what=f"{what} on {self.topology.name}",
                         diagnose=lambda: diagnose_stall(self), check=self.dead_processes,
+                        died=self.death_error,
                         engine_progress=self.engine_work)
 
     def worker_work(self, w: Worker) -> float | None:

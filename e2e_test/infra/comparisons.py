@@ -19,11 +19,30 @@ from .evals import gsm8k, mmlu, recall
 EVALS = ("gsm8k", "mmlu", "recall")
 
 
+def as_chat(req: load.Request, top_logprobs: int) -> load.Request:
+    """A completions request as a chat request with the same prompt (one user message) and
+    the same sampling, asking per-token logprobs the chat way (`logprobs: true`,
+    `top_logprobs`). For an engine whose gateway path returns logprobs only on chat
+    (Engine.logprobs_api)."""
+    body = {k: v for k, v in req.body.items() if k not in ("prompt", "logprobs")}
+    body.update(messages=[{"role": "user", "content": req.body["prompt"]}], logprobs=True,
+                top_logprobs=top_logprobs)
+    return load.Request("/v1/chat/completions", body, tag=req.tag)
+
+
+def prompt_text(req: load.Request) -> str:
+    """The prompt of a completions request or of its as_chat form."""
+    return req.body.get("prompt") or req.body["messages"][-1]["content"]
+
+
 def requests(name: str, model: str, n: int, *, max_tokens: int | None = None,
              shot_offset: int = 0, max_prompt_tokens: int | None = None,
-             logprobs: int = oracle.TOP_K) -> list[load.Request]:
+             logprobs: int = oracle.TOP_K, api: str = "completions") -> list[load.Request]:
     """The eval's own requests (same prompts as its scored run), optionally capped;
-    `logprobs`: the top-k the engine can return (Engine.top_logprobs)."""
+    `logprobs`: the top-k the engine can return (Engine.top_logprobs); `api`: the endpoint
+    its per-token logprobs come back on (Engine.logprobs_api: completions or chat)."""
+    if api not in ("completions", "chat"):
+        raise ValueError(f"logprobs api {api!r}: completions or chat")
     if name == "gsm8k":
         reqs, _ = gsm8k.requests(model, n, max_tokens=max_tokens or 256, shot_offset=shot_offset,
                                  logprobs=logprobs)
@@ -38,7 +57,7 @@ def requests(name: str, model: str, n: int, *, max_tokens: int | None = None,
         reqs = recall.requests(model, n, logprobs=logprobs)
     else:
         raise ValueError(f"unknown eval {name!r} (known: {', '.join(EVALS)})")
-    return reqs
+    return [as_chat(r, logprobs) for r in reqs] if api == "chat" else reqs
 
 
 def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
@@ -54,21 +73,23 @@ def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
 def eval_pass(base_url: str, model: str, name: str, n: int, *, concurrency: int = 16,
               max_tokens: int | None = oracle.WINDOW, shot_offset: int = 0,
               max_prompt_tokens: int | None = None,
-              watchdog: load.Watchdog | None = None, logprobs: int = oracle.TOP_K) -> dict:
+              watchdog: load.Watchdog | None = None, logprobs: int = oracle.TOP_K,
+              api: str = "completions") -> dict:
     return run_pass(base_url, requests(name, model, n, max_tokens=max_tokens,
                                        shot_offset=shot_offset,
-                                       max_prompt_tokens=max_prompt_tokens, logprobs=logprobs),
+                                       max_prompt_tokens=max_prompt_tokens, logprobs=logprobs,
+                                       api=api),
                     concurrency, watchdog)
 
 
 def control_arm(base_url: str, model: str, name: str, baseline: dict, label: str, n: int,
                 *, concurrency: int = 16, max_prompt_tokens: int | None = None,
                 watchdog: load.Watchdog | None = None,
-                logprobs: int = oracle.TOP_K) -> oracle.ControlArm:
+                logprobs: int = oracle.TOP_K, api: str = "completions") -> oracle.ControlArm:
     """The baseline (`baseline`, its scored pass) against a second pass at the same
     concurrency and against a serial pass, on the same server, capped at the window."""
     reqs = requests(name, model, n, max_tokens=oracle.WINDOW,
-                    max_prompt_tokens=max_prompt_tokens, logprobs=logprobs)
+                    max_prompt_tokens=max_prompt_tokens, logprobs=logprobs, api=api)
     return control_arm_of(base_url, reqs, baseline, label, name, concurrency, watchdog)
 
 

@@ -32,5 +32,11 @@ class WorkerDied(HarnessError):
     """A worker or the gateway exited while requests were running."""
 
 
+class UpstreamBug(WorkerDied):
+    """A worker died of a bug of the engine or the gateway that the engine module names
+    (Engine.known_crashes): the message says which, in one sentence, with its upstream
+    reference. Tests that cannot pass until it is fixed are `xfail(raises=UpstreamBug)`."""
+
+
 class PreflightError(HarnessError):
     """What an earlier run left (processes, GPU memory held by others) blocks this start."""

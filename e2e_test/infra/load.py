@@ -86,6 +86,8 @@ class Watchdog:
     diagnose: Callable[[], str] | None = None
     # Polled every second: returns a message when the run must stop at once (a worker died).
     check: Callable[[], str | None] | None = None
+    # The error for what `check` returned (a known upstream crash is an UpstreamBug).
+    died: Callable[[str], Exception] = WorkerDied
     # Polled every `engine_poll_s` in a thread: a counter of work the engines did (prompt and
     # generated tokens). A rise counts as progress even before the client sees a token (a
     # long prefill queue in PD), so only a real stop of the engines trips the window.
@@ -318,7 +320,7 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
                         t.cancel()
                     # done_all too: its CancelledError, never retrieved, was printed at exit
                     await asyncio.gather(done_all, *tasks, return_exceptions=True)
-                    raise WorkerDied(f"{watchdog.what}: {dead}")
+                    raise watchdog.died(f"{watchdog.what}: {dead}")
                 idle = time.monotonic() - progress.last
                 if progress.inflight > 0 and idle > watchdog.window_s:
                     watchdog.fired_at = time.monotonic() - t_run
@@ -352,7 +354,7 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
             dead = watchdog.check()
         if dead:
             watchdog.fired_at = time.monotonic() - t_run
-            raise WorkerDied(f"{watchdog.what}: {dead}")
+            raise watchdog.died(f"{watchdog.what}: {dead}")
     wall = time.monotonic() - t_run
     # The driver's own CPU time per request (this process, all threads): compare it with the
     # latencies to see that the client is not the bottleneck.

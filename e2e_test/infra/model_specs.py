@@ -58,6 +58,11 @@ class ModelSpec:
     max_model_len: int | None = None
     startup_timeout_s: float = 600.0
     gpu_memory_fraction: float = 0.85
+    # Tokens of KV cache one worker needs (its pool), from what the suites send: the engines
+    # that can bound their pool by it do (TokenSpeed --max-total-tokens), so the memory a
+    # worker takes follows from the model's KV bytes per token, not from the fraction alone.
+    # None: the engine sizes its pool from the memory fraction.
+    kv_budget_tokens: int | None = None
     # engine -> scope -> extra worker flags; scope "all" (every worker) or a role name
     # ("encode", "prefill", "decode", "worker", "attention", "ffn"): flags scoped to that role.
     args: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
@@ -92,7 +97,7 @@ def known_engines() -> tuple[str, ...]:
 
 
 _SCALARS: dict[str, type | tuple[type, ...]] = {
-    "tp": int, "max_model_len": int, "startup_timeout_s": (int, float),
+    "tp": int, "max_model_len": int, "kv_budget_tokens": int, "startup_timeout_s": (int, float),
     "gpu_memory_fraction": (int, float), "opt_in": bool,
 }
 _STR_LISTS = ("features", "engines", "topologies")
@@ -127,6 +132,9 @@ def parse_spec(model_id: str, raw: Any) -> ModelSpec:
     if not 0.0 < spec.gpu_memory_fraction <= 1.0:
         raise ConfigError(f"{where}.gpu_memory_fraction: {spec.gpu_memory_fraction} "
                           "is not in (0, 1]")
+    if spec.kv_budget_tokens is not None and spec.kv_budget_tokens < 1:
+        raise ConfigError(f"{where}.kv_budget_tokens: must be >= 1 (a KV pool of tokens), "
+                          f"got {spec.kv_budget_tokens}")
     if spec.startup_timeout_s <= 0:
         raise ConfigError(f"{where}.startup_timeout_s: must be positive")
     if not spec.engines:

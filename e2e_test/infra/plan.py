@@ -320,7 +320,8 @@ def place(topology: Topology, spec: ModelSpec, backend: str, devices: str | None
             raise TooFewDevices(f"topology {topology.name!r} ({engine.name}) needs {need} "
                                 f"separate GPU(s), its workers cannot share one; "
                                 f"{len(plan.devices)} device(s) present")
-        schedule = engine.packed_schedule(plan.entries) if engine is not None else None
+        schedule = (engine.packed_schedule(plan.entries, spec) if engine is not None
+                    else None)
         if schedule:
             plan = replace(plan, entries=tuple(
                 replace(e, start_stage=schedule[e.name][0], mem_fraction=schedule[e.name][1])

@@ -12,7 +12,7 @@ import pytest
 
 from e2e_test.infra import comparisons, oracle
 from e2e_test.infra.evals import recall
-from e2e_test.router.test_evals import CONCURRENCY, eval_n, max_prompt_tokens
+from e2e_test.router.test_evals import CONCURRENCY, eval_n, max_prompt_tokens, oracle_pass
 
 EVALS = ["gsm8k", "mmlu"]
 
@@ -21,28 +21,17 @@ def _label(cluster, suffix=""):
     return f"{cluster.engine}/{cluster.topology.name}{suffix}"
 
 
-def _baseline(cluster, oracle_store, name):
-    """The scored pass of test_evals.py on this cluster, or a pass of its own if that did not
-    run in this session."""
-    key = (cluster.engine, cluster.topology.name, name)
-    if key not in oracle_store.passes:
-        oracle_store.passes[key] = comparisons.eval_pass(
-            cluster.gateway_url, cluster.model_name, name, eval_n(cluster, name),
-            concurrency=CONCURRENCY, max_prompt_tokens=max_prompt_tokens(cluster, name),
-            watchdog=cluster.watchdog(f"{name} baseline"), logprobs=cluster.driver.top_logprobs)
-    return oracle_store.passes[key]
-
-
 @pytest.mark.eval
 @pytest.mark.topology_kinds("regular")
 @pytest.mark.parametrize("name", EVALS)
 def test_control_arm(cluster, record, oracle_store, name):
-    base = _baseline(cluster, oracle_store, name)
+    base = oracle_pass(cluster, oracle_store, name)
     arm = comparisons.control_arm(cluster.gateway_url, cluster.model_name, name, base,
                                   _label(cluster), eval_n(cluster, name), concurrency=CONCURRENCY,
                                   max_prompt_tokens=max_prompt_tokens(cluster, name),
                                   watchdog=cluster.watchdog(f"{name} control arm"),
-                                  logprobs=cluster.driver.top_logprobs)
+                                  logprobs=cluster.driver.top_logprobs,
+                                  api=cluster.driver.logprobs_api)
     oracle_store.control[(cluster.engine, name)] = arm
     record["oracle_control"] = {name: {**arm.summary(),
                                        "items": [c.to_dict()["items"] for c in arm.comparisons]}}
@@ -59,12 +48,13 @@ def test_control_arm(cluster, record, oracle_store, name):
 def test_oracle_negative_control(cluster, record, oracle_store):
     """Other few-shot exemplars (train rows 5-9 instead of 0-4) make other prompts: the
     oracle must call that a mismatch, or it cannot fail at all."""
-    base = _baseline(cluster, oracle_store, "gsm8k")
+    base = oracle_pass(cluster, oracle_store, "gsm8k")
     n = eval_n(cluster, "gsm8k")
     other = comparisons.eval_pass(cluster.gateway_url, cluster.model_name, "gsm8k", n,
                                   concurrency=CONCURRENCY, shot_offset=5,
                                   watchdog=cluster.watchdog("gsm8k negative control"),
-                                  logprobs=cluster.driver.top_logprobs)
+                                  logprobs=cluster.driver.top_logprobs,
+                                  api=cluster.driver.logprobs_api)
     cmp = oracle.compare("gsm8k", _label(cluster), _label(cluster, " other exemplars"), base, other)
     control = oracle_store.control.get((cluster.engine, "gsm8k"), oracle.ControlArm())
     verdict = oracle.judge(cmp, control if control.comparisons else
@@ -90,7 +80,8 @@ def test_dp_workers_agree(cluster, record, oracle_store, name):
         return comparisons.eval_pass(url, cluster.model_name, name, n, concurrency=CONCURRENCY,
                                      max_prompt_tokens=max_prompt_tokens(cluster, name),
                                      watchdog=cluster.watchdog(f"{name} on {what}"),
-                                     logprobs=cluster.driver.top_logprobs)
+                                     logprobs=cluster.driver.top_logprobs,
+                                     api=cluster.driver.logprobs_api)
 
     if len(cluster.workers) > 1:
         base_label, base = cluster.workers[0].name, run(cluster.workers[0].http_url,
@@ -123,18 +114,20 @@ def test_kv_recall_baseline(cluster, record, oracle_store):
     transferred KV."""
     texts: dict = {}
     reqs = comparisons.requests("recall", cluster.model_name, RECALL_N,
-                                logprobs=cluster.driver.top_logprobs)
+                                logprobs=cluster.driver.top_logprobs,
+                                api=cluster.driver.logprobs_api)
     base = comparisons.run_pass(cluster.gateway_url, reqs, CONCURRENCY, texts=texts,
                                 watchdog=cluster.watchdog("recall"))
     arm = comparisons.control_arm(cluster.gateway_url, cluster.model_name, "recall", base,
                                   _label(cluster), RECALL_N, concurrency=CONCURRENCY,
                                   watchdog=cluster.watchdog("recall control arm"),
-                                  logprobs=cluster.driver.top_logprobs)
+                                  logprobs=cluster.driver.top_logprobs,
+                                  api=cluster.driver.logprobs_api)
     copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
     oracle_store.passes[(cluster.engine, cluster.topology.name, "recall")] = base
     oracle_store.control[(cluster.engine, "recall")] = arm
     oracle_store.recall[(cluster.engine, cluster.topology.name)] = copied
-    prompt_tokens = len(reqs[0].body["prompt"].split())
+    prompt_tokens = len(comparisons.prompt_text(reqs[0]).split())
     record["kv_recall"] = {"copied": copied, "of": RECALL_N, "outputs": texts,
                            "prompt_words": prompt_tokens, "control": arm.summary()}
     print(f"recall on {cluster.topology.name}: {len(copied)}/{RECALL_N} pass codes copied; "

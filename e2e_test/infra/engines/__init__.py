@@ -16,6 +16,7 @@ No process is started here; every builder is unit-tested for its exact argv and 
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,20 @@ def options_from_env(environ=None, **overrides) -> EngineOptions:
 
 
 @dataclass(frozen=True)
+class KnownCrash:
+    """A crash of an upstream component, recognised in a dead worker's log: `pattern` (a
+    regular expression) on a worker of `role` (None: any role). `summary` is one sentence,
+    `refs` the upstream places (file:line, issue) that show it."""
+    pattern: str
+    summary: str
+    refs: tuple[str, ...]
+    role: str | None = None
+
+    def line(self) -> str:
+        return f"known upstream bug: {self.summary} ({'; '.join(self.refs)})"
+
+
+@dataclass(frozen=True)
 class WorkerCommand:
     argv: list[str]
     env: dict[str, str]                # overrides on top of the inherited environment
@@ -81,6 +96,7 @@ class WorkerCommand:
     metrics_dir: str | None = None     # Prometheus multiprocess files instead of /metrics
     unset_env: tuple[str, ...] = ()    # dropped from the inherited environment
     owned_ports: tuple[int, ...] = ()  # ports it binds beyond Ports (checked at teardown)
+    stop_grace_s: float | None = None  # SIGTERM -> SIGKILL at stop; None: the cluster's
 
     @property
     def health_path(self) -> str | None:
@@ -129,7 +145,22 @@ class Engine:
     # Top-k logprobs per generated token the engine can return (the comparison oracle's
     # evidence, oracle.py); 0: only the sampled token's logprob.
     top_logprobs: int = 5
+    # Where per-token logprobs come back through the gateway: "completions" (`logprobs: k`)
+    # or "chat" (`logprobs: true, top_logprobs: k`); the oracle's passes ask that way
+    # (comparisons.requests). The scored evals keep their own shape; an engine on "chat" has
+    # its oracle passes run apart from them.
+    logprobs_api: str = "completions"
     idle_skip_roles: tuple[str, ...] = ()
+    # Upstream crashes this engine is known to have (KnownCrash); a worker that dies of one is
+    # named with it, and the run raises UpstreamBug instead of a bare WorkerDied.
+    known_crashes: tuple[KnownCrash, ...] = ()
+
+    def known_crash(self, role: str, log_text: str) -> KnownCrash | None:
+        """The known upstream crash a dead worker's log shows, or None. Pure."""
+        for k in self.known_crashes:
+            if (k.role is None or k.role == role) and re.search(k.pattern, log_text):
+                return k
+        return None
 
     @property
     def engine(self) -> str:
@@ -161,10 +192,15 @@ class Engine:
         """The command the cluster launches: `build` plus what depends on the run folder."""
         return self.build(spec, topology, entry, ports, model_path, options)
 
-    def packed_schedule(self, entries) -> dict[str, tuple[int, float]] | None:
+    def packed_schedule(self, entries, spec=None) -> dict[str, tuple[int, float]] | None:
         """For workers that share a GPU: {name: (start stage, memory share)}; None: they all
-        start at once with the planned fractions."""
+        start at once with the planned fractions. `spec`: the model (its KV budget)."""
         return None
+
+    def gateway_args(self, topology) -> tuple[str, ...]:
+        """Extra gateway flags this engine's workers need in `topology` (e.g. a gateway poll
+        an engine cannot answer). Pure."""
+        return ()
 
     def pd_proof(self, cluster):
         """The proof that a PD topology's KV moved (proof.py); returns a proof object."""

@@ -42,7 +42,7 @@ from ..model_specs import ModelSpec
 from ..plan import PlanEntry
 from ..readiness import GrpcHealth
 from ..topology import Topology
-from . import Engine, EngineOptions, Ports, WorkerCommand
+from . import Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 DISAGG_ROLES = ("encode", "prefill", "decode")
@@ -57,6 +57,31 @@ IDLE_GAUGES = {"running": "tokenspeed:num_requests_running",
                "kv_cache_usage": "tokenspeed:kv_cache_usage_perc"}
 IDLE_SKIP_ROLES = ("encode",)
 TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"}, "tcp": {"MC_FORCE_TCP": "1"}}
+# SIGTERM -> SIGKILL after this many seconds. The servicer cannot stop cleanly sooner: its
+# SIGTERM path polls for in-flight requests every 0.5 s, SIGKILLs the scheduler children, then
+# gives gRPC a fixed 5 s stop grace (smg_grpc_servicer/tokenspeed/server.py:193-208,
+# servicer.py:865-910), while AsyncLLM's sigterm_watchdog wakes every 5 s and ends it with a
+# SIGKILL of itself (tokenspeed runtime/engine/async_llm.py:779-794): 13-15 s per topology on
+# the H200 (2026-12-01), once not at all. Upstream's own path ends in SIGKILL; the harness
+# sends it after 1.5 s (vLLM's clean stop takes 0.7 s) and verifies the teardown as always:
+# no process, port, GPU memory or /dev/shm segment left.
+STOP_GRACE_S = 1.5
+# smg's load monitor polls every worker group's GetLoads, the encode group's included, unless
+# no load-aware policy, overload protection or engine metrics need it (smg 1.13
+# worker/monitor.rs:1421-1428; the default --policy cache_aware is load-aware). TokenSpeed
+# 0.1.0's encode loop takes that query for a request and dies (runtime/epd/encode_loop.py
+# :300-301 -> encode_worker.py:97 `request.request_id`). Fixed upstream by smg PR #2249
+# (encode GetLoads answers empty; servicer newer than the 0.7.0.post20260720 TokenSpeed 0.1.0
+# pins); TokenSpeed PR #1205 passes --disable-load-monitoring. So EPD gateways run without it.
+EPD_GATEWAY_ARGS = ("--policy", "round_robin", "--disable-load-monitoring",
+                    "--disable-worker-overload-protection")
+ENCODE_GETLOAD_CRASH = KnownCrash(
+    pattern=r"'GetLoadReqInput' object has no attribute 'request_id'",
+    summary=("TokenSpeed 0.1.0's encode worker takes smg's GetLoads query for a request and "
+             "dies"),
+    refs=("tokenspeed runtime/epd/encode_worker.py:97", "smg worker/monitor.rs load monitor",
+          "fixed by smg PR #2249"),
+    role="encode")
 
 
 def _disagg(topology: Topology, entry: PlanEntry) -> bool:
@@ -101,8 +126,21 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             "--tensor-parallel-size", str(entry.tp),
             "--log-level", "warning",
             "--enable-output-logprobs",
-            "--gpu-memory-utilization", f"{util:g}"]
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus))}
+            "--gpu-memory-utilization", f"{util:g}",
+            # No host KV store: on by default for prefill and regular workers, it pins
+            # kvstore_ratio (2.0) x the device pool in host memory (server_args.py:182-184,
+            # 663-671; flat_memory_executor.py:79-82). A 0.30 pool of an H200 asked for more
+            # pinned memory than the runner had (FlatHostMirror, CUDA OOM, 2026-12-01). The
+            # suites test no host-tier cache; prefix caching on the device stays on.
+            "--disable-kvstore"]
+    if spec.kv_budget_tokens:
+        # The pool from the model's KV budget, not from the memory fraction (a cap:
+        # min(profiled, requested); TokenSpeed registry.py:76-90).
+        argv += ["--max-total-tokens", str(spec.kv_budget_tokens)]
+    # The servicer's 1-token gRPC warmup before SERVING (server.py:220): the gateway's ready
+    # probe sends a real request anyway.
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus)),
+           "TOKENSPEED_SKIP_GRPC_WARMUP": "1"}
     metrics_dir = None
     if options.state_dir:
         # The servicer has no /metrics: with --enable-metrics the engine writes Prometheus
@@ -133,7 +171,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             eager = True
         argv.append("--skip-server-warmup")
         env.update({**TRANSPORTS[options.mooncake_transport],
-                    "TOKENSPEED_SKIP_GRPC_WARMUP": "1", "NO_PROXY": "*", "no_proxy": "*"})
+                    "NO_PROXY": "*", "no_proxy": "*"})
         if entry.role == "encode":
             # No embedding cache: every image runs the vision tower (the EPD proof).
             env["TOKENSPEED_EPD_ENCODE_EMBED_CACHE_MB"] = "0"
@@ -146,19 +184,24 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                          readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",
                          bootstrap_port=bootstrap, start_stage=entry.start_stage,
-                         metrics_dir=metrics_dir)
+                         metrics_dir=metrics_dir, stop_grace_s=STOP_GRACE_S)
 
 
-def packed_schedule(entries) -> dict[str, tuple[int, float]]:
+def packed_schedule(entries, spec: ModelSpec | None = None) -> dict[str, tuple[int, float]]:
     """Start stage and --gpu-memory-utilization for TokenSpeed workers that share a GPU.
 
     TokenSpeed sizes its KV pool as free_now - total * (1 - utilization), with free memory
     measured over the whole device (tokenspeed runtime/layers/attention/utils.py), so two
     workers at 0.3 each on one GPU leave the second with a negative budget. Workers sharing a
-    GPU therefore start one after another, each with the cumulative utilization of itself and
-    those before it: fractions 0.3, 0.3 -> (stage 0, 0.3), (stage 1, 0.6). Workers alone on
-    their GPUs are not listed.
+    GPU therefore get the cumulative utilization of themselves and those before them:
+    fractions 0.3, 0.3 -> 0.3, 0.6. Where the pool is bounded by the model's KV budget
+    (`kv_budget_tokens` -> --max-total-tokens) a worker holds far less than its fraction, so
+    the budget each sees stays positive while the others start: they all start at once (stage
+    0). Without that bound they start one after another (stages 0, 1, ...), since each
+    worker's pool is whatever the ones before it left. Workers alone on their GPUs are not
+    listed.
     """
+    capped = bool(spec is not None and spec.kv_budget_tokens)
     by_gpu: dict[tuple, list] = {}
     for e in entries:
         by_gpu.setdefault(tuple(e.gpus), []).append(e)
@@ -172,7 +215,7 @@ def packed_schedule(entries) -> dict[str, tuple[int, float]]:
             if total > 0.95:
                 raise ConfigError(f"TokenSpeed workers packed on GPU {','.join(map(str, e.gpus))}"
                                   f" need {total:.2f} of its memory together")
-            out[e.name] = (stage, round(total, 4))
+            out[e.name] = (0 if capped else stage, round(total, 4))
     return out
 
 
@@ -187,9 +230,17 @@ class TokenSpeedEngine(Engine):
     # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled
     # token's logprob alone (oracle.compare_item).
     top_logprobs = 0
+    # smg 1.13's gRPC router drops logprobs from every completions response
+    # (model_gateway/src/routers/grpc/regular/processor.rs:1282 "logprobs: None, // TODO: wire
+    # legacy LogProbs from backend token_logprobs"; streaming.rs likewise), while chat converts
+    # the servicer's output_logprobs (utils/logprobs.rs convert_proto_to_openai_logprobs): seen
+    # on the H200 on 2026-12-01 as completions with text and no logprobs. So the oracle asks
+    # TokenSpeed through chat, `logprobs: true, top_logprobs: 0`.
+    logprobs_api = "chat"
     idle_skip_roles = IDLE_SKIP_ROLES
     name = "tokenspeed"
     kinds = KINDS
+    known_crashes = (ENCODE_GETLOAD_CRASH,)
     backends = ("cuda",)
     work_counters = WORK_COUNTERS
 
@@ -199,8 +250,11 @@ class TokenSpeedEngine(Engine):
     def build(self, spec, topology, entry, ports, model_path, options):
         return build(spec, topology, entry, ports, model_path, options)
 
-    def packed_schedule(self, entries):
-        return packed_schedule(entries)
+    def packed_schedule(self, entries, spec=None):
+        return packed_schedule(entries, spec)
+
+    def gateway_args(self, topology) -> tuple[str, ...]:
+        return EPD_GATEWAY_ARGS if topology.kind == "epd" else ()
 
     def pd_proof(self, cluster):
         from ..proof import pd_transfer_tokenspeed
