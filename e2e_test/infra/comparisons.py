@@ -48,7 +48,20 @@ def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
     rep = load.run(base_url, reqs, concurrency=concurrency, stream=False, watchdog=watchdog)
     if texts is not None:
         texts.update({r.tag: r.text for r in rep.results if r.ok})
-    return {r.tag: (oracle.steps_from_openai(r.logprobs) if r.ok else None) for r in rep.results}
+    out = oracle.Pass({r.tag: (oracle.steps_from_openai(r.logprobs) if r.ok else None)
+                       for r in rep.results})
+    out.shape = request_shape(reqs)
+    return out
+
+
+def request_shape(reqs: list[load.Request]) -> str | None:
+    """What was asked, for an error that names it: path, top-k logprobs, max_tokens."""
+    if not reqs:
+        return None
+    b = reqs[0].body
+    lp = b.get("top_logprobs", b.get("logprobs"))
+    return (f"{reqs[0].path} logprobs={lp}" + (f" max_tokens={b['max_tokens']}"
+                                              if "max_tokens" in b else ""))
 
 
 def eval_pass(base_url: str, model: str, name: str, n: int, *, concurrency: int = 16,
