@@ -104,14 +104,18 @@ def against_one_worker(cluster, worker, sizes: dict, concurrency: int = 16) -> d
     label = f"{cluster.engine}/{worker.name} alone"
     for name, n in sizes.items():
         mpt = (cluster.spec.max_model_len or 4096) - 8 if name == "mmlu" else None
-        base = eval_pass(worker.http_url, cluster.model_name, name, n, concurrency=concurrency,
-                         max_prompt_tokens=mpt)
-        arm = control_arm(worker.http_url, cluster.model_name, name, base, label, n,
-                          concurrency=concurrency, max_prompt_tokens=mpt)
-        mine = eval_pass(cluster.gateway_url, cluster.model_name, name, n,
-                         concurrency=concurrency, max_prompt_tokens=mpt,
-                         watchdog=cluster.watchdog(f"{name} oracle pass"))
-        v = oracle.judge(oracle.compare(name, label, f"{cluster.engine}/{cluster.topology.name}",
-                                        base, mine), arm)
-        out[name] = v.to_dict()
+        try:
+            base = eval_pass(worker.http_url, cluster.model_name, name, n,
+                             concurrency=concurrency, max_prompt_tokens=mpt)
+            arm = control_arm(worker.http_url, cluster.model_name, name, base, label, n,
+                              concurrency=concurrency, max_prompt_tokens=mpt)
+            mine = eval_pass(cluster.gateway_url, cluster.model_name, name, n,
+                             concurrency=concurrency, max_prompt_tokens=mpt,
+                             watchdog=cluster.watchdog(f"{name} oracle pass"))
+            v = oracle.judge(oracle.compare(name, label,
+                                            f"{cluster.engine}/{cluster.topology.name}",
+                                            base, mine), arm)
+            out[name] = v.to_dict()
+        except oracle.NoEvidenceError as e:     # a verdict over nothing: an error, said so
+            out[name] = {"ok": False, "error": e.summary, "message": f"ERROR: {e.summary}"}
     return out
