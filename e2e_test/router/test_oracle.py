@@ -144,3 +144,5 @@ def test_kv_recall_baseline(cluster, record, oracle_store):
           + "; ".join(c.line() for c in arm.comparisons))
     assert len(texts) == RECALL_N, f"{RECALL_N - len(texts)} recall requests failed"
     assert not arm.problems(), arm.problems()[0]
+    # a baseline that copied no code (mid-text or in the last block) cannot test a topology
+    recall.recall_problems(copied, copied, RECALL_N, cluster.topology.name)
