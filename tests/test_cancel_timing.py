@@ -62,7 +62,7 @@ def test_negative_control_scrape_before_cancel_lets_tokens_in(monkeypatch):
 
 # --- the verdict of a cancel case (serving_faults.cancel_problems) -----------------------
 
-import pytest  # noqa: E402
+import pytest
 
 
 def _done(case="cancel during prefill", idle=0.25, remaining=80.0, ok=2):

@@ -61,7 +61,7 @@ def test_no_serving_worker_fails():
 
 # --- the window a worker reports after the burst (test_burst.py's check) ------------------
 
-from e2e_test.infra.bursts import check_effective_window  # noqa: E402
+from e2e_test.infra.bursts import check_effective_window
 
 
 def test_effective_window_as_started_passes():

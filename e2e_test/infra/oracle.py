@@ -151,7 +151,7 @@ class ItemVerdict:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ItemVerdict":
+    def from_dict(cls, d: dict) -> ItemVerdict:
         """An item of a result record (to_dict), also from records written before
         `divergence` was recorded: then it is read from the reason the verdict gave."""
         def num(x):
@@ -346,7 +346,7 @@ class Thresholds:
     control_n: int
 
     @classmethod
-    def from_control(cls, deltas: list[float], m: int, alpha: float = ALPHA) -> "Thresholds":
+    def from_control(cls, deltas: list[float], m: int, alpha: float = ALPHA) -> Thresholds:
         xs = sorted(x for x in deltas if x is not None and math.isfinite(x))
         if not xs:
             raise NoEvidenceError("the control arm has no first-step delta: no noise to "
@@ -396,7 +396,7 @@ class Comparison:
         vals = [it.gap for it in self.items if it.gap is not None and it.verdict == "numerics"]
         return max(vals) if vals else None
 
-    def classified(self, th: Thresholds) -> "Comparison":
+    def classified(self, th: Thresholds) -> Comparison:
         return Comparison(self.name, self.a, self.b,
                           [classify(it, th.gap_max, th.first_step_max) for it in self.items])
 
@@ -419,7 +419,7 @@ class Comparison:
         return dict(self.summary(), items=[it.to_dict() for it in self.items])
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Comparison":
+    def from_dict(cls, d: dict) -> Comparison:
         return cls(d["name"], d["a"], d["b"], [ItemVerdict.from_dict(i) for i in d["items"]])
 
 
@@ -483,7 +483,7 @@ class ControlArm:
                                   "oracle's bounds cannot be derived")
         return Thresholds.from_control(self.first_step_deltas(), m, alpha)
 
-    def classified(self, th: Thresholds | None = None) -> "ControlArm":
+    def classified(self, th: Thresholds | None = None) -> ControlArm:
         """The control arm under its own bounds (its items covered together)."""
         th = th or self.thresholds(max(c.compared for c in self.comparisons))
         return ControlArm([c.classified(th) for c in self.comparisons])
@@ -535,7 +535,7 @@ class ControlArm:
         return dict(self.summary(), items=[c.to_dict()["items"] for c in self.comparisons])
 
     @classmethod
-    def from_record(cls, rec: dict) -> "ControlArm":
+    def from_record(cls, rec: dict) -> ControlArm:
         """From a record written by to_dict() (or test_control_arm's oracle_control entry)."""
         comps = []
         for summ, items in zip(rec["comparisons"], rec["items"]):

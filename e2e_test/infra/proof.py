@@ -91,7 +91,7 @@ def kv_bytes_per_token(config: dict, dtype: str) -> tuple[int, dict]:
 
 def cache_config(samples: dict) -> dict:
     """The labels of vLLM's `vllm:cache_config_info` gauge (block_size, cache_dtype, ...)."""
-    for (name, labels), _ in samples.items():
+    for name, labels in samples:
         if name == "vllm:cache_config_info":
             return dict(labels)
     return {}
@@ -124,8 +124,8 @@ def vllm_transfer_problems(p: TransferProof) -> list[str]:
     (tests/test_proof_exact.py holds it against the recorded H200 figures)."""
     problems = []
     if p.prompt_tokens <= 0 or p.requests <= 0:
-        return [f"no prompt tokens sent ({p.requests} requests, {p.prompt_tokens} tokens): "
-                "nothing was proved"]
+        return [(f"no prompt tokens sent ({p.requests} requests, {p.prompt_tokens} tokens): "
+                 "nothing was proved")]
     if p.prompt_tokens_each and sum(p.prompt_tokens_each) != p.prompt_tokens:
         problems.append(f"the requests' prompt tokens {p.prompt_tokens_each} do not add up to "
                         f"{p.prompt_tokens}")
@@ -292,7 +292,7 @@ class TokenSpeedPDProof:
         return asdict(self)
 
 
-def tokenspeed_transfer_problems(proof: "TokenSpeedPDProof", n: int) -> list[str]:
+def tokenspeed_transfer_problems(proof: TokenSpeedPDProof, n: int) -> list[str]:
     """Exact checks of a TokenSpeed PD proof. Pure (tests/test_proof_exact.py).
 
     - the prefill ran every prompt token forward, and at most one more token per request

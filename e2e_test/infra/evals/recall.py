@@ -73,5 +73,7 @@ def recall_problems(baseline_copied: list, copied: list, n: int, topology: str) 
                               f"({len(baseline_copied)} of {n} copied): that part of the KV "
                               "is not tested")
     lost = sorted(set(baseline_copied) - set(copied))
-    return [f"pass codes that `1` copied and {topology} did not: items {lost} "
-            f"({', '.join('tail' if at_tail(i) else 'mid-text' for i in lost)})"] if lost else []
+    if not lost:
+        return []
+    kinds = ", ".join("tail" if at_tail(i) else "mid-text" for i in lost)
+    return [f"pass codes that `1` copied and {topology} did not: items {lost} ({kinds})"]
