@@ -58,3 +58,47 @@ def test_negative_control_scrape_before_cancel_lets_tokens_in(monkeypatch):
     monkeypatch.setattr(sf, "_loads", _slow_loads(0.5))
     asyncio.run(go())
     assert case.chunks_before_cancel > 0
+
+
+# --- the verdict of a cancel case (serving_faults.cancel_problems) -----------------------
+
+import pytest
+
+
+def _done(case="cancel during prefill", idle=0.25, remaining=80.0, ok=2):
+    c = sf.CancelCase(case, "1p1d", 2400, 800)
+    c.idle_after_cancel_s, c.remaining_s, c.next_requests, c.next_requests_ok = (
+        idle, remaining, 2, ok)
+    return c
+
+
+def test_natural_end():
+    # cancelled 0.1 s into a 0.3 s prefill, 2400 tokens at 300 tokens/s
+    assert sf.natural_end_s(0.3, 0.1, 2400, 300.0) == pytest.approx(8.2)
+    assert sf.natural_end_s(0.3, 0.5, 2400, 300.0) == pytest.approx(8.0)
+    with pytest.raises(sf.HarnessError, match="no decode rate"):
+        sf.natural_end_s(0.3, 0.1, 2400, 0.0)
+
+
+def test_cancel_idle_before_the_natural_end_passes():
+    assert sf.cancel_problems(_done(), 30.0) == []
+
+
+def test_negative_control_idle_only_at_the_natural_end_fails():
+    """A request that ran to its end (max_tokens 16, the old prefill case: natural end about
+    0.3 s) inside the 30 s bound: idle came, but not before the end, so the cancel proved
+    nothing."""
+    probs = sf.cancel_problems(_done(idle=0.4, remaining=0.35), 30.0)
+    assert probs and "not before the request's natural end" in probs[0]
+
+
+def test_prefill_case_without_a_natural_end_fails():
+    probs = sf.cancel_problems(_done(remaining=None), 30.0)
+    assert probs and "natural end is unknown" in probs[0]
+    # the decode case (non-streaming, no rate seen) keeps the bound alone
+    assert sf.cancel_problems(_done(case="cancel during decode", remaining=None), 30.0) == []
+
+
+def test_not_idle_or_next_request_failing_fails():
+    assert "not idle within 30.0 s" in sf.cancel_problems(_done(idle=None), 30.0)[0]
+    assert "1/2 next requests" in sf.cancel_problems(_done(ok=1), 30.0)[0]

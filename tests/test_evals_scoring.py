@@ -245,3 +245,29 @@ def test_real_model_accuracy_floor_fails_on_wrong_answers(model):
     acc = _get_spec(model).accuracy["mmlu"]
     with pytest.raises(_HarnessError, match="below floor"):
         _scored("mmlu", [" C"] * acc.n).check_spec(acc)       # well formatted, all wrong
+
+
+@pytest.mark.parametrize("broken", sorted(_BROKEN))
+@pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
+def test_default_model_format_floors_on_partial_breakage(name, broken):
+    """Part of the outputs broken: at the floor's count of well-formed outputs the floor
+    holds; one fewer fails it (GSM8K 13/32, MMLU 22/32: docs/accuracy.md)."""
+    acc = _get_spec("SmolLM2-135M-Instruct").accuracy[name]
+    need = round(acc.format_floor * acc.n)
+    assert 0 < need < acc.n
+    good, bad = _GOOD[name], _BROKEN[broken](_GOOD[name])
+    _scored(name, [good] * need + [bad] * (acc.n - need)).check_spec(acc)
+    with pytest.raises(_HarnessError, match=f"{need - 1}/{acc.n} outputs have an extractable"):
+        _scored(name, [good] * (need - 1) + [bad] * (acc.n - need + 1)).check_spec(acc)
+
+
+def test_format_floor_counts_errors_apart_from_broken_outputs():
+    """Failed requests are errors (their own budget), never counted as unformatted."""
+    acc = _get_spec("SmolLM2-135M-Instruct").accuracy["gsm8k"]
+    rep = _Report([_RR(index=i, tag=i, status=200, text=_GOOD["gsm8k"]) for i in range(31)]
+                  + [_RR(index=31, tag=31, status=500, error="boom")], 1.0)
+    from e2e_test.infra.evals import gsm8k as g
+    res = _collect("gsm8k", rep, lambda r: (g.extract(r.text), False))
+    assert (res.errors, res.formatted, res.scored) == (1, 31, 31)
+    with pytest.raises(_HarnessError, match="1/32 requests failed"):
+        res.check_spec(acc)

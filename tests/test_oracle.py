@@ -8,6 +8,9 @@ from e2e_test.infra import oracle
 from e2e_test.infra.oracle import Step, compare_item
 from e2e_test.infra.stats import wilson_upper
 
+# Synthetic bounds for the item-level tests (in a run they come from the control arm: judge).
+B = {"gap_max": 1.0, "first_step_max": 1.0}
+
 
 def seq(*toks, top=None):
     """Steps where each chosen token has logprob -0.1 and a fixed set of alternatives."""
@@ -41,8 +44,9 @@ def test_token_outside_other_top_k_is_mismatch():
 def test_wide_gap_is_mismatch_even_inside_top_k():
     a = seq("a", "b", top={1: {"c": -2.0}})          # c is 1.9 nats behind on the baseline
     b = seq("a", "c", top={1: {"b": -0.2}})
-    v = compare_item(0, a, b)
+    v = compare_item(0, a, b, **B)
     assert v.verdict == "mismatch" and v.gap == pytest.approx(1.9)
+    assert compare_item(0, a, b, gap_max=2.0, first_step_max=1.0).verdict == "numerics"
 
 
 def sampled_only(*pairs):
@@ -54,7 +58,7 @@ def test_top_k_zero_bounds_the_gap_from_the_sampled_logprob():
     # p = 0.55 and 0.5 on the two sides: another token may be within logit(0.55) = 0.2 nats
     a = sampled_only(("a", -0.1), ("b", math.log(0.55)))
     b = sampled_only(("a", -0.1), ("c", math.log(0.5)))
-    v = compare_item(0, a, b)
+    v = compare_item(0, a, b, **B)
     assert v.verdict == "numerics" and v.gap == pytest.approx(math.log(0.55 / 0.45))
     assert v.first_step_delta == 0.0
 
@@ -63,14 +67,14 @@ def test_top_k_zero_confident_divergence_is_mismatch():
     # p = 0.95 on the baseline: any other token is at least logit(0.95) = 2.9 nats behind
     a = sampled_only(("a", -0.1), ("b", math.log(0.95)))
     b = sampled_only(("a", -0.1), ("c", math.log(0.5)))
-    v = compare_item(0, a, b)
+    v = compare_item(0, a, b, **B)
     assert v.verdict == "mismatch" and "confident" in v.reason
 
 
 def test_top_k_zero_first_step_shift_of_the_same_token_is_mismatch():
     a = sampled_only(("a", -0.1), ("b", -0.1))
     b = sampled_only(("a", -2.5), ("b", -0.1))
-    v = compare_item(0, a, b)
+    v = compare_item(0, a, b, **B)
     assert v.verdict == "mismatch" and v.first_step_delta == pytest.approx(2.4)
 
 
@@ -82,7 +86,7 @@ def test_top_k_zero_divergence_at_the_first_token_has_no_first_step_delta():
 def test_first_step_divergence_is_mismatch_when_tokens_agree():
     a = seq("a", "b", top={0: {"x": -3.0}})
     b = seq("a", "b", top={0: {"x": -0.5}})          # same greedy token, x moved 2.5 nats
-    v = compare_item(0, a, b)
+    v = compare_item(0, a, b, **B)
     assert v.verdict == "mismatch" and "first-step" in v.reason
     assert v.first_step_delta == pytest.approx(2.5)
 
@@ -105,8 +109,9 @@ def test_window_limits_the_comparison():
     assert compare_item(0, a, b, window=6).verdict == "mismatch"
 
 
-def test_empty_side_is_mismatch():
-    assert compare_item(0, [], seq("a")).verdict == "mismatch"
+def test_empty_side_is_no_evidence_not_a_mismatch():
+    with pytest.raises(oracle.NoEvidenceError, match="no tokens on the baseline"):
+        compare_item(0, [], seq("a"))
 
 
 def test_steps_from_completions_and_chat_formats():
@@ -125,10 +130,30 @@ def test_steps_from_completions_and_chat_formats():
     assert merged["tokens"] == ["a", "b"]
 
 
-def _cmp(verdicts, name="t"):
+def _cmp(verdicts, name="t", fs=0.1):
     c = oracle.Comparison(name, "x/1", "x/1")
-    c.items = [oracle.ItemVerdict(index=i, verdict=v) for i, v in enumerate(verdicts)]
+    c.items = [oracle.ItemVerdict(index=i, verdict=v, first_step_delta=fs,
+                                  divergence="top-k" if v == "numerics" else
+                                  "outside" if v == "mismatch" else None,
+                                  position=0 if v in ("numerics", "mismatch") else None,
+                                  tokens=("a", "b") if v in ("numerics", "mismatch") else None,
+                                  gap=0.1 if v == "numerics" else None)
+               for i, v in enumerate(verdicts)]
     return c
+
+
+def _noisy(n=32, seed=0, scale=0.1, name="t"):
+    """A comparison whose first-step deltas are |N(0, scale)| noise, all identical tokens."""
+    import random
+    rnd = random.Random(seed)
+    c = oracle.Comparison(name, "x/1", "x/1 again")
+    c.items = [oracle.ItemVerdict(index=i, verdict="identical",
+                                  first_step_delta=abs(rnd.gauss(0, scale))) for i in range(n)]
+    return c
+
+
+def _control(seed=0, scale=0.1):
+    return oracle.ControlArm([_noisy(seed=seed, scale=scale), _noisy(seed=seed + 1, scale=scale)])
 
 
 def test_budget_comes_from_the_control_arm():
@@ -140,24 +165,166 @@ def test_budget_comes_from_the_control_arm():
 
 
 def test_judge_fails_on_mismatch_numerics_over_budget_and_bad_control():
-    control = oracle.ControlArm([_cmp(["identical"] * 32)])
-    assert oracle.judge(_cmp(["identical"] * 32), control).ok
-    bad = _cmp(["identical"] * 31 + ["mismatch"])
-    bad.items[-1].reason = "token 0: 'a' vs 'b'"
+    control = _control()
+    assert oracle.judge(_noisy(seed=7), control).ok
+    bad = _noisy(seed=7)
+    bad.items[-1] = oracle.ItemVerdict(index=31, verdict="mismatch", first_step_delta=0.1,
+                                       position=0, tokens=("a", "b"), divergence="outside",
+                                       reason="token 0: 'a' vs 'b'")
     v = oracle.judge(bad, control)
     assert not v.ok and "item 31" in v.message
     budget = control.budget(32)
-    v = oracle.judge(_cmp(["numerics"] * (budget + 1) + ["identical"] * (31 - budget)), control)
+    over = _noisy(seed=7)
+    for it in over.items[:budget + 1]:
+        it.verdict, it.divergence, it.position, it.tokens, it.gap = ("numerics", "top-k", 3,
+                                                                     ("a", "b"), 0.01)
+    v = oracle.judge(over, control)
     assert not v.ok and "> budget" in v.message
-    assert oracle.judge(_cmp(["numerics"] * budget + ["identical"] * (32 - budget)), control).ok
-    broken_control = oracle.ControlArm([bad])
-    assert not oracle.judge(_cmp(["identical"] * 32), broken_control).ok
-    assert not oracle.judge(_cmp(["identical"] * 32), oracle.ControlArm()).ok
-    assert not oracle.judge(_cmp(["error"] * 4), control).ok
+    over.items[budget].verdict, over.items[budget].divergence = "identical", None
+    assert oracle.judge(over, control).ok
+    broken_control = oracle.ControlArm([bad, _noisy(seed=8)])
+    assert not oracle.judge(_noisy(seed=7), broken_control).ok
 
 
-def test_compare_marks_errors_apart():
+def test_verdicts_over_nothing_are_errors():
+    control = _control()
+    with pytest.raises(oracle.NoEvidenceError, match="no control arm"):
+        oracle.judge(_noisy(), oracle.ControlArm())
+    with pytest.raises(oracle.NoEvidenceError, match="no item compared"):
+        oracle.judge(_cmp(["error"] * 4), control)
+    silent = oracle.ControlArm([_cmp(["identical"] * 4, fs=None)])
+    with pytest.raises(oracle.NoEvidenceError, match="no first-step delta"):
+        oracle.judge(_noisy(), silent)
+
+
+def test_baseline_without_tokens_is_an_error_naming_it():
+    """The H200 TokenSpeed case: text came back, per-token logprobs did not; every item used
+    to be `mismatch: no tokens on either side`."""
+    base = oracle.Pass({i: [] for i in range(32)})
+    base.shape = "/v1/completions logprobs=0 max_tokens=64"
+    cand = {i: seq("a") for i in range(32)}
+    with pytest.raises(oracle.NoEvidenceError) as ei:
+        oracle.compare("gsm8k", "tokenspeed/1", "tokenspeed/1p1d", base, cand)
+    msg = str(ei.value)
+    assert msg.startswith("baseline gsm8k (tokenspeed/1): 0 of 32 answered items carry "
+                          "per-token logprobs"), msg
+    assert "without logprobs for this request shape (/v1/completions logprobs=0" in msg
+    assert "\n" not in msg
+    with pytest.raises(oracle.NoEvidenceError, match="^candidate gsm8k .*31 of 32"):
+        oracle.compare("gsm8k", "a", "b", cand, {**cand, 5: []})
+    with pytest.raises(oracle.NoEvidenceError, match="no item answered"):
+        oracle.compare("gsm8k", "a", "b", {i: None for i in range(4)}, cand)
+
+
+def test_control_arm_without_tokens_is_an_error():
+    from e2e_test.infra import comparisons
+    base = {i: seq("a") for i in range(4)}
+    with pytest.raises(oracle.NoEvidenceError, match="^candidate recall"):
+        oracle.ControlArm([oracle.compare("recall", "x/1", "x/1 second pass", base,
+                                          {i: [] for i in range(4)})])
+    assert comparisons.request_shape([]) is None
+
+
+def test_compare_marks_errors_apart_and_every_item_must_be_compared():
     s = seq("a")
     c = oracle.compare("t", "a", "b", {0: s, 1: None, 2: s}, {0: s, 1: s, 2: None, 3: s})
-    assert c.counts() == {"identical": 1, "numerics": 0, "mismatch": 0, "error": 2}
+    assert c.counts() == {"identical": 1, "numerics": 0, "mismatch": 0, "error": 3}
     assert c.compared == 1
+    assert [i.reason for i in c.items[1:]] == ["request failed on the baseline",
+                                               "request failed on the candidate",
+                                               "not asked on the baseline"]
+
+
+def test_errors_count_31_of_32_failed_fails():
+    """test_dp_workers_agree's hole: 31 of 32 requests failed, the one compared agreed."""
+    base = {i: seq("a", "b") for i in range(32)}
+    worker = {0: seq("a", "b"), **{i: None for i in range(1, 32)}}
+    control = _control()
+    v = oracle.judge(oracle.compare("gsm8k", "worker-0", "worker-1", base, worker), control)
+    assert not v.ok and "31 of 32 items not compared" in v.message, v.message
+    one_error = {**base, 5: None}
+    v = oracle.judge(oracle.compare("gsm8k", "worker-0", "worker-1", base, one_error), control)
+    assert not v.ok and "1 of 32 items not compared" in v.message
+
+
+# --- bounds from the control arm (no constant in nats) -------------------------------------
+
+def test_tail_bound_and_rank_test():
+    xs = [0.01 * i for i in range(1, 65)]
+    med = (0.32 + 0.33) / 2
+    mu = sum(x - med for x in xs if x > med) / 32
+    assert oracle.tail_bound(xs, 32, 0.001) == pytest.approx(med + mu * math.log(16000))
+    assert oracle.tail_bound(xs, 1, 0.001) < oracle.tail_bound(xs, 32, 0.001)
+    # the rank test against scipy 1.17's figures for the same data (scipy.stats.mannwhitneyu,
+    # alternative="greater", method="asymptotic": tie and continuity corrections)
+    u, p = oracle.mann_whitney_greater([x + 0.3 for x in xs[:32]], xs)
+    assert (u, p) == (1469.0, pytest.approx(0.0002751558044024437, rel=1e-9))
+    u, p = oracle.mann_whitney_greater([1, 2, 3, 4, 5, 5], [0, 1, 1, 2, 2])
+    assert (u, p) == (26.0, pytest.approx(0.025145146376066577, rel=1e-9))
+    u, p = oracle.mann_whitney_greater(xs[::2], xs[1::2])
+    assert (u, p) == (496.0, pytest.approx(0.5876671320358421, rel=1e-9))
+    assert oracle.mann_whitney_greater([0.0] * 5, [0.0] * 5) == (12.5, 1.0)
+
+
+def test_bounds_scale_with_the_control_arms_noise():
+    quiet, loud = _control(scale=0.02), _control(scale=0.2)
+    assert quiet.thresholds(32).first_step_max < loud.thresholds(32).first_step_max
+    th = loud.thresholds(32)
+    assert th.gap_max == pytest.approx(2 * th.first_step_max)
+    # the same candidate: fine against the loud control, a mismatch against the quiet one
+    cand = _noisy(seed=9, scale=0.2)
+    assert oracle.judge(cand, loud).ok
+    v = oracle.judge(cand, quiet)
+    assert not v.ok and "first-step" in v.message
+
+
+def test_first_step_shift_of_every_item_fails_the_rank_test():
+    """A computation change: every first step moved a little, no item beyond the per-item
+    bound: the rank test catches it."""
+    control = _control(scale=0.1)
+    th = control.thresholds(32)
+    cand = _noisy(seed=5, scale=0.1)
+    for it in cand.items:
+        it.first_step_delta = min(it.first_step_delta + 0.15, th.first_step_max * 0.99)
+    v = oracle.judge(cand, control)
+    assert not v.ok and "Mann-Whitney" in v.message and v.rank_test["p"] < oracle.ALPHA
+    assert oracle.judge(_noisy(seed=5, scale=0.1), control).ok      # the same, unmoved
+
+
+def test_near_tie_gap_bound_comes_from_the_control():
+    control = _control(scale=0.1)
+    th = control.thresholds(32)
+    for gap, want in ((th.gap_max * 0.99, "numerics"), (th.gap_max * 1.01, "mismatch")):
+        it = oracle.ItemVerdict(index=0, verdict="numerics", position=3, tokens=("a", "b"),
+                                gap=gap, first_step_delta=0.05, divergence="top-k")
+        assert oracle.classify(it, th.gap_max, th.first_step_max).verdict == want
+
+
+def _negative(control, base_deltas=None):
+    cand = oracle.Comparison("gsm8k", "x/1", "x/1 other exemplars")
+    cand.items = [oracle.ItemVerdict(index=i, verdict="numerics", position=1,
+                                     tokens=("a", "b"), gap=3.0, first_step_delta=0.9,
+                                     divergence="top-k") for i in range(32)]
+    return oracle.judge(cand, control)
+
+
+def test_negative_control_passes_only_for_the_right_reason():
+    control = _control()
+    v = _negative(control)
+    assert not v.ok and oracle.negative_control_problems(v) == []
+    # a control arm that is itself out of bounds: the failure proves nothing
+    broken = oracle.ControlArm([_noisy(), _noisy(seed=3)])
+    broken.comparisons[0].items[0] = oracle.ItemVerdict(
+        index=0, verdict="mismatch", position=0, tokens=("a", "z"), divergence="outside",
+        first_step_delta=0.1, reason="token 0: 'a' vs 'z'; not in the baseline's top-5")
+    probs = oracle.negative_control_problems(_negative(broken))
+    assert any("control arm is not valid" in p for p in probs), probs
+    # a healthy comparison offered as the negative control: not failed, so not passed
+    probs = oracle.negative_control_problems(oracle.judge(_noisy(seed=11), control))
+    assert any("did not fail" in p for p in probs), probs
+
+
+def test_negative_control_with_an_empty_baseline_is_an_error_not_a_pass():
+    other = {i: seq("q", "r") for i in range(32)}
+    with pytest.raises(oracle.NoEvidenceError, match="^baseline gsm8k"):
+        oracle.compare("gsm8k", "x/1", "x/1 other exemplars", {i: [] for i in range(32)}, other)

@@ -57,3 +57,27 @@ def test_unknown_window_fails_even_with_admission(admission):
 def test_no_serving_worker_fails():
     with pytest.raises(WindowError, match="no serving worker"):
         check_window({}, 4, None)
+
+
+# --- the window a worker reports after the burst (test_burst.py's check) ------------------
+
+from e2e_test.infra.bursts import check_effective_window
+
+
+def test_effective_window_as_started_passes():
+    assert check_effective_window(w(2), 2, "worker-0") == 2
+
+
+def test_unknown_effective_window_fails():
+    """test_burst.py accepted an unknown window (max_num_seqs None) as a pass."""
+    unknown = {"max_num_seqs": None, "source": "unknown", "error": "/server_info HTTP 404"}
+    with pytest.raises(WindowError, match=r"window of decode-0 is unknown \(unknown: "
+                       r"/server_info HTTP 404\)"):
+        check_effective_window(unknown, 2, "decode-0")
+    with pytest.raises(WindowError, match="unknown"):
+        check_effective_window({}, 2)
+
+
+def test_other_effective_window_fails():
+    with pytest.raises(WindowError, match="runs a window of 256, the burst was meant for 2"):
+        check_effective_window(w(256), 2, "worker-0")

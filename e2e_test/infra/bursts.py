@@ -254,6 +254,22 @@ def check_window(windows: dict[str, dict], concurrency: int,
     return stages
 
 
+def check_effective_window(window: dict, want: int, worker: str = "worker") -> int:
+    """After a burst against a topology started with --max-num-seqs `want`: the window the
+    worker itself reports must be known and be `want`; an unknown window is a failure, not
+    a pass (the burst's verdict depends on it). Pure (tests/test_window_preflight.py)."""
+    got = window.get("max_num_seqs")
+    if not isinstance(got, int):
+        raise WindowError(f"window check: the running window of {worker} is unknown "
+                          f"({window.get('source', 'unknown')}"
+                          + (f": {window['error']}" if window.get("error") else "")
+                          + f") after a burst meant for a window of {want}")
+    if got != want:
+        raise WindowError(f"window check: {worker} runs a window of {got}, the burst was "
+                          f"meant for {want} (--max-num-seqs not applied?)")
+    return got
+
+
 SERVING_STAGES = ("regular", "prefill", "decode")
 
 

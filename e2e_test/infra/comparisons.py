@@ -67,7 +67,21 @@ def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
     rep = load.run(base_url, reqs, concurrency=concurrency, stream=False, watchdog=watchdog)
     if texts is not None:
         texts.update({r.tag: r.text for r in rep.results if r.ok})
-    return {r.tag: (oracle.steps_from_openai(r.logprobs) if r.ok else None) for r in rep.results}
+    out = oracle.Pass({r.tag: (oracle.steps_from_openai(r.logprobs) if r.ok else None)
+                       for r in rep.results})
+    out.shape = request_shape(reqs)
+    return out
+
+
+def request_shape(reqs: list[load.Request]) -> str | None:
+    """What was asked, for an error that names it: path, top-k logprobs, max_tokens."""
+    if not reqs:
+        return None
+    b = reqs[0].body
+    lp = (f"logprobs={str(b['logprobs']).lower()} top_logprobs={b.get('top_logprobs')}"
+          if "messages" in b else f"logprobs={b.get('logprobs')}")
+    return f"{reqs[0].path} {lp}" + (f" max_tokens={b['max_tokens']}" if "max_tokens" in b
+                                     else "")
 
 
 def eval_pass(base_url: str, model: str, name: str, n: int, *, concurrency: int = 16,
@@ -112,14 +126,18 @@ def against_one_worker(cluster, worker, sizes: dict, concurrency: int = 16) -> d
     label = f"{cluster.engine}/{worker.name} alone"
     for name, n in sizes.items():
         mpt = (cluster.spec.max_model_len or 4096) - 8 if name == "mmlu" else None
-        base = eval_pass(worker.http_url, cluster.model_name, name, n, concurrency=concurrency,
-                         max_prompt_tokens=mpt)
-        arm = control_arm(worker.http_url, cluster.model_name, name, base, label, n,
-                          concurrency=concurrency, max_prompt_tokens=mpt)
-        mine = eval_pass(cluster.gateway_url, cluster.model_name, name, n,
-                         concurrency=concurrency, max_prompt_tokens=mpt,
-                         watchdog=cluster.watchdog(f"{name} oracle pass"))
-        v = oracle.judge(oracle.compare(name, label, f"{cluster.engine}/{cluster.topology.name}",
-                                        base, mine), arm)
-        out[name] = v.to_dict()
+        try:
+            base = eval_pass(worker.http_url, cluster.model_name, name, n,
+                             concurrency=concurrency, max_prompt_tokens=mpt)
+            arm = control_arm(worker.http_url, cluster.model_name, name, base, label, n,
+                              concurrency=concurrency, max_prompt_tokens=mpt)
+            mine = eval_pass(cluster.gateway_url, cluster.model_name, name, n,
+                             concurrency=concurrency, max_prompt_tokens=mpt,
+                             watchdog=cluster.watchdog(f"{name} oracle pass"))
+            v = oracle.judge(oracle.compare(name, label,
+                                            f"{cluster.engine}/{cluster.topology.name}",
+                                            base, mine), arm)
+            out[name] = v.to_dict()
+        except oracle.NoEvidenceError as e:     # a verdict over nothing: an error, said so
+            out[name] = {"ok": False, "error": e.summary, "message": f"ERROR: {e.summary}"}
     return out

@@ -1,17 +1,25 @@
 """Proof that disaggregation really moved data, from structured signals (Prometheus), not logs.
 
-PD (vLLM): for long, unique prompts sent through the gateway, the decode workers' counter
-`vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` must grow by (nearly) the
-prompt tokens, their `local_compute` share must stay small (decode did not recompute the
-prompt), and the prefill workers must have computed the prompts. A run that answers 200
-without the transfer fails.
+PD (vLLM): for long, unique prompts sent through the gateway, exactly (`vllm_transfer_problems`):
+the decode workers' counter `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`
+grows by the prompt tokens and `local_compute` by 0 (decode recomputed nothing), the prefill
+workers computed every prompt token, and over NIXL the decode received the bytes of every
+block that holds a prompt token, the last partial block included: sum_i ceil(p_i / B) blocks
+x B tokens x the KV bytes of one token (layers x K,V x KV heads x head dim x dtype bytes, from
+the model's config.json; B from the worker's `vllm:cache_config_info`). The H200 records fit
+this and nothing less: 1438 prompt tokens in 4 requests moved 33,914,880 B = 92 blocks x 16 x
+23,040 B (SmolLM2-135M: 30 x 2 x 3 x 64 x 2 B), where full blocks alone are at most 89. A
+run that answers 200 without the transfer fails.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import random
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from . import metrics
 from .errors import HarnessError
@@ -32,13 +40,128 @@ class TransferProof:
     nixl_bytes: float
     nixl_transfers: float
     failed_transfers: float
+    prompt_tokens_each: list = field(default_factory=list)   # per request, from its usage
+    nixl: bool = True                   # the workers' connector is NIXL (bytes are counted)
+    block_size: int | None = None       # tokens per KV block (the decode's cache_config_info)
+    kv_bytes_per_token: int | None = None   # from config.json and the KV dtype
+    kv_layout: dict = field(default_factory=dict)   # what kv_bytes_per_token came from
+    tp: int = 1                         # decode tensor parallel size
 
     @property
     def external_fraction(self) -> float:
         return self.decode_external / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def expected_blocks(self) -> int | None:
+        if not self.block_size or not self.prompt_tokens_each:
+            return None
+        return sum(math.ceil(p / self.block_size) for p in self.prompt_tokens_each)
+
+    @property
+    def expected_bytes(self) -> int | None:
+        if self.expected_blocks is None or not self.kv_bytes_per_token:
+            return None
+        return self.expected_blocks * self.block_size * self.kv_bytes_per_token
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "external_fraction": round(self.external_fraction, 4)}
+        return {**asdict(self), "external_fraction": round(self.external_fraction, 4),
+                "expected_blocks": self.expected_blocks, "expected_bytes": self.expected_bytes}
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4,
+               "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
+
+
+def kv_bytes_per_token(config: dict, dtype: str) -> tuple[int, dict]:
+    """The KV cache bytes of one token of a decoder-only model: layers x (K, V) x KV heads x
+    head dim x dtype bytes, from its config.json (`text_config` for a multimodal one). Pure."""
+    c = config.get("text_config") or config
+    heads = c["num_attention_heads"]
+    layout = {"num_hidden_layers": c["num_hidden_layers"],
+              "num_key_value_heads": c.get("num_key_value_heads") or heads,
+              "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+              "dtype": dtype}
+    if dtype not in DTYPE_BYTES:
+        raise HarnessError(f"KV dtype {dtype!r}: its size is unknown (known: "
+                           f"{', '.join(DTYPE_BYTES)})")
+    layout["dtype_bytes"] = DTYPE_BYTES[dtype]
+    return (layout["num_hidden_layers"] * 2 * layout["num_key_value_heads"]
+            * layout["head_dim"] * layout["dtype_bytes"]), layout
+
+
+def cache_config(samples: dict) -> dict:
+    """The labels of vLLM's `vllm:cache_config_info` gauge (block_size, cache_dtype, ...)."""
+    for name, labels in samples:
+        if name == "vllm:cache_config_info":
+            return dict(labels)
+    return {}
+
+
+def _argv_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def kv_dtype(cache_dtype: str | None, argv: list[str], config: dict) -> str:
+    """The KV cache's dtype: the cache's own when set, else the model's (--dtype, else
+    config.json's torch_dtype)."""
+    if cache_dtype and cache_dtype != "auto":
+        return cache_dtype
+    d = _argv_value(argv, "--dtype")
+    if d and d != "auto":
+        return d
+    c = config.get("text_config") or config
+    return str(config.get("torch_dtype") or c.get("torch_dtype") or config.get("dtype")
+               or "bfloat16").replace("torch.", "")
+
+
+def vllm_transfer_problems(p: TransferProof) -> list[str]:
+    """What the numbers of a vLLM PD proof show that an exact transfer would not. Pure
+    (tests/test_proof_exact.py holds it against the recorded H200 figures)."""
+    problems = []
+    if p.prompt_tokens <= 0 or p.requests <= 0:
+        return [(f"no prompt tokens sent ({p.requests} requests, {p.prompt_tokens} tokens): "
+                 "nothing was proved")]
+    if p.prompt_tokens_each and sum(p.prompt_tokens_each) != p.prompt_tokens:
+        problems.append(f"the requests' prompt tokens {p.prompt_tokens_each} do not add up to "
+                        f"{p.prompt_tokens}")
+    if p.decode_external != p.prompt_tokens:
+        problems.append(f"decode received KV for {p.decode_external:.0f} of {p.prompt_tokens} "
+                        "prompt tokens")
+    if p.decode_local_compute:
+        problems.append(f"decode recomputed {p.decode_local_compute:.0f} prompt tokens")
+    if p.prefill_local_compute != p.prompt_tokens:
+        problems.append(f"prefill computed {p.prefill_local_compute:.0f} of {p.prompt_tokens} "
+                        "prompt tokens")
+    if p.failed_transfers:
+        problems.append(f"{p.failed_transfers:.0f} failed KV transfers")
+    if not p.nixl:
+        return problems
+    if p.tp == 1 and p.nixl_transfers != p.requests:
+        problems.append(f"{p.nixl_transfers:.0f} NIXL transfers for {p.requests} requests")
+    if not p.block_size or not p.kv_bytes_per_token or not p.prompt_tokens_each:
+        problems.append("the bytes cannot be checked: block size "
+                        f"{p.block_size}, KV bytes per token {p.kv_bytes_per_token}, "
+                        f"per-request prompt tokens {p.prompt_tokens_each or 'unknown'}")
+    elif p.nixl_bytes != p.expected_bytes:
+        got = p.nixl_bytes / (p.block_size * p.kv_bytes_per_token)
+        problems.append(f"NIXL moved {p.nixl_bytes:.0f} B ({got:g} blocks), expected "
+                        f"{p.expected_bytes} B = {p.expected_blocks} blocks (every block "
+                        f"holding a prompt token) x {p.block_size} tokens x "
+                        f"{p.kv_bytes_per_token} B per token")
+    return problems
+
+
+def blocks_range(total_tokens: int, requests: int, block_size: int) -> tuple[int, int]:
+    """The block counts sum_i ceil(p_i / B) that `requests` prompts of `total_tokens` in all
+    can make (each p_i >= 1): what a record that kept only the total allows. Pure."""
+    lo = math.ceil(total_tokens / block_size)
+    hi = (total_tokens + requests * (block_size - 1)) // block_size
+    return lo, min(hi, total_tokens)
 
 
 def long_unique_prompt(words: int = 300, seed: int | None = None) -> str:
@@ -76,19 +199,27 @@ def _verdict(what: str, cluster, problems: list[str], proof):
     return proof
 
 
-def pd_transfer(cluster, n: int = 4, min_external_fraction: float = 0.9,
-                max_local_fraction: float = 0.1) -> TransferProof:
+def pd_transfer(cluster, n: int = 4) -> TransferProof:
     decode, prefill = cluster.role("decode"), cluster.role("prefill")
     if not decode or not prefill:
         raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
     b_d, b_p = _scrape_all(decode), _scrape_all(prefill)
-    prompt_tokens = sum(u["prompt_tokens"] for u in _post_all(
+    each = [u["prompt_tokens"] for u in _post_all(
         cluster, "PD proof", "/v1/completions",
         ({"model": cluster.model_name, "prompt": long_unique_prompt(seed=i), "max_tokens": 8,
-          "temperature": 0} for i in range(n))))
+          "temperature": 0} for i in range(n)))]
     a_d, a_p = _scrape_all(decode), _scrape_all(prefill)
+    nixl = all(w.command.kv_connector == "NixlConnector" for w in decode + prefill)
+    cache = cache_config(a_d[0]) if a_d else {}
+    block = int(cache["block_size"]) if str(cache.get("block_size", "")).isdigit() else None
+    per_token, layout = None, {}
+    config_file = Path(str(getattr(cluster, "model_path", ""))) / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        per_token, layout = kv_bytes_per_token(
+            config, kv_dtype(cache.get("cache_dtype"), decode[0].command.argv, config))
     proof = TransferProof(
-        requests=n, prompt_tokens=prompt_tokens,
+        requests=n, prompt_tokens=sum(each),
         decode_external=_sum_delta(b_d, a_d, SRC, source="external_kv_transfer"),
         decode_local_compute=_sum_delta(b_d, a_d, SRC, source="local_compute"),
         decode_local_cache_hit=_sum_delta(b_d, a_d, SRC, source="local_cache_hit"),
@@ -96,18 +227,10 @@ def pd_transfer(cluster, n: int = 4, min_external_fraction: float = 0.9,
         nixl_bytes=_sum_delta(b_d, a_d, "vllm:nixl_bytes_transferred_sum"),
         nixl_transfers=_sum_delta(b_d, a_d, "vllm:nixl_bytes_transferred_count"),
         failed_transfers=_sum_delta(b_d, a_d, "vllm:nixl_num_failed_transfers_total"),
+        prompt_tokens_each=each, nixl=nixl, block_size=block, kv_bytes_per_token=per_token,
+        kv_layout=layout, tp=decode[0].entry.tp,
     )
-    problems = []
-    if proof.external_fraction < min_external_fraction:
-        problems.append(f"decode received KV for only {proof.decode_external:.0f} of "
-                        f"{prompt_tokens} prompt tokens")
-    if proof.decode_local_compute > max_local_fraction * prompt_tokens:
-        problems.append(f"decode recomputed {proof.decode_local_compute:.0f} prompt tokens")
-    if proof.prefill_local_compute < 0.5 * prompt_tokens:
-        problems.append(f"prefill computed only {proof.prefill_local_compute:.0f} prompt tokens")
-    if proof.failed_transfers:
-        problems.append(f"{proof.failed_transfers:.0f} failed KV transfers")
-    return _verdict("PD transfer proof", cluster, problems, proof)
+    return _verdict("PD transfer proof", cluster, vllm_transfer_problems(proof), proof)
 
 
 # -- PD on TokenSpeed -------------------------------------------------------------------------
@@ -169,8 +292,35 @@ class TokenSpeedPDProof:
         return asdict(self)
 
 
-def pd_transfer_tokenspeed(cluster, n: int = 4,
-                           min_prefill_fraction: float = 0.9) -> TokenSpeedPDProof:
+def tokenspeed_transfer_problems(proof: TokenSpeedPDProof, n: int) -> list[str]:
+    """Exact checks of a TokenSpeed PD proof. Pure (tests/test_proof_exact.py).
+
+    - the prefill ran every prompt token forward, and at most one more token per request
+      (the first token it samples): prompt_tokens <= prefill_forward_tokens <=
+      prompt_tokens + n (H200 records: 1558 -> 1562 and 1560 -> 1564 for 4 requests);
+    - the decode side counted the whole prompt of every request it finished
+      (tokenspeed:prompt_tokens_total == the prompt tokens the gateway reported; records:
+      1558/1558, 1560/1560): a decode that got a shorter or another request's prompt differs;
+    - the decode finished every request and generated its tokens."""
+    problems = _dispatch_problems(proof, n)
+    pt = proof.prompt_tokens
+    if pt <= 0:
+        return problems + ["no prompt tokens sent: nothing was proved"]
+    if not pt <= proof.prefill_forward_tokens <= pt + n:
+        problems.append(f"prefill ran {proof.prefill_forward_tokens:.0f} tokens forward for "
+                        f"{pt} prompt tokens in {n} requests (expected {pt} to {pt + n})")
+    if proof.decode_prompt_tokens != pt:
+        problems.append(f"decode counted {proof.decode_prompt_tokens:.0f} prompt tokens for "
+                        f"the {pt} the prefill was sent")
+    if proof.decode_success < n:
+        problems.append(f"decode finished only {proof.decode_success:.0f} of {n} requests "
+                        "successfully")
+    if proof.decode_generation_tokens <= 0:
+        problems.append("decode generated no tokens")
+    return problems
+
+
+def pd_transfer_tokenspeed(cluster, n: int = 4) -> TokenSpeedPDProof:
     decode, prefill = cluster.role("decode"), cluster.role("prefill")
     if not decode or not prefill:
         raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
@@ -191,16 +341,8 @@ def pd_transfer_tokenspeed(cluster, n: int = 4,
         decode_generation_tokens=_sum_delta(b_d, a_d, TS_PREFIX + "generation_tokens_total"),
         decode_prompt_tokens=_sum_delta(b_d, a_d, TS_PREFIX + "prompt_tokens_total"),
     )
-    problems = _dispatch_problems(proof, n)
-    if proof.prefill_forward_tokens < min_prefill_fraction * prompt_tokens:
-        problems.append(f"prefill ran only {proof.prefill_forward_tokens:.0f} of "
-                        f"{prompt_tokens} prompt tokens forward")
-    if proof.decode_success < n:
-        problems.append(f"decode finished only {proof.decode_success:.0f} of {n} requests "
-                        "successfully")
-    if proof.decode_generation_tokens <= 0:
-        problems.append("decode generated no tokens")
-    return _verdict("PD transfer proof (tokenspeed)", cluster, problems, proof)
+    return _verdict("PD transfer proof (tokenspeed)", cluster,
+                    tokenspeed_transfer_problems(proof, n), proof)
 
 
 # -- EPD on TokenSpeed: the encoder ran for the request --------------------------------------
@@ -444,9 +586,26 @@ def afd_ffn_served(cluster, n: int = 4, max_tokens: int = 16, settle_s: float = 
         new_traces_by_process=by_proc, expected_min_new=expected, kernel_events=kernels,
         moe_kernel_events=moe, top_kernels=top,
         attention_generation_tokens=_sum_delta(b_att, a_att, "vllm:generation_tokens_total"))
-    if not new:
+    problems = afd_trace_problems(proof)
+    if problems:
         raise HarnessError(f"AFD FFN proof failed on {name}: {n} completions "
-                           f"({completion_tokens} tokens) through the gateway, but the FFN "
-                           f"server wrote no new step trace in {', '.join(map(str, dirs))} "
-                           f"(one is due every {every} FFN steps) ({proof.to_dict()})")
+                           f"({completion_tokens} tokens) through the gateway: "
+                           + "; ".join(problems) + f" (in {', '.join(map(str, dirs))}) "
+                           f"({proof.to_dict()})")
     return proof
+
+
+def afd_trace_problems(p: FfnProof) -> list[str]:
+    """The FFN server(s) must have written the step traces that the requests' steps make:
+    at least `expected_min_new` (floor(steps / every) - 1: the last one may not be saved yet),
+    not merely one; and a parsed trace must hold GPU kernels. Pure (H200 record: 64 tokens,
+    one trace every 8 steps: 8 new, 7 required)."""
+    out = []
+    if p.completion_tokens <= 0:
+        out.append("the requests generated no token: no FFN step to trace")
+    if p.new_traces < p.expected_min_new or p.new_traces <= 0:
+        out.append(f"{p.new_traces} new FFN step traces, {p.expected_min_new} expected for "
+                   f"{p.completion_tokens} steps at one every {p.trace_every}")
+    if p.kernel_events == 0:
+        out.append("the new FFN traces hold no GPU kernel")
+    return out

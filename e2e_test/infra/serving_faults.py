@@ -186,17 +186,56 @@ def cancel_mid_stream(cluster, chunks: int = 8, bound_s: float = 30.0, next_n: i
     return _after(cluster, case, t_cancel, bound_s, next_n)
 
 
+def natural_end_s(first_token_s: float, cancel_at_s: float, max_tokens: int,
+                  tokens_per_s: float) -> float:
+    """Seconds from the cancel until a request would have ended by itself: the rest of its
+    prefill plus `max_tokens` at the measured decode rate (ignore_eos: no early stop). Pure."""
+    if tokens_per_s <= 0:
+        raise HarnessError("no decode rate measured: the request's natural end is unknown")
+    return max(0.0, first_token_s - cancel_at_s) + max_tokens / tokens_per_s
+
+
+def cancel_problems(case: CancelCase, bound_s: float) -> list[str]:
+    """What a cancel case shows that an abort reaching the engines would not. Idle within
+    `bound_s`, the next requests answered, and, where the request had a natural end
+    (`remaining_s`: cancel mid-stream, cancel during prefill), idle before it: a request that
+    ran to its end inside a generous bound proves nothing about the cancel. The prefill case
+    must know its natural end. Pure (tests/test_cancel_timing.py)."""
+    out = []
+    if case.idle_after_cancel_s is None or case.idle_after_cancel_s > bound_s:
+        out.append(f"{case.case}: not idle within {bound_s} s of the cancel "
+                   f"({case.idle_after_cancel_s} s)")
+    if case.next_requests_ok != case.next_requests:
+        out.append(f"{case.case}: {case.next_requests_ok}/{case.next_requests} next requests "
+                   "answered")
+    if case.remaining_s is None:
+        if case.case == "cancel during prefill":
+            out.append(f"{case.case}: the request's natural end is unknown (no decode rate), "
+                       "so idle cannot be told from a request that ran to its end")
+    elif case.idle_after_cancel_s is not None and case.idle_after_cancel_s >= case.remaining_s:
+        out.append(f"{case.case}: idle {case.idle_after_cancel_s} s after the cancel, not "
+                   f"before the request's natural end ({case.remaining_s} s): the abort did "
+                   "not reach the engines")
+    return out
+
+
 def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.5,
                           bound_s: float = 30.0, next_n: int = 2,
-                          timeout: float = 120.0) -> CancelCase:
-    """A request with a long prompt, abandoned at `fraction` of its own measured time to
-    first token, before any token came back. The time to first token is measured first with
-    another long prompt of the same length (each prompt is unique: no prefix-cache hit)."""
-    mt = 16
+                          timeout: float = 120.0, probe_chunks: int = 8) -> CancelCase:
+    """A request with a long prompt and as many new tokens as the context leaves
+    (ignore_eos: it would run for its whole max_tokens), abandoned at `fraction` of its own
+    measured time to first token, before any token came back. The time to first token and
+    the decode rate are measured first with another long prompt of the same length (each
+    prompt is unique: no prefix-cache hit); from them the request's natural end, which idle
+    must come well before (cancel_problems)."""
+    mt = max_new_tokens(cluster, prompt_tokens_estimate=2 * prompt_words + 32)
     probe = CancelCase("prefill probe", cluster.topology.name, mt, prompt_words)
     asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
-                                  lambda n, _t: n >= 1, probe, timeout))
+                                  lambda n, _t: n >= probe_chunks, probe, timeout))
     ttft = probe.first_token_s
+    rate = ((probe.chunks_before_cancel - 1)
+            / max(1e-3, probe.seconds_before_cancel - (ttft or 0.0))
+            if probe.chunks_before_cancel >= 2 and ttft is not None else 0.0)
     cluster.wait_idle(timeout=bound_s)
     case = CancelCase("cancel during prefill", cluster.topology.name, mt, prompt_words)
     delay = max(0.05, fraction * ttft)
@@ -210,7 +249,10 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
                            f"client loop unscheduled for up to {case.loop_gap_max_s} s): the "
                            "prompt is too short on this machine")
     case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
-    return _after(cluster, case, t_cancel, bound_s, next_n)
+    case = _after(cluster, case, t_cancel, bound_s, next_n)
+    if rate > 0:
+        case.remaining_s = round(natural_end_s(ttft, case.seconds_before_cancel, mt, rate), 1)
+    return case
 
 
 def cancel_during_decode(cluster, after_running_s: float = 1.5, bound_s: float = 30.0,

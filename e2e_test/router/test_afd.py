@@ -89,7 +89,7 @@ def test_afd_outputs_vs_native(cluster, record, oracle_store):
                                          len(reqs))
         oracle_store.passes[(cluster.engine, "native", "afd-prompts")] = mine
         oracle_store.control[key] = arm
-        record["oracle_control"] = {"afd-prompts": arm.summary()}
+        record["oracle_control"] = {"afd-prompts": arm.to_dict()}
         print("; ".join(c.line() for c in arm.comparisons))
         assert not arm.problems(), arm.problems()[0]
         return

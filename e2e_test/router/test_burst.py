@@ -64,7 +64,7 @@ def _window_case(cluster, record):
     _save(record, res, c)
     verdict = bursts.check_admission(res, admission)
     record["bursts"][res.name]["verdict"] = verdict
-    assert res.effective_window.get("max_num_seqs") in (None, WINDOW)
+    bursts.check_effective_window(res.effective_window, WINDOW, w.name)
 
 
 def _preflight_negative_control(c, record, n):

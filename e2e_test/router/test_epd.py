@@ -68,7 +68,7 @@ def test_epd_image_outputs_match_aggregated(cluster, record, oracle_store):
                                          len(reqs))
         oracle_store.passes[(cluster.engine, "1", "image-prompts")] = mine
         oracle_store.control[key] = arm
-        record["oracle_control"] = {"image-prompts": arm.summary()}
+        record["oracle_control"] = {"image-prompts": arm.to_dict()}
         assert not arm.problems(), arm.problems()[0]
         return
     base = oracle_store.passes.get((cluster.engine, "1", "image-prompts"))

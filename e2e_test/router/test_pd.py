@@ -60,7 +60,6 @@ def test_pd_kv_recall(cluster, record, oracle_store):
     record["kv_recall"] = {"copied": copied, "baseline_copied": want, "of": len(base),
                            "outputs": texts, "oracle": verdict.to_dict()}
     print(f"recall: {len(copied)}/{len(base)} copied (`1`: {len(want)}); {verdict.message}")
-    lost = sorted(set(want) - set(copied))
-    assert not lost, (f"pass codes that `1` copied and {cluster.topology.name} did not: items "
-                      f"{lost} (outputs: {[texts.get(i) for i in lost]})")
+    problems = recall.recall_problems(want, copied, len(base), cluster.topology.name)
+    assert not problems, f"{problems[0]} (outputs: {texts})"
     assert verdict.ok, verdict.message

@@ -198,5 +198,6 @@ def _recall_against_one(c, record, oracle_store) -> None:
     record["kv_recall"] = {"copied": copied, "baseline_copied": want, "of": len(base)}
     print(f"oracle across nodes: {verdict.message}; recall {len(copied)}/{len(base)} "
           f"(`1`: {len(want)})")
-    assert not sorted(set(want) - set(copied)), (want, copied)
+    problems = recall.recall_problems(want, copied, len(base), c.topology.name)
+    assert not problems, problems[0]
     assert verdict.ok, verdict.message

@@ -35,12 +35,10 @@ def _check_cancel(case: sf.CancelCase, record):
           f"idle {case.idle_after_cancel_s} s later (it had {case.remaining_s} s of "
           f"decoding left), next requests {case.next_requests_ok}/{case.next_requests}; "
           f"at cancel: {case.running_at_cancel}")
-    assert case.idle_after_cancel_s is not None and case.idle_after_cancel_s <= CANCEL_IDLE_S
-    assert case.next_requests_ok == case.next_requests, case
-    if case.remaining_s is not None:
-        # Idle long before the request could have ended by itself: the cancel reached the
-        # engines (not a request that ran to its end inside a generous bound).
-        assert case.idle_after_cancel_s < case.remaining_s, case
+    # Idle within the bound and, where the request had a natural end, before it: the cancel
+    # reached the engines (not a request that ran to its end inside a generous bound).
+    problems = sf.cancel_problems(case, CANCEL_IDLE_S)
+    assert not problems, f"{'; '.join(problems)}. {case}"
 
 
 @SHARED

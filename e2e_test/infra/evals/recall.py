@@ -2,7 +2,13 @@
 must copy at the end. Through a disaggregated topology the code exists for the decode only in
 the transferred KV, so a wrong or partial transfer loses it (smg's test_pd_topologies.py does
 the same). Whether a model copies reliably is measured on `1` first: only codes that the
-baseline reproduced are required of the topology under test.
+baseline reproduced are required of the topology under test, and a baseline that copied none
+is an error (`recall_problems`): a probe that cannot fail proves nothing.
+
+Odd items put the code at the prompt's very end, followed only by " The pass code is" (a few
+tokens): the code lies in the prompt's last KV block (the partial one, whose transfer the
+vLLM proof counts), or straddles it and the block before when that last block holds fewer
+tokens than the suffix. Even items hide it mid-text.
 """
 
 from __future__ import annotations
@@ -21,10 +27,19 @@ def code(i: int) -> str:
     return "-".join(str(rnd.randint(0, 9)) for _ in range(6))
 
 
+def at_tail(i: int) -> bool:
+    """Whether item i's code sits in the prompt's last block (odd items)."""
+    return i % 2 == 1
+
+
 def prompt(i: int, words: int = 1500) -> str:
     """~1.3 tokens a word: 1500 filler words make a prompt of about 2k tokens."""
     rnd = random.Random(i)
     filler = [rnd.choice(WORDS) for _ in range(words)]
+    if at_tail(i):
+        text = " ".join(filler)
+        return (f"Remember the pass code at the end of this text.\n\n{text}.\n\nWhat is the "
+                f"pass code? The pass code is {code(i)}. The pass code is")
     at = rnd.randint(words // 4, 3 * words // 4)
     secret = f". The pass code is {code(i)}. "
     text = " ".join(filler[:at]) + secret + " ".join(filler[at:])
@@ -41,3 +56,24 @@ def requests(model: str, n: int = 8, max_tokens: int = 16,
 def reproduced(i: int, text: str) -> bool:
     digits = re.sub(r"[^0-9]", "", text)
     return digits.startswith(code(i).replace("-", ""))
+
+
+def recall_problems(baseline_copied: list, copied: list, n: int, topology: str) -> list[str]:
+    """The recall verdict: every code `1` copied must come back through `topology`. A
+    baseline that copied no code (or none of the mid-text or tail kind) tests nothing: an
+    error (NoEvidenceError), not a pass. Pure."""
+    from ..oracle import NoEvidenceError
+    if not baseline_copied:
+        raise NoEvidenceError(f"recall: `1` copied none of the {n} pass codes: the probe "
+                              f"cannot fail on {topology}, nothing was tested")
+    kinds = {at_tail(i) for i in baseline_copied}
+    if kinds != {True, False}:
+        missing = "tail (last block)" if True not in kinds else "mid-text"
+        raise NoEvidenceError(f"recall: `1` copied no {missing} pass code "
+                              f"({len(baseline_copied)} of {n} copied): that part of the KV "
+                              "is not tested")
+    lost = sorted(set(baseline_copied) - set(copied))
+    if not lost:
+        return []
+    kinds = ", ".join("tail" if at_tail(i) else "mid-text" for i in lost)
+    return [f"pass codes that `1` copied and {topology} did not: items {lost} ({kinds})"]

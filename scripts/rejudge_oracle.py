@@ -1,0 +1,108 @@
+"""Re-judge the recorded comparison-oracle runs under the current rule (oracle.judge: bounds
+from the control arm, the first-step rank test), from their result records alone.
+
+    python scripts/rejudge_oracle.py [docs/validation/RUN ...]     # default: every run there
+
+A run can be re-judged where its records hold the control arm's items (test_control_arm's
+`oracle_control` with per-item first-step deltas and gaps) and the comparison's items. What a
+run lacks is said, per comparison, instead of a verdict. Prints one JSON line per comparison;
+tests/test_rejudge_records.py asserts healthy runs pass and negative controls fail.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from e2e_test.infra import oracle
+
+VALIDATION = ROOT / "docs" / "validation"
+
+
+def _records(run: Path) -> list[dict]:
+    out = []
+    for f in sorted((run / "tests").glob("*.json")) if (run / "tests").is_dir() else []:
+        try:
+            out.append(json.loads(f.read_text()))
+        except ValueError:
+            continue
+    return out
+
+
+def controls(records: list[dict]) -> dict[tuple[str, str], oracle.ControlArm]:
+    """(engine, eval) -> the control arm, where a record holds its items."""
+    out = {}
+    for r in records:
+        for name, arm in (r.get("oracle_control") or {}).items():
+            if isinstance(arm, dict) and arm.get("items"):
+                out[(r.get("engine"), name)] = oracle.ControlArm.from_record(arm)
+        rec = (r.get("kv_recall") or {}).get("control")
+        if "test_kv_recall_baseline" in r.get("test", "") and isinstance(rec, dict) \
+                and rec.get("items"):
+            out[(r.get("engine"), "recall")] = oracle.ControlArm.from_record(rec)
+    return out
+
+
+def comparisons(records: list[dict]) -> list[tuple[str, str, str, dict]]:
+    """(what, expect, eval, comparison record) for every comparison in the records:
+    expect "pass" for a topology held against `1`, "fail" for the negative control."""
+    out = []
+    for r in records:
+        test = r.get("test", "")
+        for name, v in (r.get("pd_vs_regular") or {}).items():
+            out.append((test, "pass", name, v.get("comparison")))
+        neg = r.get("oracle_negative_control")
+        if neg:
+            out.append((test, "fail", "gsm8k", neg.get("comparison")))
+        rec = r.get("kv_recall") or {}
+        if "test_pd_kv_recall" in test and rec.get("oracle"):
+            out.append((test, "pass", "recall", rec["oracle"].get("comparison")))
+        for name, vs in (r.get("oracle_dp") or {}).items():
+            for v in vs:
+                out.append((test, "pass", name, v.get("comparison")))
+    return out
+
+
+def rejudge(run: Path) -> list[dict]:
+    records = _records(run)
+    arms = controls(records)
+    engine = next((r.get("engine") for r in records if r.get("engine")), None)
+    results = []
+    for test, expect, name, cmp in comparisons(records):
+        res = {"run": run.name, "test": test, "eval": name, "expect": expect}
+        if not cmp or "items" not in cmp:
+            res["rejudged"] = False
+            res["why"] = "the record holds no per-item comparison (written before the oracle)"
+        elif (engine, name) not in arms:
+            res["rejudged"] = False
+            res["why"] = (f"no {name} control arm with per-item first-step deltas in this "
+                          "run's records")
+        else:
+            v = oracle.judge(oracle.Comparison.from_dict(cmp), arms[(engine, name)])
+            res.update(rejudged=True, ok=v.ok, message=v.message,
+                       first_step_max=round(v.thresholds.first_step_max, 4),
+                       gap_max=round(v.thresholds.gap_max, 4),
+                       rank_p=v.rank_test and v.rank_test["p"],
+                       max_first_step_delta=cmp.get("max_first_step_delta"),
+                       as_expected=(v.ok if expect == "pass" else
+                                    not oracle.negative_control_problems(v)))
+        results.append(res)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    runs = [Path(a) for a in argv] or sorted(p for p in VALIDATION.iterdir() if p.is_dir())
+    bad = 0
+    for run in runs:
+        for res in rejudge(run):
+            print(json.dumps(res))
+            bad += int(res.get("rejudged", False) and not res["as_expected"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
