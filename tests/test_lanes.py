@@ -404,7 +404,7 @@ def test_run_lane_command_and_env(tmp_path):
     ("SmolLM2-135M-Instruct", "dp2", "cpu", "0", "needs 2 worker(s)"),
     ("SmolLM2-135M-Instruct", "dp2", "cpu", "0,1", None),
 ])
-def test_device_shortfall(model, topology, backend, devices, expect):
+def test_device_shortfall(model, topology, backend, devices, expect, fake_gpus):
     why = device_shortfall(model, topology, backend, devices)
     if expect is None:
         assert why is None
@@ -431,7 +431,7 @@ class _Config:
         return self.opts[name]
 
 
-def test_require_devices_skips_or_fails():
+def test_require_devices_skips_or_fails(fake_gpus):
     with pytest.raises(pytest.skip.Exception, match="too few devices: .*needs 3 GPU"):
         require_devices(_Config(no_skips=False), "1e1p1d", "cuda")
     with pytest.raises(pytest.fail.Exception, match="--e2e-no-skips"):

@@ -126,6 +126,12 @@ class Cluster:
         self.driver: Engine = engines.for_topology(engine, self.topology)
         self.spec.require(engine, self.topology.kind)
         self.backend = settings.resolve_backend(backend, source="backend")
+        if self.backend not in self.driver.backends:
+            why = "" if backend or settings.raw("E2E_BACKEND") else \
+                " (no backend given and NVML sees no GPU here)"
+            raise ConfigError(f"engine {engine!r} ({self.driver.name}) runs on "
+                              f"{' or '.join(self.driver.backends)} only; backend is "
+                              f"{self.backend}{why}")
         if devices:
             settings.check_devices(devices, self.backend, "devices")
         self.model_path = weights_path(self.spec)
