@@ -127,7 +127,7 @@ class Lane:
         args = [*self.paths, "-m", self.markers,
                 "--junitxml", str(Path(results_dir) / f"junit-{self.name}{part}.xml"),
                 "--e2e-min-tests", str(need)]
-        if self.opt_in:
+        if self.opt_in or self.gpus:    # a skip on a GPU runner is a failure, not green
             args.append("--e2e-no-skips")
         return args
 

@@ -127,6 +127,7 @@ def pytest_generate_tests(metafunc):
     m_kinds = metafunc.definition.get_closest_marker("topology_kinds")
     m_engines = metafunc.definition.get_closest_marker("engines")
     m_profile = metafunc.definition.get_closest_marker("cluster_profile")
+    m_no_native = metafunc.definition.get_closest_marker("not_native_baseline")
     profile = cluster_profile(m_profile.args[0]).name if m_profile else None
     spec = get_spec(metafunc.config.getoption("--model"))
     params = []
@@ -136,6 +137,8 @@ def pytest_generate_tests(metafunc):
         for topo in topologies:
             if m_kinds and topo.kind not in m_kinds.args:
                 continue
+            if m_no_native and topo.native_baseline:
+                continue     # nothing to check on AFD's native baseline: never selected there
             if engine not in kind_engines().get(topo.kind, ()):
                 continue
             if not spec.supports(engine, topo.kind):

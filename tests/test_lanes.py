@@ -533,3 +533,68 @@ def test_run_lane_passes_ctrl_c_on_to_pytest_and_waits(tmp_path):
     p.send_signal(signal.SIGINT)          # as a terminal's Ctrl-C would, to the driver only
     assert p.wait(timeout=30) == 3
     assert done.read_text() == "torn down"
+
+
+# -- skips are failures on GPU lanes; --e2e-min-tests counts tests that ran (issue 28) ----------
+
+def _run_skippy(tmp_path, *flags):
+    (tmp_path / "test_skippy.py").write_text(textwrap.dedent(SKIPPY))
+    env = clean_env(tmp_path, PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.run(pytest_cmd("-p", "e2e_test.pytest_plugin", "-rA", "test_skippy.py",
+                                     *flags), cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_every_gpu_lane_runs_with_no_skips():
+    for lane in lanes.load_lanes().values():
+        for engines in [None] if len(lane.groups()) == 1 else [e for _, e in lane.groups()]:
+            args = lane.pytest_args("results", engines)
+            assert ("--e2e-no-skips" in args) == bool(lane.gpus or lane.opt_in), lane.name
+
+
+def test_a_gpu_lane_whose_selection_has_a_skipped_test_fails(tmp_path):
+    """e2e-1gpu-chat's own flags (its vLLM part: --e2e-min-tests, --e2e-no-skips, JUnit) over
+    a selection with one skipped test: the lane fails, naming the skip."""
+    lane = lanes.get_lane("e2e-1gpu-chat")
+    args = lane.pytest_args(tmp_path, ("vllm",))
+    flags = args[args.index("--junitxml"):]
+    flags[flags.index("--e2e-min-tests") + 1] = "2"        # what this selection can meet
+    r = _run_skippy(tmp_path, *flags)
+    out = r.stdout + r.stderr
+    assert r.returncode == pytest.ExitCode.TESTS_FAILED, out
+    assert "FAILED test_skippy.py::test_skipped" in out
+    assert "--e2e-no-skips: a skipped test fails this lane: Skipped: needs a thing" in out
+
+
+@pytest.mark.parametrize("need,ok", [(2, True), (3, False)])
+def test_min_tests_counts_tests_that_ran(tmp_path, need, ok):
+    """Three selected, two ran (test_ok and the xfail; the skip never ran its body): a minimum
+    of 3 fails at the end although 3 were selected."""
+    r = _run_skippy(tmp_path, "--e2e-min-tests", str(need))
+    out = r.stdout + r.stderr
+    if ok:
+        assert r.returncode == pytest.ExitCode.OK, out
+    else:
+        assert r.returncode == pytest.ExitCode.TESTS_FAILED, out
+        assert "2 test(s) ran, fewer than --e2e-min-tests 3 (3 selected" in out, out
+
+
+def test_too_few_devices_deselects_at_collection(tmp_path):
+    """A shared topology this runner cannot hold (dp2 on one core) is deselected with the
+    reason, not skipped; `1` stays."""
+    r, ids = collect(tmp_path, "e2e_test/router/test_chat.py", "--engine", "vllm",
+                     "--topology", "1,dp2", "--backend", "cpu", "--devices", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ids and all("[vllm-1" in i for i in ids), ids
+    assert "by too few devices: topology 'dp2' needs 2 worker(s)" in r.stdout, r.stdout
+
+
+def test_afd_ffn_proof_is_not_selected_on_the_native_baseline(tmp_path):
+    """The FFN proof has nothing to check on native-dpN: not selected there (the opt-in lane
+    runs under --e2e-no-skips, where its old skip failed the lane)."""
+    lane = lanes.get_lane("e2e-4gpu-afd")
+    r, ids = collect(tmp_path, *lane.paths, "-m", lane.markers, **lane.full_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    ffn = [i for i in ids if "test_afd_ffn_served" in i]
+    assert ffn == ["e2e_test/router/test_afd.py::test_afd_ffn_served[vllm-2a2f]"], ids
