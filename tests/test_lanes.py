@@ -162,23 +162,26 @@ def test_workflow_has_one_job_per_lane():
     on = wf[True]   # YAML 1.1 reads the key `on` as a boolean
     assert set(on) == {"push", "pull_request", "workflow_dispatch"}
     assert on["workflow_dispatch"]["inputs"]["lane"]["options"] == ["all", *table]
-    assert list(wf["jobs"]) == list(table)
+    assert list(wf["jobs"]) == [*table, "finish"]
     for name, lane in table.items():
         job = wf["jobs"][name]
         assert job["runs-on"] == list(lane.runs_on)
         assert job["timeout-minutes"] == lane.timeout_minutes
-        assert {k: v for k, v in job["env"].items() if k != "E2E_DATASET_DIR"} == \
-            lane.full_env()
+        assert {k: v for k, v in job["env"].items()
+                if k not in ("E2E_DATASET_DIR", "E2E_MODEL_ROOT")} == lanes.job_env(lane)
         steps = job["steps"]
         assert steps[0]["uses"].startswith("actions/checkout@")
-        # the dataset folder is a runner variable; GPU runners (offline) fail clearly without it
-        assert job["env"]["E2E_DATASET_DIR"] == "${{ vars.E2E_DATASET_DIR }}"
+        # each kind of runner has its own dataset variable; GPU runners (offline) fail
+        # clearly without theirs, the hosted one downloads without its own
         data = steps[1]["run"]
         if lane.gpus:
-            assert "::error title=No evaluation data::E2E_DATASET_DIR is not set" in data
+            assert job["env"]["E2E_DATASET_DIR"] == "${{ vars.GPU_DATASET_DIR }}"
+            assert "::error title=No evaluation data::GPU_DATASET_DIR is not set" in data
             assert "exit 1" in data
         else:
+            assert job["env"]["E2E_DATASET_DIR"] == "${{ vars.HOSTED_DATASET_DIR }}"
             assert "DOWNLOAD_EVAL_DATA=1" in data
+            assert "HOSTED_DATASET_DIR=${E2E_DATASET_DIR} is not a folder" in data
         setup = steps[2]
         assert setup["uses"].startswith("actions/setup-python@")
         assert setup["with"]["cache"] == "pip"
@@ -197,8 +200,11 @@ def test_workflow_has_one_job_per_lane():
             assert line.endswith(f"bash scripts/bootstrap.sh --extras "
                                  f"{lanes.VENVS[venv].extra}")
             assert (f"E2E_VENV={venv} " in line) == (venv != ".venv")
-        assert steps[4]["run"] == (f"{lane.venv_order[0]}/bin/python -m e2e_test run "
-                                   f"{name}")
+        if lanes.setup_commands(lane):
+            assert steps.pop(4)["run"].strip().splitlines() == lanes.setup_commands(lane)
+        assert steps[4]["run"] == lanes.run_command(lane)
+        assert steps[4]["run"].endswith(f"{lane.venv_order[0]}/bin/python -m e2e_test run "
+                                        f"{name}")
         upload = steps[5]
         assert upload["uses"].startswith("actions/upload-artifact@")
         assert upload["if"] == "always()" and upload["with"]["path"] == "results/"
@@ -210,6 +216,70 @@ def test_workflow_has_one_job_per_lane():
         else:
             assert "github.event_name == 'push'" in job["if"]
             assert "inputs.lane == 'all'" in job["if"]
+
+
+def test_workflow_runs_each_lane_with_what_it_needs():
+    """Issue 28: the hosted job as root with the multi-node and browser tests required; the
+    tiny VLM built for e2e-1gpu-epd; E2E_MODEL_ROOT for the hub-id models; the AFD plugin
+    installed for the AFD lanes."""
+    table = lanes.load_lanes()
+    wf = yaml.safe_load(lanes.render_workflow(table))
+    jobs = wf["jobs"]
+    cpu = jobs["e2e-cpu"]
+    assert cpu["env"]["E2E_REQUIRE_MULTINODE"] == "1" and cpu["env"]["E2E_REQUIRE_CHROMIUM"] == "1"
+    assert cpu["steps"][-2]["run"].startswith("sudo -E ")
+    epd = lanes.setup_commands(table["e2e-1gpu-epd"])
+    assert epd == [".venv-tokenspeed/bin/python -m e2e_test models tiny-vlm"]
+    for name in ("e2e-4gpu-epd", "e2e-4gpu-afd"):
+        assert jobs[name]["env"]["E2E_MODEL_ROOT"] == "${{ vars.GPU_MODEL_ROOT }}"
+        assert "GPU_MODEL_ROOT is not set" in lanes.setup_commands(table[name])[0]
+    for name in ("e2e-4gpu-afd", "e2e-8gpu-afd-large"):
+        cmds = lanes.setup_commands(table[name])
+        assert '.venv-vllm/bin/python -m pip install -q --no-deps "${AFD_PLUGIN_SPEC}"' in cmds
+        assert '.venv-vllm/bin/python -c "import afd_plugin"' in cmds
+        step = next(s for s in jobs[name]["steps"] if s.get("name") == "Lane set-up")
+        assert "vars.AFD_PLUGIN_SPEC ||" in step["env"]["AFD_PLUGIN_SPEC"]
+    assert "E2E_MODEL_ROOT" not in jobs["e2e-8gpu-afd-large"]["env"]   # AFD_GPU_E2E_MODEL
+    assert not lanes.setup_commands(table["e2e-1gpu-chat"])
+
+
+def _finish_script(table) -> str:
+    wf = yaml.safe_load(lanes.render_workflow(table))
+    fin = wf["jobs"]["finish"]
+    assert fin["if"] == "always()" and fin["needs"] == list(table)
+    return fin["steps"][0]["run"], fin["steps"][0]["env"]
+
+
+@pytest.mark.parametrize("event,chosen,results,ok", [
+    ("pull_request", "", {"e2e-cpu": "success"}, True),
+    ("pull_request", "", {"e2e-cpu": "skipped"}, False),
+    ("push", "", {"e2e-cpu": "success", "e2e-1gpu-chat": "success",
+                  "e2e-2gpu-pd": "success"}, True),
+    ("push", "", {"e2e-cpu": "success", "e2e-1gpu-chat": "skipped",
+                  "e2e-2gpu-pd": "success"}, False),       # a gating lane did not run
+    ("push", "", {"e2e-cpu": "success", "e2e-1gpu-chat": "success",
+                  "e2e-2gpu-pd": "cancelled"}, False),
+    ("workflow_dispatch", "e2e-4gpu-afd", {"e2e-4gpu-afd": "success"}, True),
+    ("workflow_dispatch", "e2e-4gpu-afd", {"e2e-4gpu-afd": "failure"}, False),
+    ("workflow_dispatch", "all", {"e2e-cpu": "success", "e2e-1gpu-chat": "success",
+                                  "e2e-2gpu-pd": "success"}, True),
+])
+def test_finish_job_fails_when_a_lane_that_gates_merge_did_not_run(tmp_path, event, chosen,
+                                                                  results, ok):
+    """The finish job's script, run with bash: a lane this event had to run that did not
+    succeed (skipped, cancelled, failed) fails the workflow; others are listed."""
+    table = lanes.load_lanes()
+    script, env = _finish_script(table)
+    run_env = {"PATH": os.environ["PATH"], "EVENT": event, "CHOSEN": chosen}
+    for name in table:
+        var = "R_" + name.upper().replace("-", "_")
+        assert env[var] == f"${{{{ needs.{name}.result }}}}"
+        run_env[var] = results.get(name, "skipped")
+    r = subprocess.run(["bash", "-e", "-c", script], env=run_env, capture_output=True,
+                       text=True, timeout=30)
+    assert (r.returncode == 0) == ok, r.stdout + r.stderr
+    if not ok:
+        assert "::error title=Lane did not pass::" in r.stdout
 
 
 def test_write_workflow(tmp_path):
