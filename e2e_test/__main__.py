@@ -167,6 +167,7 @@ def cmd_main(a) -> int:
     summary["teardown"] = c.teardown_report.to_dict()
     out = results.results_root()
     out.mkdir(parents=True, exist_ok=True)
+    settings.mark_latest(out)
     (out / "main.json").write_text(json.dumps(summary, indent=2, default=str))
     print("\n== main job summary ==")
     print(f"model {spec.id}, engine {a.engine}, topology {a.topology}")
@@ -336,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(fn=cmd_run)
     a = p.parse_args(argv)
     try:
+        if a.cmd in ("main", "cycles", "bench"):   # runs that write results: one folder each
+            settings.results_dir()
         if a.cmd != "run":     # `run LANE` checks the lane's environment itself
             settings.startup(backend=getattr(a, "backend", None),
                              devices=getattr(a, "devices", None),

@@ -579,8 +579,10 @@ def render_workflow(lanes: dict[str, Lane] | None = None) -> str:
 
 
 def job_env(lane: Lane) -> dict[str, str]:
-    """The job's env: the lane's (full_env), and on the hosted runner HOSTED_ENV."""
-    return {**lane.full_env(), **(HOSTED_ENV if lane.gpus == 0 else {})}
+    """The job's env: the lane's (full_env), on the hosted runner HOSTED_ENV, and a fixed
+    results folder (results/LANE: the uploaded artifact has no `latest` link to follow)."""
+    return {**lane.full_env(), **(HOSTED_ENV if lane.gpus == 0 else {}),
+            "E2E_RESULTS_DIR": f"results/{lane.name}"}
 
 
 def gates_merge(lane: Lane) -> bool:
@@ -690,6 +692,9 @@ def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
     if extra[:1] == ["--"]:
         extra = extra[1:]
     groups = lane.groups()
+    # unset E2E_RESULTS_DIR: one folder for this run of the lane (its parts in sub-folders)
+    if settings.raw("E2E_RESULTS_DIR", base) is None:
+        base["E2E_RESULTS_DIR"] = str(settings.results_dir({"E2E_LANE": lane.name}))
     out = []
     for venv, engines in groups:
         env = {**base, **dict(VENVS[venv].env), **lane.full_env(), "E2E_LANE": lane.name}
@@ -780,6 +785,8 @@ def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: flo
     from .infra import settings
     from .infra.plan import nvml_inventory
     out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
+    for d in (out, out.parent):          # the run's folder (a split lane: the parts' parent)
+        settings.mark_latest(d)
     devices = []
     try:
         import pynvml

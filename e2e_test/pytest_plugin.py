@@ -100,6 +100,8 @@ def pytest_configure(config):
                          model=_given(config, "--model", "E2E_MODEL"),
                          engines=_given(config, "--engine", "E2E_ENGINES"),
                          topologies=_given(config, "--topology", "E2E_TOPOLOGIES"))
+        if getattr(config, "workerinput", None) is None:
+            settings.results_dir()     # this session's own folder (xdist workers inherit it)
         if config.getoption("--launcher"):    # every Cluster of the session reads it
             os.environ["E2E_LAUNCHER"] = settings.value(
                 "E2E_LAUNCHER", config.getoption("--launcher"), "--launcher")

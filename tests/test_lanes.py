@@ -459,7 +459,12 @@ def test_run_lane_command_and_env(tmp_path):
     argv, env = lanes.lane_command(lanes.get_lane("e2e-8gpu-afd-large"), [],
                                    environ={"E2E_LANE_PYTHON": sys.executable})
     assert argv[-1] == "--e2e-no-skips"
-    assert "--junitxml" in argv and "results/junit-e2e-8gpu-afd-large.xml" in argv
+    # E2E_RESULTS_DIR unset: the run's own folder, results/LANE-<date>-<time>-<pid>/
+    import re
+    junit = argv[argv.index("--junitxml") + 1]
+    assert re.fullmatch(r"results/e2e-8gpu-afd-large-\d{8}-\d{6}-\d+/"
+                        r"junit-e2e-8gpu-afd-large\.xml", junit), junit
+    assert env["E2E_RESULTS_DIR"] == str(Path(junit).parent)
     assert env["AFD_E2E_LARGE_MODEL"] == "1"
 
 

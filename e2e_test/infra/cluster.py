@@ -50,7 +50,8 @@ _ids = itertools.count(1)
 
 
 def results_root() -> Path:
-    return settings.get("E2E_RESULTS_DIR")
+    """This run's results folder (settings.results_dir: E2E_RESULTS_DIR, or one of its own)."""
+    return settings.results_dir()
 
 
 def default_backend() -> str:

@@ -224,7 +224,7 @@ _add("E2E_MODEL_PATH", PathKind(must_be_dir=True), None, "weights folder of the 
 _add("E2E_MODEL_ROOT", PathKind(must_be_dir=True), None, "folder holding hub-id sub-folders for `source: hf` registry entries")
 _add("E2E_CACHE_DIR", PathKind(), Path("~/.cache/e2e_test").expanduser(), "cache of prepared models and downloaded datasets")
 _add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: the cache")
-_add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go")
+_add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go; unset: a folder of its own per run, results/<lane or run>-<date>-<time>-<pid>, with results/latest pointing at it")
 # Where workers run (launcher.py)
 _add("E2E_LAUNCHER", Choice("local", "ray"), "local", "how workers start: processes on this host (local) or Ray actors on the nodes of a Ray cluster (ray; `--launcher`, docs/multinode.md)")
 _add("E2E_RAY_ADDRESS", Text(), "auto", "the Ray cluster of `--launcher ray`: auto (this node's), HOST:PORT, or ray://HOST:PORT (Ray Client, from a machine that is no node)")
@@ -288,6 +288,40 @@ def value(name: str, text: str | None, source: str) -> Any:
     """Parse an option that stands for a variable (`--backend` for E2E_BACKEND): the error
     names the option."""
     return SETTINGS[name].parse(text, source=source)
+
+
+def results_dir(environ=None) -> Path:
+    """This run's results folder. E2E_RESULTS_DIR when set; unset, a folder of its own under
+    `results/` (`<E2E_LANE or run>-<date>-<time>-<pid>`), written back into the environment so
+    every part of the run (pytest-xdist workers, guardians, a lane's parts) uses the same one,
+    and two runs in one checkout never overwrite each other's summary."""
+    import time
+    env = os.environ if environ is None else environ
+    if raw("E2E_RESULTS_DIR", env) is None:
+        name = f"{raw('E2E_LANE', env) or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        env["E2E_RESULTS_DIR"] = str(RESULTS_BASE / name)
+    return get("E2E_RESULTS_DIR", env)
+
+
+RESULTS_BASE = Path("results")
+LATEST = "latest"
+
+
+def mark_latest(d: Path) -> None:
+    """`results/latest` -> `d` when `d` is a run folder directly under results/ (replaced
+    atomically; a failure to link is not an error of the run)."""
+    d = Path(d)
+    base = RESULTS_BASE.resolve()
+    if d.resolve().parent != base or d.name == LATEST:
+        return
+    tmp = base / f".{LATEST}-{os.getpid()}"
+    try:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        tmp.symlink_to(d.name, target_is_directory=True)
+        os.replace(tmp, base / LATEST)
+    except OSError:
+        pass
 
 
 def check(environ=None) -> dict[str, Any]:
