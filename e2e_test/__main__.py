@@ -120,12 +120,16 @@ def _cluster(a, **kw):
 
 
 def cmd_plan(a) -> int:
+    """The device plan and each worker's command, shell-quoted: a line pasted into bash runs
+    that argv (`env K=V ... argv`)."""
+    import shlex
     c = _cluster(a)
     print(c.plan.describe())
     for w in c.workers:
-        print(f"{w.name}: {' '.join(w.command.argv)}")
+        print(f"{w.name}: {shlex.join(w.command.argv)}")
         if w.command.env:
-            print(f"  env: {w.command.env}")
+            print("  env: " + " ".join(f"{k}={shlex.quote(str(v))}"
+                                      for k, v in w.command.env.items()))
     return 0
 
 
@@ -174,6 +178,7 @@ def cmd_main(a) -> int:
     summary["teardown"] = c.teardown_report.to_dict()
     out = results.results_root()
     out.mkdir(parents=True, exist_ok=True)
+    settings.mark_latest(out)
     (out / "main.json").write_text(json.dumps(summary, indent=2, default=str))
     print("\n== main job summary ==")
     print(f"model {spec.id}, engine {a.engine}, topology {a.topology}")
@@ -217,17 +222,20 @@ def cmd_report(a) -> int:
     from pathlib import Path
 
     from .infra import report
+    from .infra.errors import ConfigError
     dirs = [Path(d) for d in a.dirs]
+    if a.html and a.trend:
+        raise ConfigError("report: give --html (one run) or --trend (several), not both")
+    if a.html and len(dirs) != 1:
+        raise ConfigError(f"report --html renders one result folder; got {len(dirs)}")
+    for d in dirs:                      # nothing is rendered from a folder that holds no run
+        if not d.is_dir():
+            raise ConfigError(f"report: {d} is not a folder")
+        if not report.has_results(d):
+            raise ConfigError(f"report: {d} holds no results (no run.json, summary.json, "
+                              "note.json or tests/*.json; point it at a results folder)")
     if a.html or a.trend:
         from .infra import html_report
-        from .infra.errors import ConfigError
-        if a.html and a.trend:
-            raise ConfigError("report: give --html (one run) or --trend (several), not both")
-        if a.html and len(dirs) != 1:
-            raise ConfigError(f"report --html renders one result folder; got {len(dirs)}")
-        for d in dirs:
-            if not d.is_dir():
-                raise ConfigError(f"report: {d} is not a folder")
         text = html_report.render_run(dirs[0]) if a.html else html_report.render_trend(dirs)
         out = Path(a.out or (dirs[0] / "run.html" if a.html else "trend.html"))
         out.write_text(text)
@@ -257,8 +265,10 @@ def cmd_settings(a) -> int:
         return 0
     values = settings.check()
     for name, v in values.items():
-        shown = "" if settings.raw(name) is None else f"  (set: {settings.raw(name)!r})"
-        print(f"{name:<26} {v!r}{shown}")
+        raw = settings.raw(name)
+        text = settings.shown(v, name)
+        given = "" if raw is None or raw.strip() == text else f"  (set: {raw})"
+        print(f"{name:<26} {text}{given}")
     return 0
 
 
@@ -340,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(fn=cmd_run)
     a = p.parse_args(argv)
     try:
+        if a.cmd in ("main", "cycles", "bench"):   # runs that write results: one folder each
+            settings.results_dir()
         if a.cmd != "run":     # `run LANE` checks the lane's environment itself
             settings.startup(backend=getattr(a, "backend", None),
                              devices=getattr(a, "devices", None),
@@ -350,6 +362,24 @@ def main(argv: list[str] | None = None) -> int:
         if e.details:
             print(e.details, file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:       # an optional dependency of this command
+        print(f"error: {missing_module(e, a.cmd)}", file=sys.stderr)
+        return 2
+
+
+# The extra (pyproject.toml) that installs each optional module a command may import.
+MODULE_EXTRAS = {"matplotlib": "dev", "websockets": "dev", "PIL": "dev", "numpy": "dev",
+                 "torch": "cpu", "transformers": "cpu", "gguf": "cpu", "accelerate": "cpu",
+                 "vllm": "cpu", "pynvml": "gpu", "tokenspeed": "tokenspeed",
+                 "ray": "multinode"}
+
+
+def missing_module(e: ModuleNotFoundError, cmd: str) -> str:
+    """One line for a command whose optional dependency is not installed: what to install."""
+    top = (e.name or str(e)).split(".")[0]
+    extra = MODULE_EXTRAS.get(top)
+    how = (f"pip install -e '.[{extra}]'" if extra else f"pip install {top}")
+    return f"{cmd} needs the Python module {top!r}, which is not installed here: {how}"
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ class Lane:
         args = [*self.paths, "-m", self.markers,
                 "--junitxml", str(Path(results_dir) / f"junit-{self.name}{part}.xml"),
                 "--e2e-min-tests", str(need)]
-        if self.opt_in:
+        if self.opt_in or self.gpus:    # a skip on a GPU runner is a failure, not green
             args.append("--e2e-no-skips")
         return args
 
@@ -375,8 +375,8 @@ WORKFLOW_JOB = """\
     runs-on: [{runs_on}]
     timeout-minutes: {timeout}
     env:
-      # The runner's dataset folder: the repository (or organization) variable E2E_DATASET_DIR.
-      E2E_DATASET_DIR: ${{{{ vars.E2E_DATASET_DIR }}}}
+      # {data_comment}
+      E2E_DATASET_DIR: ${{{{ vars.{data_var} }}}}
 {env}
     steps:
       - uses: actions/checkout@v5
@@ -390,8 +390,8 @@ WORKFLOW_JOB = """\
           cache-dependency-path: pyproject.toml
 {compile_cache}      - name: Bootstrap ({extras_title})
         run: {bootstrap}
-      - name: Run lane {name}
-        run: {python_bin} -m e2e_test run {name}
+{setup}      - name: Run lane {name}
+        run: {run}
       - name: Upload results
         if: always()
         uses: actions/upload-artifact@v6
@@ -403,9 +403,82 @@ WORKFLOW_JOB = """\
 """
 PYTHON_VERSION = "3.11"
 RETENTION_DAYS = 30
-DATA_MISSING = ("E2E_DATASET_DIR is not set: set the repository variable E2E_DATASET_DIR "
-                "(Settings > Secrets and variables > Actions > Variables) to the runner's "
-                "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl")
+# Repository (or organization) variables (Settings > Secrets and variables > Actions >
+# Variables). Hosted and self-hosted runners have different file systems, so each kind has its
+# own dataset variable: one folder set for the GPU runners would break the hosted job.
+HOSTED_DATA_VAR = "HOSTED_DATASET_DIR"     # optional: unset, the hosted job downloads
+GPU_DATA_VAR = "GPU_DATASET_DIR"           # required by every self-hosted GPU job
+GPU_MODEL_ROOT_VAR = "GPU_MODEL_ROOT"       # hub-id folders of `source: hf` models (GPU jobs)
+AFD_PLUGIN_VAR = "AFD_PLUGIN_SPEC"         # pip requirement of the AFD plugin (AFD jobs)
+AFD_PLUGIN_DEFAULT = "vllm-afd-plugin @ git+https://github.com/vllm-project/afd-plugin@2e4378f"
+VARS_WHERE = "Settings > Secrets and variables > Actions > Variables"
+DATA_MISSING = (f"{GPU_DATA_VAR} is not set: set the repository variable {GPU_DATA_VAR} "
+                f"({VARS_WHERE}) to the self-hosted runners' folder with "
+                "gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl (the hosted e2e-cpu job "
+                f"reads {HOSTED_DATA_VAR} instead)")
+MODEL_ROOT_MISSING = (f"{GPU_MODEL_ROOT_VAR} is not set: set the repository variable "
+                      f"{GPU_MODEL_ROOT_VAR} ({VARS_WHERE}) to the self-hosted runners' folder "
+                      "holding the model's hub-id sub-folder (E2E_MODEL_ROOT; weights are "
+                      "never downloaded)")
+# Registry models the lane builds itself (never downloaded): the `python -m e2e_test` words.
+MODEL_BUILDERS = {"tiny-random/Qwen3.5-VL": "models tiny-vlm"}
+# The hosted CPU job runs its lane as root (sudo): the simulated multi-node test needs network
+# namespaces, and with a browser on PATH (google-chrome on ubuntu-latest) the HTML page test
+# runs; both are then required (they fail instead of skipping), as under .ci/run.
+HOSTED_ENV = {"E2E_REQUIRE_MULTINODE": "1", "E2E_REQUIRE_CHROMIUM": "1"}
+
+
+def _model(lane: Lane):
+    from .infra.model_specs import DEFAULT_MODEL, get_spec
+    return get_spec(lane.env.get("E2E_MODEL", DEFAULT_MODEL))
+
+
+def needs_model_root(lane: Lane) -> bool:
+    """A GPU lane whose model comes from a hub-id folder (not the opt-in model, whose folder is
+    the runner's AFD_GPU_E2E_MODEL)."""
+    spec = _model(lane)
+    return bool(lane.gpus) and spec.weights.source == "hf" and not spec.opt_in
+
+
+def needs_afd_plugin(lane: Lane) -> bool:
+    return any(parse_topology(t).kind == "afd" for t in lane.topologies)
+
+
+def setup_commands(lane: Lane) -> list[str]:
+    """What a lane needs between bootstrap and its run: the model root checked, a model the
+    lane builds (the tiny VLM), the AFD plugin installed and importable."""
+    py = f"{lane.venv_order[0]}/bin/python"
+    cmds = []
+    if needs_model_root(lane):
+        cmds.append('if [ -z "${E2E_MODEL_ROOT}" ]; then echo "::error title=No model '
+                    f'weights::{MODEL_ROOT_MISSING}"; exit 1; fi')
+    build = MODEL_BUILDERS.get(_model(lane).id)
+    if build:
+        cmds.append(f"{py} -m e2e_test {build}")
+    if needs_afd_plugin(lane):
+        cmds.append(f'{py} -m pip install -q --no-deps "${{{AFD_PLUGIN_VAR}}}"')
+        cmds.append(f'{py} -c "import afd_plugin"')
+    return cmds
+
+
+def _setup_step(lane: Lane) -> str:
+    cmds = setup_commands(lane)
+    if not cmds:
+        return ""
+    env = ""
+    if needs_afd_plugin(lane):
+        env = ("        env:\n"
+               f"          {AFD_PLUGIN_VAR}: ${{{{ vars.{AFD_PLUGIN_VAR} || "
+               f"'{AFD_PLUGIN_DEFAULT}' }}}}\n")
+    return ("      - name: Lane set-up\n" + env + "        run: |\n"
+            + "".join(f"          {c}\n" for c in cmds))
+
+
+def run_command(lane: Lane) -> str:
+    py = f"{lane.venv_order[0]}/bin/python"
+    if lane.gpus == 0:   # hosted: as root (see HOSTED_ENV), with this user's PATH and HOME
+        return f'sudo -E env "PATH=$PATH" "HOME=$HOME" {py} -m e2e_test run {lane.name}'
+    return f"{py} -m e2e_test run {lane.name}"
 
 
 def _compile_cache_step(lane: Lane) -> str:
@@ -426,21 +499,28 @@ def _compile_cache_step(lane: Lane) -> str:
 
 
 def _data_step(lane: Lane) -> str:
-    """Hosted CPU runners are online: without the variable they download the public copies
-    (after bootstrap, see the run step). GPU runners are offline: a missing variable is an
-    error that says what to set."""
+    """Hosted CPU runners are online: without HOSTED_DATASET_DIR they download the public
+    copies (after bootstrap, see the run step); a folder that is not there is an error naming
+    the variable. GPU runners are offline: a missing GPU_DATASET_DIR is an error that says what
+    to set."""
     ind = "          "
     if lane.gpus == 0:
-        return "\n".join([ind + 'if [ -z "${E2E_DATASET_DIR}" ]; then',
-                          ind + '  echo "E2E_DATASET_DIR is not set: the public copies will be '
-                          'downloaded"; echo "DOWNLOAD_EVAL_DATA=1" >> "$GITHUB_ENV"',
-                          ind + "fi"])
+        return "\n".join([
+            ind + 'if [ -z "${E2E_DATASET_DIR}" ]; then',
+            ind + '  echo "E2E_DATASET_DIR is not set: the public copies will be '
+            'downloaded"; echo "DOWNLOAD_EVAL_DATA=1" >> "$GITHUB_ENV"',
+            ind + 'elif [ ! -d "${E2E_DATASET_DIR}" ]; then',
+            ind + f'  echo "::error title=No evaluation data::{HOSTED_DATA_VAR}=${{E2E_DATASET_DIR}} '
+            'is not a folder on this hosted runner (unset it to download the public copies; the '
+            f'self-hosted GPU jobs read {GPU_DATA_VAR})"',
+            ind + "  exit 1",
+            ind + "fi"])
     return "\n".join([ind + 'if [ -z "${E2E_DATASET_DIR}" ]; then',
                       ind + f'  echo "::error title=No evaluation data::{DATA_MISSING}"',
                       ind + "  exit 1",
                       ind + "fi",
                       ind + 'test -f "${E2E_DATASET_DIR}/gsm8k/test.jsonl" || { echo '
-                      '"::error title=No evaluation data::E2E_DATASET_DIR=${E2E_DATASET_DIR} '
+                      f'"::error title=No evaluation data::{GPU_DATA_VAR}=${{E2E_DATASET_DIR}} '
                       'has no gsm8k/test.jsonl"; exit 1; }'])
 # The step summary: results.write_session appends results/summary.md to $GITHUB_STEP_SUMMARY.
 
@@ -477,15 +557,86 @@ def render_workflow(lanes: dict[str, Lane] | None = None) -> str:
         options="\n".join(f"          - {o}" for o in ["all", *lanes]))
     jobs = []
     for ln in lanes.values():
-        env = "\n".join(f"      {k}: {_q(v)}" for k, v in ln.full_env().items())
+        env = "\n".join(f"      {k}: {_q(v)}" for k, v in job_env(ln).items())
+        if needs_model_root(ln):
+            env += ("\n      # hub-id folders of the model (never downloaded)"
+                    f"\n      E2E_MODEL_ROOT: ${{{{ vars.{GPU_MODEL_ROOT_VAR} }}}}")
+        hosted = ln.gpus == 0
         jobs.append(WORKFLOW_JOB.format(
             name=ln.name, title=_q(f"{ln.name}: {ln.description}"),
             cond=_job_if(ln, dispatch_all=not ln.opt_in), runs_on=", ".join(ln.runs_on),
             timeout=ln.timeout_minutes, env=env, extras_title=", ".join(ln.extras),
             bootstrap=_bootstrap(ln), data=_data_step(ln), python=PYTHON_VERSION,
-            compile_cache=_compile_cache_step(ln),
-            python_bin=f"{ln.venv_order[0]}/bin/python", retention=RETENTION_DAYS))
+            compile_cache=_compile_cache_step(ln), setup=_setup_step(ln), run=run_command(ln),
+            data_var=HOSTED_DATA_VAR if hosted else GPU_DATA_VAR,
+            data_comment=(f"Evaluation data: the variable {HOSTED_DATA_VAR} (hosted runners; "
+                          "unset: downloaded)" if hosted else
+                          f"Evaluation data: the variable {GPU_DATA_VAR} (self-hosted GPU "
+                          "runners; required)"),
+            retention=RETENTION_DAYS))
+    jobs.append(_finish_job(lanes))
     return text + "\n".join(jobs)
+
+
+def job_env(lane: Lane) -> dict[str, str]:
+    """The job's env: the lane's (full_env), on the hosted runner HOSTED_ENV, and a fixed
+    results folder (results/LANE: the uploaded artifact has no `latest` link to follow)."""
+    return {**lane.full_env(), **(HOSTED_ENV if lane.gpus == 0 else {}),
+            "E2E_RESULTS_DIR": f"results/{lane.name}"}
+
+
+def gates_merge(lane: Lane) -> bool:
+    """A lane that runs on its own (push / pull_request): it must have run and passed."""
+    return not lane.manual
+
+
+FINISH_JOB = """\
+  finish:
+    name: "finish: every lane this run had to run ran and passed"
+    if: always()
+    needs: [{needs}]
+    runs-on: [ubuntu-latest]
+    timeout-minutes: 5
+    steps:
+      - name: Lanes that gate merge
+        env:
+          EVENT: ${{{{ github.event_name }}}}
+          CHOSEN: ${{{{ inputs.lane }}}}
+{results}
+        run: |
+          fail=0
+          # lane, its result, the events that start it by themselves, manual (1) or not (0)
+          check() {{
+            want=0
+            case " $3 " in *" $EVENT "*) want=1 ;; esac
+            if [ "$EVENT" = workflow_dispatch ]; then
+              if [ "$CHOSEN" = "$1" ] || {{ [ "$CHOSEN" = all ] && [ "$4" = 0 ]; }}; then want=1; fi
+            fi
+            if [ "$want" = 1 ] && [ "$2" != success ]; then
+              echo "::error title=Lane did not pass::$1: $2 (it had to run and pass on $EVENT)"
+              fail=1
+            else
+              echo "$1: $2"
+            fi
+          }}
+{checks}
+          exit "$fail"
+"""
+
+
+def _finish_job(lanes: dict[str, Lane]) -> str:
+    """One job after every lane (`if: always()`): fails the workflow when a lane this event
+    had to run (its trigger, or chosen in a manual run) was skipped, cancelled or failed, so a
+    required check never passes on a lane that did not run."""
+    def var(name):
+        return "R_" + name.upper().replace("-", "_")
+    results = "\n".join(f"          {var(n)}: ${{{{ needs.{n}.result }}}}" for n in lanes)
+    checks = "\n".join(
+        f'          check {n} "${var(n)}" "'
+        + " ".join(e for e in ln.trigger if e != "workflow_dispatch" and gates_merge(ln))
+        + f'" {0 if gates_merge(ln) and not ln.opt_in else 1}'
+        for n, ln in lanes.items())
+    return FINISH_JOB.format(needs=", ".join(lanes), results=results, checks=checks)
 
 
 def render_actionlint_config(lanes: dict[str, Lane] | None = None) -> str:
@@ -541,6 +692,9 @@ def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
     if extra[:1] == ["--"]:
         extra = extra[1:]
     groups = lane.groups()
+    # unset E2E_RESULTS_DIR: one folder for this run of the lane (its parts in sub-folders)
+    if settings.raw("E2E_RESULTS_DIR", base) is None:
+        base["E2E_RESULTS_DIR"] = str(settings.results_dir({"E2E_LANE": lane.name}))
     out = []
     for venv, engines in groups:
         env = {**base, **dict(VENVS[venv].env), **lane.full_env(), "E2E_LANE": lane.name}
@@ -631,6 +785,8 @@ def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: flo
     from .infra import settings
     from .infra.plan import nvml_inventory
     out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
+    for d in (out, out.parent):          # the run's folder (a split lane: the parts' parent)
+        settings.mark_latest(d)
     devices = []
     try:
         import pynvml

@@ -1,6 +1,7 @@
-"""pytest glue for lanes: device shortfall (skip, or fail under --e2e-no-skips), the opt-in
-AFD profile check, selection accounting, --e2e-min-tests and --e2e-no-skips. Loaded by
-pytest_plugin.py (its `pytest_plugins`); the fixtures live there."""
+"""pytest glue for lanes: device shortfall (shared topologies: deselected at collection;
+a test's own topology: skip, or fail under --e2e-no-skips), placeholder cases deselected, the
+opt-in AFD profile check, selection accounting, --e2e-min-tests (tests that ran) and
+--e2e-no-skips. Loaded by pytest_plugin.py (its `pytest_plugins`); the fixtures live there."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import pytest
 from .infra import settings
 from .infra.engines import engine_names, for_topology, kind_engines
 from .infra.topology import parse as parse_topology
-from .pytest_state import state
+from .pytest_state import DESELECT_WHY, state
 
 
 def pytest_addoption(parser):
     g = parser.getgroup("e2e", "end-to-end harness")
     g.addoption("--e2e-min-tests", type=int, default=None, metavar="N",
-                help="fail the session when fewer than N tests are selected (lanes set this)")
+                help="fail the session when fewer than N tests are selected, or when fewer "
+                     "than N ran (skipped ones do not count; lanes set this)")
     g.addoption("--e2e-no-skips", action="store_true", default=False,
-                help="any skipped test fails the session (opt-in lanes set this)")
+                help="any skipped test fails the session (GPU and opt-in lanes set this)")
 
 
 def device_shortfall(model: str, topology, backend: str, devices: str | None,
@@ -82,7 +84,57 @@ def require_multinode() -> None:
         pytest.skip(why)
 
 
+def _runner_deselection(item, config, backend: str | None, cache: dict) -> str | None:
+    """Why this machine cannot run the item, decided at collection: a placeholder case (no
+    selected engine/topology fits the test) or a shared topology the devices present cannot
+    hold (a fact about the runner, not a test outcome). None: keep it. A topology whose
+    placement cannot be judged here (cuda with no GPU seen) stays: its fixture says why."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if ("cluster_key" in params and params["cluster_key"] is None) or \
+            ("engine_name" in params and params["engine_name"] is None):
+        return "no selected engine/topology fits the test"
+    ck = params.get("cluster_key")
+    if not ck or backend is None:
+        return None
+    engine, topo = ck[0], ck[1]
+    key = (config.getoption("--model"), topo, backend, config.getoption("--devices"), engine)
+    if key not in cache:
+        from .infra.errors import ConfigError
+        try:
+            driver = for_topology(engine, parse_topology(topo))
+            # an engine off its backend (TokenSpeed on cpu) stays a skip (require_devices)
+            why = device_shortfall(*key) if backend in driver.backends else None
+            cache[key] = why and f"too few devices: {why}"
+        except ConfigError:
+            cache[key] = None
+    return cache[key]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Cases this runner cannot run are deselected (named in the selection report), so a lane
+    neither skips them nor counts them: --e2e-min-tests then says the lane ran too little."""
+    try:
+        backend = settings.resolve_backend(config.getoption("--backend"))
+    except Exception:   # startup already named a bad --backend
+        backend = None
+    cache: dict = {}
+    keep, drop = [], []
+    for item in items:
+        why = _runner_deselection(item, config, backend, cache)
+        if why:
+            item.stash[DESELECT_WHY] = why
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def _deselect_reason(item, config) -> str:
+    if DESELECT_WHY in item.stash:
+        return item.stash[DESELECT_WHY]
     kexpr = (getattr(config.option, "keyword", "") or "").strip()
     mexpr = (getattr(config.option, "markexpr", "") or "").strip()
     try:
@@ -159,11 +211,56 @@ def pytest_collection_finish(session):
         pytest.exit(f"--e2e-no-skips: {len(skips)} skipped at collection: " + "; ".join(skips),
                     returncode=pytest.ExitCode.TESTS_FAILED)
     need = config.getoption("--e2e-min-tests")
-    if need is not None and len(session.items) < need:
+    if need is not None and len(session.items) < need:   # fewer selected: fewer can run
         lane = settings.get("E2E_LANE")
         pytest.exit(f"{f'lane {lane}: ' if lane else ''}{len(session.items)} test(s) selected, "
                     f"fewer than --e2e-min-tests {need} (check paths, -m, E2E_ENGINES, "
                     "E2E_TOPOLOGIES)", returncode=pytest.ExitCode.TESTS_FAILED)
+
+
+def pytest_runtest_logreport(report):
+    """A test ran when its body ran (the call phase), whatever its outcome; a skip never runs
+    its body. Under xdist the controller sees every worker's reports here."""
+    if report.when == "call" and (not report.skipped or hasattr(report, "wasxfail")):
+        _RAN.add(report.nodeid)
+
+
+_RAN: set = set()
+
+
+def ran_count(config) -> int:
+    return len(_RAN)
+
+
+def pytest_sessionstart(session):
+    _RAN.clear()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """--e2e-min-tests counts the tests that ran: a lane whose selection was skipped away
+    (or deselected for this runner) fails instead of going green."""
+    config = session.config
+    need = config.getoption("--e2e-min-tests")
+    if (need is None or getattr(config, "workerinput", None) is not None
+            or config.getoption("collectonly") or session.shouldstop or
+            exitstatus == pytest.ExitCode.INTERRUPTED):
+        return
+    ran = ran_count(config)
+    if ran < need:
+        lane = settings.get("E2E_LANE")
+        line = (f"{f'lane {lane}: ' if lane else ''}{ran} test(s) ran, fewer than "
+                f"--e2e-min-tests {need} ({len(session.items)} selected; skipped tests do not "
+                "count)")
+        state(config).min_tests_line = line
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    line = getattr(state(config), "min_tests_line", None)
+    if line:
+        terminalreporter.write_line(line, red=True, bold=True)
 
 
 @pytest.hookimpl(wrapper=True, trylast=True, specname="pytest_runtest_makereport")

@@ -21,8 +21,9 @@ from .infra.cluster import Cluster
 from .infra.engines import (DEFAULT_ENGINE, EngineOptions, engine_names, kind_engines,
                             options_from_env)
 from .infra.errors import HarnessError
-from .infra.model_specs import DEFAULT_MODEL
+from .infra.model_specs import DEFAULT_MODEL, get_spec
 from .infra.topology import parse as parse_topology
+from .infra.topology import split_list
 from .pytest_lanes import device_shortfall, require_devices  # noqa: F401  (public helpers)
 from .pytest_state import OUTCOME, RECORDED, state
 
@@ -36,7 +37,8 @@ def pytest_addoption(parser):
     g.addoption("--engine", default=settings.raw("E2E_ENGINES") or ",".join(engine_names()),
                 help="engines to parametrize over (comma list; env E2E_ENGINES)")
     g.addoption("--topology", default=settings.raw("E2E_TOPOLOGIES") or DEFAULT_TOPOLOGIES,
-                help="topologies to parametrize over (comma list; env E2E_TOPOLOGIES)")
+                help="topologies to parametrize over (comma list; an option such as p.node=0 "
+                     "belongs to the topology before it; env E2E_TOPOLOGIES)")
     g.addoption("--model", default=settings.raw("E2E_MODEL") or DEFAULT_MODEL,
                 help="model id from the registry (env E2E_MODEL)")
     g.addoption("--devices", default=settings.raw("E2E_DEVICES"),
@@ -51,6 +53,11 @@ def pytest_addoption(parser):
 
 def _csv(v: str) -> list[str]:
     return [x.strip() for x in (v or "").split(",") if x.strip()]
+
+
+def _topologies(config) -> list[str]:
+    """--topology as topology names (options stay with their topology: topology.split_list)."""
+    return [parse_topology(t).name for t in split_list(config.getoption("--topology"))]
 
 
 def _given(config, option: str, var: str) -> str | None:
@@ -93,6 +100,8 @@ def pytest_configure(config):
                          model=_given(config, "--model", "E2E_MODEL"),
                          engines=_given(config, "--engine", "E2E_ENGINES"),
                          topologies=_given(config, "--topology", "E2E_TOPOLOGIES"))
+        if getattr(config, "workerinput", None) is None:
+            settings.results_dir()     # this session's own folder (xdist workers inherit it)
         if config.getoption("--launcher"):    # every Cluster of the session reads it
             os.environ["E2E_LAUNCHER"] = settings.value(
                 "E2E_LAUNCHER", config.getoption("--launcher"), "--launcher")
@@ -116,11 +125,13 @@ def pytest_generate_tests(metafunc):
     if "cluster_key" not in metafunc.fixturenames:
         return
     engines = _csv(metafunc.config.getoption("--engine"))
-    topologies = [parse_topology(t) for t in _csv(metafunc.config.getoption("--topology"))]
+    topologies = [parse_topology(t) for t in _topologies(metafunc.config)]
     m_kinds = metafunc.definition.get_closest_marker("topology_kinds")
     m_engines = metafunc.definition.get_closest_marker("engines")
     m_profile = metafunc.definition.get_closest_marker("cluster_profile")
+    m_no_native = metafunc.definition.get_closest_marker("not_native_baseline")
     profile = cluster_profile(m_profile.args[0]).name if m_profile else None
+    spec = get_spec(metafunc.config.getoption("--model"))
     params = []
     for engine in engines:
         if m_engines and engine not in m_engines.args:
@@ -128,8 +139,12 @@ def pytest_generate_tests(metafunc):
         for topo in topologies:
             if m_kinds and topo.kind not in m_kinds.args:
                 continue
+            if m_no_native and topo.native_baseline:
+                continue     # nothing to check on AFD's native baseline: never selected there
             if engine not in kind_engines().get(topo.kind, ()):
                 continue
+            if not spec.supports(engine, topo.kind):
+                continue     # the model's registry entry does not run this pair
             marks = [getattr(pytest.mark, engine)]
             if topo.kind != "regular":
                 marks.append(getattr(pytest.mark, topo.kind))
@@ -152,7 +167,7 @@ def pytest_collection_modifyitems(session, config, items):
     key boots once; within a group, tests marked `breaks_cluster` run last (after them the
     topology is stopped). Tests that bring up their own topology (own_cluster) run after
     every shared one, so a private topology never overlaps with a shared one."""
-    topologies = _csv(config.getoption("--topology"))
+    topologies = _topologies(config)
     engines = _csv(config.getoption("--engine"))
     pos = {id(i): n for n, i in enumerate(items)}
     # pytest's fixture reordering may move a whole module ahead within a group; file order

@@ -22,11 +22,13 @@ class SessionState:
     shortfall: dict = field(default_factory=dict)          # placement key -> skip line | None
     deselected: dict = field(default_factory=dict)         # reason -> [items]
     collect_skips: list = field(default_factory=list)      # "nodeid: reason"
+    min_tests_line: str | None = None                      # --e2e-min-tests: too few ran
 
 
 STATE = pytest.StashKey[SessionState]()
 OUTCOME = pytest.StashKey[str]()      # an item's outcome (setup failure or call)
 RECORDED = pytest.StashKey[bool]()    # the item's `record` fixture ran
+DESELECT_WHY = pytest.StashKey[str]()  # why the harness deselected an item at collection
 
 
 def state(config) -> SessionState:

@@ -26,3 +26,13 @@ def real_datasets(monkeypatch) -> Path:
         pytest.skip("no offline dataset copies (set E2E_DATASET_DIR)")
     monkeypatch.setenv("E2E_DATASET_DIR", str(d))
     return d
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """NVML lists GPUs 0-7 (a machine with eight): device lists given to the planner are
+    checked against that instead of this machine, where NVML may see none (then any given
+    GPU id is an error)."""
+    from e2e_test.infra import plan
+    monkeypatch.setattr(plan, "nvml_inventory", lambda: tuple(range(8)))
+    return tuple(range(8))

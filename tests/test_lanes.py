@@ -162,23 +162,26 @@ def test_workflow_has_one_job_per_lane():
     on = wf[True]   # YAML 1.1 reads the key `on` as a boolean
     assert set(on) == {"push", "pull_request", "workflow_dispatch"}
     assert on["workflow_dispatch"]["inputs"]["lane"]["options"] == ["all", *table]
-    assert list(wf["jobs"]) == list(table)
+    assert list(wf["jobs"]) == [*table, "finish"]
     for name, lane in table.items():
         job = wf["jobs"][name]
         assert job["runs-on"] == list(lane.runs_on)
         assert job["timeout-minutes"] == lane.timeout_minutes
-        assert {k: v for k, v in job["env"].items() if k != "E2E_DATASET_DIR"} == \
-            lane.full_env()
+        assert {k: v for k, v in job["env"].items()
+                if k not in ("E2E_DATASET_DIR", "E2E_MODEL_ROOT")} == lanes.job_env(lane)
         steps = job["steps"]
         assert steps[0]["uses"].startswith("actions/checkout@")
-        # the dataset folder is a runner variable; GPU runners (offline) fail clearly without it
-        assert job["env"]["E2E_DATASET_DIR"] == "${{ vars.E2E_DATASET_DIR }}"
+        # each kind of runner has its own dataset variable; GPU runners (offline) fail
+        # clearly without theirs, the hosted one downloads without its own
         data = steps[1]["run"]
         if lane.gpus:
-            assert "::error title=No evaluation data::E2E_DATASET_DIR is not set" in data
+            assert job["env"]["E2E_DATASET_DIR"] == "${{ vars.GPU_DATASET_DIR }}"
+            assert "::error title=No evaluation data::GPU_DATASET_DIR is not set" in data
             assert "exit 1" in data
         else:
+            assert job["env"]["E2E_DATASET_DIR"] == "${{ vars.HOSTED_DATASET_DIR }}"
             assert "DOWNLOAD_EVAL_DATA=1" in data
+            assert "HOSTED_DATASET_DIR=${E2E_DATASET_DIR} is not a folder" in data
         setup = steps[2]
         assert setup["uses"].startswith("actions/setup-python@")
         assert setup["with"]["cache"] == "pip"
@@ -197,8 +200,11 @@ def test_workflow_has_one_job_per_lane():
             assert line.endswith(f"bash scripts/bootstrap.sh --extras "
                                  f"{lanes.VENVS[venv].extra}")
             assert (f"E2E_VENV={venv} " in line) == (venv != ".venv")
-        assert steps[4]["run"] == (f"{lane.venv_order[0]}/bin/python -m e2e_test run "
-                                   f"{name}")
+        if lanes.setup_commands(lane):
+            assert steps.pop(4)["run"].strip().splitlines() == lanes.setup_commands(lane)
+        assert steps[4]["run"] == lanes.run_command(lane)
+        assert steps[4]["run"].endswith(f"{lane.venv_order[0]}/bin/python -m e2e_test run "
+                                        f"{name}")
         upload = steps[5]
         assert upload["uses"].startswith("actions/upload-artifact@")
         assert upload["if"] == "always()" and upload["with"]["path"] == "results/"
@@ -210,6 +216,70 @@ def test_workflow_has_one_job_per_lane():
         else:
             assert "github.event_name == 'push'" in job["if"]
             assert "inputs.lane == 'all'" in job["if"]
+
+
+def test_workflow_runs_each_lane_with_what_it_needs():
+    """Issue 28: the hosted job as root with the multi-node and browser tests required; the
+    tiny VLM built for e2e-1gpu-epd; E2E_MODEL_ROOT for the hub-id models; the AFD plugin
+    installed for the AFD lanes."""
+    table = lanes.load_lanes()
+    wf = yaml.safe_load(lanes.render_workflow(table))
+    jobs = wf["jobs"]
+    cpu = jobs["e2e-cpu"]
+    assert cpu["env"]["E2E_REQUIRE_MULTINODE"] == "1" and cpu["env"]["E2E_REQUIRE_CHROMIUM"] == "1"
+    assert cpu["steps"][-2]["run"].startswith("sudo -E ")
+    epd = lanes.setup_commands(table["e2e-1gpu-epd"])
+    assert epd == [".venv-tokenspeed/bin/python -m e2e_test models tiny-vlm"]
+    for name in ("e2e-4gpu-epd", "e2e-4gpu-afd"):
+        assert jobs[name]["env"]["E2E_MODEL_ROOT"] == "${{ vars.GPU_MODEL_ROOT }}"
+        assert "GPU_MODEL_ROOT is not set" in lanes.setup_commands(table[name])[0]
+    for name in ("e2e-4gpu-afd", "e2e-8gpu-afd-large"):
+        cmds = lanes.setup_commands(table[name])
+        assert '.venv-vllm/bin/python -m pip install -q --no-deps "${AFD_PLUGIN_SPEC}"' in cmds
+        assert '.venv-vllm/bin/python -c "import afd_plugin"' in cmds
+        step = next(s for s in jobs[name]["steps"] if s.get("name") == "Lane set-up")
+        assert "vars.AFD_PLUGIN_SPEC ||" in step["env"]["AFD_PLUGIN_SPEC"]
+    assert "E2E_MODEL_ROOT" not in jobs["e2e-8gpu-afd-large"]["env"]   # AFD_GPU_E2E_MODEL
+    assert not lanes.setup_commands(table["e2e-1gpu-chat"])
+
+
+def _finish_script(table) -> str:
+    wf = yaml.safe_load(lanes.render_workflow(table))
+    fin = wf["jobs"]["finish"]
+    assert fin["if"] == "always()" and fin["needs"] == list(table)
+    return fin["steps"][0]["run"], fin["steps"][0]["env"]
+
+
+@pytest.mark.parametrize("event,chosen,results,ok", [
+    ("pull_request", "", {"e2e-cpu": "success"}, True),
+    ("pull_request", "", {"e2e-cpu": "skipped"}, False),
+    ("push", "", {"e2e-cpu": "success", "e2e-1gpu-chat": "success",
+                  "e2e-2gpu-pd": "success"}, True),
+    ("push", "", {"e2e-cpu": "success", "e2e-1gpu-chat": "skipped",
+                  "e2e-2gpu-pd": "success"}, False),       # a gating lane did not run
+    ("push", "", {"e2e-cpu": "success", "e2e-1gpu-chat": "success",
+                  "e2e-2gpu-pd": "cancelled"}, False),
+    ("workflow_dispatch", "e2e-4gpu-afd", {"e2e-4gpu-afd": "success"}, True),
+    ("workflow_dispatch", "e2e-4gpu-afd", {"e2e-4gpu-afd": "failure"}, False),
+    ("workflow_dispatch", "all", {"e2e-cpu": "success", "e2e-1gpu-chat": "success",
+                                  "e2e-2gpu-pd": "success"}, True),
+])
+def test_finish_job_fails_when_a_lane_that_gates_merge_did_not_run(tmp_path, event, chosen,
+                                                                  results, ok):
+    """The finish job's script, run with bash: a lane this event had to run that did not
+    succeed (skipped, cancelled, failed) fails the workflow; others are listed."""
+    table = lanes.load_lanes()
+    script, env = _finish_script(table)
+    run_env = {"PATH": os.environ["PATH"], "EVENT": event, "CHOSEN": chosen}
+    for name in table:
+        var = "R_" + name.upper().replace("-", "_")
+        assert env[var] == f"${{{{ needs.{name}.result }}}}"
+        run_env[var] = results.get(name, "skipped")
+    r = subprocess.run(["bash", "-e", "-c", script], env=run_env, capture_output=True,
+                       text=True, timeout=30)
+    assert (r.returncode == 0) == ok, r.stdout + r.stderr
+    if not ok:
+        assert "::error title=Lane did not pass::" in r.stdout
 
 
 def test_write_workflow(tmp_path):
@@ -389,7 +459,12 @@ def test_run_lane_command_and_env(tmp_path):
     argv, env = lanes.lane_command(lanes.get_lane("e2e-8gpu-afd-large"), [],
                                    environ={"E2E_LANE_PYTHON": sys.executable})
     assert argv[-1] == "--e2e-no-skips"
-    assert "--junitxml" in argv and "results/junit-e2e-8gpu-afd-large.xml" in argv
+    # E2E_RESULTS_DIR unset: the run's own folder, results/LANE-<date>-<time>-<pid>/
+    import re
+    junit = argv[argv.index("--junitxml") + 1]
+    assert re.fullmatch(r"results/e2e-8gpu-afd-large-\d{8}-\d{6}-\d+/"
+                        r"junit-e2e-8gpu-afd-large\.xml", junit), junit
+    assert env["E2E_RESULTS_DIR"] == str(Path(junit).parent)
     assert env["AFD_E2E_LARGE_MODEL"] == "1"
 
 
@@ -404,7 +479,7 @@ def test_run_lane_command_and_env(tmp_path):
     ("SmolLM2-135M-Instruct", "dp2", "cpu", "0", "needs 2 worker(s)"),
     ("SmolLM2-135M-Instruct", "dp2", "cpu", "0,1", None),
 ])
-def test_device_shortfall(model, topology, backend, devices, expect):
+def test_device_shortfall(model, topology, backend, devices, expect, fake_gpus):
     why = device_shortfall(model, topology, backend, devices)
     if expect is None:
         assert why is None
@@ -431,7 +506,7 @@ class _Config:
         return self.opts[name]
 
 
-def test_require_devices_skips_or_fails():
+def test_require_devices_skips_or_fails(fake_gpus):
     with pytest.raises(pytest.skip.Exception, match="too few devices: .*needs 3 GPU"):
         require_devices(_Config(no_skips=False), "1e1p1d", "cuda")
     with pytest.raises(pytest.fail.Exception, match="--e2e-no-skips"):
@@ -533,3 +608,68 @@ def test_run_lane_passes_ctrl_c_on_to_pytest_and_waits(tmp_path):
     p.send_signal(signal.SIGINT)          # as a terminal's Ctrl-C would, to the driver only
     assert p.wait(timeout=30) == 3
     assert done.read_text() == "torn down"
+
+
+# -- skips are failures on GPU lanes; --e2e-min-tests counts tests that ran (issue 28) ----------
+
+def _run_skippy(tmp_path, *flags):
+    (tmp_path / "test_skippy.py").write_text(textwrap.dedent(SKIPPY))
+    env = clean_env(tmp_path, PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.run(pytest_cmd("-p", "e2e_test.pytest_plugin", "-rA", "test_skippy.py",
+                                     *flags), cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_every_gpu_lane_runs_with_no_skips():
+    for lane in lanes.load_lanes().values():
+        for engines in [None] if len(lane.groups()) == 1 else [e for _, e in lane.groups()]:
+            args = lane.pytest_args("results", engines)
+            assert ("--e2e-no-skips" in args) == bool(lane.gpus or lane.opt_in), lane.name
+
+
+def test_a_gpu_lane_whose_selection_has_a_skipped_test_fails(tmp_path):
+    """e2e-1gpu-chat's own flags (its vLLM part: --e2e-min-tests, --e2e-no-skips, JUnit) over
+    a selection with one skipped test: the lane fails, naming the skip."""
+    lane = lanes.get_lane("e2e-1gpu-chat")
+    args = lane.pytest_args(tmp_path, ("vllm",))
+    flags = args[args.index("--junitxml"):]
+    flags[flags.index("--e2e-min-tests") + 1] = "2"        # what this selection can meet
+    r = _run_skippy(tmp_path, *flags)
+    out = r.stdout + r.stderr
+    assert r.returncode == pytest.ExitCode.TESTS_FAILED, out
+    assert "FAILED test_skippy.py::test_skipped" in out
+    assert "--e2e-no-skips: a skipped test fails this lane: Skipped: needs a thing" in out
+
+
+@pytest.mark.parametrize("need,ok", [(2, True), (3, False)])
+def test_min_tests_counts_tests_that_ran(tmp_path, need, ok):
+    """Three selected, two ran (test_ok and the xfail; the skip never ran its body): a minimum
+    of 3 fails at the end although 3 were selected."""
+    r = _run_skippy(tmp_path, "--e2e-min-tests", str(need))
+    out = r.stdout + r.stderr
+    if ok:
+        assert r.returncode == pytest.ExitCode.OK, out
+    else:
+        assert r.returncode == pytest.ExitCode.TESTS_FAILED, out
+        assert "2 test(s) ran, fewer than --e2e-min-tests 3 (3 selected" in out, out
+
+
+def test_too_few_devices_deselects_at_collection(tmp_path):
+    """A shared topology this runner cannot hold (dp2 on one core) is deselected with the
+    reason, not skipped; `1` stays."""
+    r, ids = collect(tmp_path, "e2e_test/router/test_chat.py", "--engine", "vllm",
+                     "--topology", "1,dp2", "--backend", "cpu", "--devices", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ids and all("[vllm-1" in i for i in ids), ids
+    assert "by too few devices: topology 'dp2' needs 2 worker(s)" in r.stdout, r.stdout
+
+
+def test_afd_ffn_proof_is_not_selected_on_the_native_baseline(tmp_path):
+    """The FFN proof has nothing to check on native-dpN: not selected there (the opt-in lane
+    runs under --e2e-no-skips, where its old skip failed the lane)."""
+    lane = lanes.get_lane("e2e-4gpu-afd")
+    r, ids = collect(tmp_path, *lane.paths, "-m", lane.markers, **lane.full_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    ffn = [i for i in ids if "test_afd_ffn_served" in i]
+    assert ffn == ["e2e_test/router/test_afd.py::test_afd_ffn_served[vllm-2a2f]"], ids

@@ -174,6 +174,15 @@ def test_bad_gpu_memory_fraction(fraction):
     assert "org/m'.gpu_memory_fraction:" in msg and "is not in (0, 1]" in msg
 
 
+@pytest.mark.parametrize("value", [-5, 0])
+def test_max_model_len_must_be_at_least_one(value):
+    """A registry entry with max_model_len -5 (or 0) is refused on load, not passed to a worker
+    as `--max-model-len -5`."""
+    msg = config_error({"weights": HF, "max_model_len": value})
+    assert f"org/m'.max_model_len: {value} must be an integer >= 1" in msg
+    assert spec(max_model_len=1).max_model_len == 1
+
+
 def test_gpu_memory_fraction_bounds_ok():
     assert spec(gpu_memory_fraction=1).gpu_memory_fraction == 1
     assert spec(gpu_memory_fraction=0.01).gpu_memory_fraction == 0.01

@@ -213,24 +213,37 @@ def test_plan_to_dict_and_describe():
 ALL = {"E2E_DEVICES": "1,2", "AFD_E2E_DEVICES": "3,4", "CUDA_VISIBLE_DEVICES": "5,6"}
 
 
+def nvml_eight():
+    return tuple(range(9))   # a machine whose NVML lists GPUs 0-8: given lists are checked
+
+
 def nvml_unavailable():
-    return ()     # a given list is then not checked against the machine
+    return ()     # no NVML: a given list cannot be checked, so it is an error (issue 28)
+
+
+def test_resolve_refuses_a_given_list_without_nvml():
+    with pytest.raises(ConfigError, match=r"^--devices='7, 8': GPU id.s. cannot be checked, "
+                       "NVML sees no GPU here"):
+        resolve_devices(parse("1"), "7, 8", environ={}, inventory=nvml_unavailable)
+    with pytest.raises(ConfigError, match=r"^AFD_E2E_DEVICES='3,4': .*NVML sees no GPU"):
+        resolve_devices(parse("2a2f"), None, environ={"AFD_E2E_DEVICES": "3,4"},
+                        inventory=nvml_unavailable)
 
 
 def test_resolve_explicit_wins():
-    assert resolve_devices(parse("1"), "7, 8", environ=ALL, inventory=nvml_unavailable) == (7, 8)
+    assert resolve_devices(parse("1"), "7, 8", environ=ALL, inventory=nvml_eight) == (7, 8)
 
 
 def test_resolve_e2e_devices_before_afd():
     assert resolve_devices(parse("2a2f"), None, environ=ALL,
-                           inventory=nvml_unavailable) == (1, 2)
+                           inventory=nvml_eight) == (1, 2)
 
 
 def test_resolve_afd_devices_only_for_afd():
     env = {k: v for k, v in ALL.items() if k != "E2E_DEVICES"}
-    assert resolve_devices(parse("2a2f"), None, environ=env, inventory=nvml_unavailable) == (3, 4)
+    assert resolve_devices(parse("2a2f"), None, environ=env, inventory=nvml_eight) == (3, 4)
     assert resolve_devices(parse("native-dp4"), None, environ=env,
-                           inventory=nvml_unavailable) == (3, 4)
+                           inventory=nvml_eight) == (3, 4)
     assert resolve_devices(parse("1p1d"), None, environ=env, inventory=no_inventory) == (5, 6)
 
 
@@ -300,7 +313,7 @@ def test_xdist_share_too_many_workers_is_one_line():
     assert "\n" not in str(ei.value) and "-n 2" in str(ei.value)
 
 
-def test_resolve_devices_under_xdist():
+def test_resolve_devices_under_xdist(fake_gpus):
     env = {"E2E_DEVICES": "0,1,2,3", "PYTEST_XDIST_WORKER_COUNT": "2",
            "PYTEST_XDIST_WORKER": "gw1"}
     assert resolve_devices(parse("1p1d"), environ=env) == (1, 3)
@@ -324,7 +337,7 @@ def test_epd_lane_one_worker_per_gpu(topo, expected):
 def test_afd_2a2f_and_native_dp4_on_four_gpus_follow_afd_e2e_devices():
     spec = get_spec("deepseek-ai/DeepSeek-V2-Lite")
     env = {"AFD_E2E_DEVICES": "0,2,1,3"}
-    devs = resolve_devices(parse("2a2f"), environ=env, inventory=lambda: ())
+    devs = resolve_devices(parse("2a2f"), environ=env, inventory=nvml_eight)
     afd = make_plan(parse("2a2f"), spec, "cuda", devices=devs)
     assert {e.name: e.gpus for e in afd.entries} == {"attention-0": (0, 2), "ffn-0": (1, 3)}
     base = make_plan(parse("native-dp4"), spec, "cuda", devices=devs)
@@ -334,7 +347,7 @@ def test_afd_2a2f_and_native_dp4_on_four_gpus_follow_afd_e2e_devices():
 def test_afd_large_profile_order_on_eight_gpus():
     spec = get_spec("Qwen/Qwen3.5-122B-A10B")
     devs = resolve_devices(parse("4a4f"), environ={"AFD_E2E_DEVICES": "0,2,4,6,1,3,5,7"},
-                           inventory=lambda: ())
+                           inventory=nvml_eight)
     plan = make_plan(parse("4a4f"), spec, "cuda", devices=devs)
     assert {e.name: e.gpus for e in plan.entries} == {"attention-0": (0, 2, 4, 6),
                                                       "ffn-0": (1, 3, 5, 7)}
@@ -344,7 +357,7 @@ def test_afd_large_profile_order_on_eight_gpus():
 
 # -- place(): the one placement check -----------------------------------------------------------
 
-def test_place_refuses_packing_for_an_engine_that_cannot_share_a_gpu():
+def test_place_refuses_packing_for_an_engine_that_cannot_share_a_gpu(fake_gpus):
     from e2e_test.infra.engines import afd
     from e2e_test.infra.plan import TooFewDevices, place
     small = parse_spec("s", {"weights": {"source": "path", "path": "/m"}, "engines": ["vllm"],
@@ -356,7 +369,7 @@ def test_place_refuses_packing_for_an_engine_that_cannot_share_a_gpu():
     assert not plan.packed and [e.gpus for e in plan.entries] == [(0,), (1,)]
 
 
-def test_place_gives_packed_workers_the_engines_start_stages():
+def test_place_gives_packed_workers_the_engines_start_stages(fake_gpus):
     from e2e_test.infra.engines import tokenspeed, vllm
     from e2e_test.infra.plan import place
     small = parse_spec("s", {"weights": {"source": "path", "path": "/m"},

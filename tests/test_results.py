@@ -1,6 +1,8 @@
 """Result files: the markdown table and the session files, from plain record dicts."""
 
 import json
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -116,3 +118,48 @@ def test_safe_names():
 def test_versions():
     v = results.versions()
     assert "python" in v and "smg" in v
+
+
+# -- one results folder per run (issue 28) -------------------------------------------------------
+
+REC_TEST = """
+def test_recorded(record):
+    record["x"] = 1
+"""
+
+
+def test_two_concurrent_runs_keep_both_summaries(tmp_path):
+    """Two pytest sessions at once in one checkout, E2E_RESULTS_DIR unset: each writes its own
+    results/<run>-.../summary.json, and results/latest points at one of them."""
+    import subprocess
+    import sys
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "test_rec.py").write_text(REC_TEST)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("E2E_", "AFD_")) and k not in ("PYTEST_ADDOPTS",
+                                                                "GITHUB_STEP_SUMMARY")}
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
+            "e2e_test.pytest_plugin", "-q", "test_rec.py"]
+    procs = [subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out
+    runs = sorted(d for d in (tmp_path / "results").iterdir() if d.name != "latest")
+    assert len(runs) == 2 and all(d.name.startswith("run-") for d in runs), runs
+    for d in runs:
+        assert json.loads((d / "summary.json").read_text())["tests"] == 1
+    latest = tmp_path / "results" / "latest"
+    assert latest.is_symlink() and latest.resolve() in [d.resolve() for d in runs]
+
+
+def test_results_dir_override_and_default(tmp_path):
+    from e2e_test.infra import settings
+    env = {"E2E_RESULTS_DIR": str(tmp_path / "mine")}
+    assert settings.results_dir(env) == tmp_path / "mine"
+    env = {"E2E_LANE": "e2e-cpu"}
+    d = settings.results_dir(env)
+    assert d.parent == Path("results") and d.name.startswith("e2e-cpu-")
+    assert env["E2E_RESULTS_DIR"] == str(d)          # children of the run inherit it
+    assert settings.results_dir(env) == d            # stable within the run

@@ -73,6 +73,15 @@ BAD = [
      ["AFD_E2E_LARGE_MODEL='on'", "accepts true/false"]),
     ("dataset-dir", {"E2E_DATASET_DIR": "/no/such/folder"}, [], [],
      ["E2E_DATASET_DIR='/no/such/folder'", "no such directory"]),
+    # issue 28: start-up checks that passed what failed later
+    ("topology-model", {"E2E_TOPOLOGIES": "1e1p1d"}, [], [],
+     ["E2E_TOPOLOGIES='1e1p1d'", "runs on none of engine(s)", "SmolLM2-135M-Instruct"]),
+    ("topology-option-bad", {"E2E_TOPOLOGIES": "p.tp=2,1p1d"}, [], [],
+     ["E2E_TOPOLOGIES='p.tp=2,1p1d'", "follows no topology"]),
+    ("model-path-config", {"E2E_MODEL_PATH": "<broken>"}, [], [],
+     ["E2E_MODEL_PATH=", "config.json is not valid JSON"]),
+    ("gpu-ids-cuda", {"E2E_BACKEND": "cuda"}, ["--devices", "0,99"], ["--devices", "0,99"],
+     ["--devices='0,99'", "GPU"]),
 ]
 
 
@@ -105,6 +114,55 @@ def test_bad_input_pytest_is_one_line_exit_2(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("Exit: "), r.stderr
     assert all(w in lines[0] for w in want), lines[0]
     assert "::" not in r.stdout                                        # nothing collected
+
+
+OFFLINE = {"HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+           "HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9",
+           "NO_PROXY": "", "no_proxy": ""}
+
+# Other commands' bad input (issue 28): (id, argv after `python -m e2e_test`, env, wanted).
+# "<empty>" is an empty folder, "<broken>" weights with a cut-short config.json.
+BAD_COMMANDS = [
+    ("report-missing", ["report", "/no/such/results"], {}, ["report: /no/such/results is not a folder"]),
+    ("report-empty", ["report", "<empty>"], {}, ["holds no results"]),
+    ("report-html-empty", ["report", "--html", "<empty>"], {}, ["holds no results"]),
+    ("report-trend-missing", ["report", "--trend", "/no/such/results"], {}, ["is not a folder"]),
+    ("settings-config-json", ["settings"], {"E2E_MODEL_PATH": "<broken>"},
+     ["E2E_MODEL_PATH=", "config.json is not valid JSON"]),
+    ("datasets-offline", ["datasets", "download"], {**OFFLINE, "E2E_CACHE_DIR": "<empty>"},
+     ["datasets download: cannot fetch", "set E2E_DATASET_DIR"]),
+    ("plan-engine-backend", ["plan", "1", "--engine", "tokenspeed", "--backend", "cpu"], {},
+     ["engine 'tokenspeed' (tokenspeed) runs on cuda only; backend is cpu"]),
+    ("plan-gpu-ids", ["plan", "1p1d", "--backend", "cuda", "--devices", "0,99"], {},
+     ["--devices='0,99'", "GPU"]),
+]
+
+
+@pytest.mark.parametrize("case", BAD_COMMANDS, ids=[c[0] for c in BAD_COMMANDS])
+def test_bad_command_input_is_one_line_exit_2(tmp_path, case):
+    _, argv, env, want = case
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def sub(v):
+        return {"<empty>": str(empty), "<broken>": broken_weights(tmp_path)}.get(v, v)
+    r = subprocess.run([sys.executable, "-m", "e2e_test", *map(sub, argv)], cwd=REPO,
+                       env=clean_env(tmp_path, **{k: sub(v) for k, v in env.items()}),
+                       capture_output=True, text=True, timeout=120)
+    err = r.stderr.strip()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert err.count("\n") == 0 and err.startswith("error: "), err
+    assert all(w in err for w in want), err
+    assert "Traceback" not in r.stderr
+
+
+def test_a_missing_optional_module_names_what_to_install():
+    from e2e_test.__main__ import missing_module
+    line = missing_module(ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib"),
+                          "report")
+    assert line == ("report needs the Python module 'matplotlib', which is not installed here: "
+                    "pip install -e '.[dev]'")
+    assert "'.[cpu]'" in missing_module(ModuleNotFoundError(name="torch.nn"), "models")
 
 
 def test_broken_config_json_is_found_before_launch(tmp_path):
@@ -163,7 +221,8 @@ def test_device_ids_against_the_machine():
     with pytest.raises(settings.SettingError, match="GPU.s. 9 not present; accepts ids among 0-3"):
         settings.check_devices("0,9", "cuda", gpu_present=lambda: (0, 1, 2, 3))
     assert settings.check_devices("3,1", "cuda", gpu_present=lambda: (0, 1, 2, 3)) == (3, 1)
-    assert settings.check_devices("7", "cuda", gpu_present=lambda: ()) == (7,)  # NVML absent
+    with pytest.raises(settings.SettingError, match="NVML sees no GPU"):   # NVML absent:
+        settings.check_devices("7", "cuda", gpu_present=lambda: ())        # never a pass
     with pytest.raises(settings.SettingError, match="core.s. 7 not in"):
         settings.check_devices("7", "cpu", cpu_present=lambda: (0, 1))
     assert settings.check_devices("1", "cpu", cpu_present=lambda: (0, 1)) == (1,)
@@ -239,3 +298,43 @@ def test_opt_in_model_needs_its_flag():
     with pytest.raises(settings.SettingError, match="AFD_E2E_LARGE_MODEL=1"):
         settings.check(env)
     settings.check({**env, "AFD_E2E_LARGE_MODEL": "1"})   # the flag alone passes check()
+
+
+# -- what `plan` and `settings` print is what a user would type (issue 28) ----------------------
+
+def test_plan_prints_shell_quoted_argv(monkeypatch, capsys):
+    """A worker line of `plan` pasted into bash gives back the exact argv (no brace expansion
+    of a JSON --kv-transfer-config); env as KEY=VALUE words."""
+    import shlex
+    from types import SimpleNamespace
+
+    from e2e_test import __main__ as cli
+    argv = ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--kv-transfer-config",
+            '{"kv_connector":"NixlConnector","kv_role":"kv_both"}', "--served-model-name", "a b"]
+    worker = SimpleNamespace(name="prefill-0", command=SimpleNamespace(
+        argv=argv, env={"UCX_TLS": "tcp,self", "X": "two words"}))
+    fake = SimpleNamespace(plan=SimpleNamespace(describe=lambda: "plan 1p1d on cpu"),
+                           workers=[worker])
+    monkeypatch.setattr(cli, "_cluster", lambda a: fake)
+    assert cli.cmd_plan(SimpleNamespace()) == 0
+    out = capsys.readouterr().out.splitlines()
+    line = next(ln for ln in out if ln.startswith("prefill-0: "))
+    assert shlex.split(line.split(": ", 1)[1]) == argv
+    env_line = next(ln for ln in out if ln.startswith("  env: "))
+    assert shlex.split(env_line.split(": ", 1)[1]) == ["UCX_TLS=tcp,self", "X=two words"]
+
+
+def test_settings_prints_values_as_typed(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "e2e_test", "settings"], cwd=REPO,
+                       env=clean_env(tmp_path, E2E_ENGINES="vllm", E2E_ENGINE_ARGS="--a 'b c'",
+                                     E2E_TOPOLOGIES="1,1p1d,p.tp=2"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0]: ln.split(None, 1)[1] for ln in r.stdout.splitlines() if ln.strip()}
+    assert lines["E2E_ENGINES"] == "vllm"
+    assert lines["E2E_TOPOLOGIES"] == "1,1p1d,p.tp=2"
+    assert lines["E2E_ENGINE_ARGS"] == "--a 'b c'"
+    assert lines["E2E_CACHE_DIR"] == "~/.cache/e2e_test"
+    assert lines["E2E_RESULTS_DIR"].startswith(str(tmp_path / "results"))
+    assert lines["E2E_ENFORCE_EAGER"] == "false" and lines["E2E_GSM8K_N"] == "unset"
+    assert "PosixPath" not in r.stdout and "('" not in r.stdout and "None" not in r.stdout

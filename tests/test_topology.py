@@ -131,3 +131,65 @@ def test_check_engine():
     assert str(ei.value) == "topology '2a2f' (afd) cannot run on engine 'tokenspeed': only vllm"
     with pytest.raises(ConfigError, match="only vllm"):
         for_topology("tokenspeed", parse("native-dp4"))
+
+
+# -- lists of topologies (--topology, E2E_TOPOLOGIES): options stay with their topology ---------
+
+@pytest.mark.parametrize("text,expected", [
+    ("1,dp2,1p1d", ["1", "dp2", "1p1d"]),
+    ("1p1d,p.node=0,d.node=1", ["1p1d,p.node=0,d.node=1"]),
+    ("1,1p1d,p.tp=2", ["1", "1p1d,p.tp=2"]),
+    ("1p1d,p.tp=2,1", ["1p1d,p.tp=2", "1"]),
+    ("1p1d,tp=2;1", ["1p1d,tp=2", "1"]),
+    ("1p1d,p.tp=2; 1p1d,d.node=1", ["1p1d,p.tp=2", "1p1d,d.node=1"]),
+    (" 1 , dp2 ,", ["1", "dp2"]),
+    ("", []),
+])
+def test_split_list(text, expected):
+    from e2e_test.infra.topology import split_list
+    assert split_list(text) == expected
+    for t in expected:
+        parse(t)
+
+
+def test_split_list_option_first_is_one_line():
+    from e2e_test.infra.topology import split_list
+    with pytest.raises(ConfigError) as ei:
+        split_list("p.node=0,1p1d")
+    assert "option 'p.node=0' follows no topology" in str(ei.value)
+
+
+def test_settings_read_topologies_with_options():
+    from e2e_test.infra import settings
+    assert settings.get("E2E_TOPOLOGIES", {"E2E_TOPOLOGIES": "1,1p1d,p.tp=2"}) == \
+        ("1", "1p1d,p.tp=2")
+    assert settings.get("E2E_TOPOLOGIES", {"E2E_TOPOLOGIES": "1p1d,p.node=0,d.node=1"}) == \
+        ("1p1d,p.node=0,d.node=1",)
+
+
+def test_multinode_doc_command_collects_as_written(tmp_path):
+    """docs/multinode.md's pytest command, run as written (collection only: nothing starts),
+    parametrizes over `1p1d,p.node=0,d.node=1` instead of exiting 2 on `p.node=0`."""
+    import os
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    doc = (repo / "docs" / "multinode.md").read_text()
+    m = re.search(r"^(E2E_RAY_ADDRESS=auto \.venv/bin/python -m pytest .*?)$\n^\s+(--launcher .*)$",
+                  doc, re.M)
+    assert m, "the multi-node pytest command moved in docs/multinode.md"
+    words = shlex.split(m.group(1).rstrip("\\") + " " + m.group(2))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("E2E_", "AFD_"))}
+    env.update(w.split("=", 1) for w in words if re.match(r"^[A-Z][A-Z0-9_]*=", w))
+    env["E2E_RESULTS_DIR"] = str(tmp_path)
+    argv = [w for w in words if not re.match(r"^[A-Z][A-Z0-9_]*=", w)]
+    assert argv[:3] == [".venv/bin/python", "-m", "pytest"]
+    assert "1p1d,p.node=0,d.node=1" in argv
+    r = subprocess.run([sys.executable, *argv[1:], "--collect-only", "-q", "-p",
+                        "no:cacheprovider"], cwd=repo, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[vllm-1p1d,p.node=0,d.node=1]" in r.stdout, r.stdout[-2000:]

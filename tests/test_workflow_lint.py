@@ -39,8 +39,8 @@ def test_generated_workflow_passes_actionlint():
 
 def test_actionlint_catches_a_broken_workflow(tmp_path):
     """Negative control: the same workflow with an undefined context and a bad runs-on key."""
-    text = lanes.render_workflow().replace("${{ vars.E2E_DATASET_DIR }}",
-                                           "${{ varz.E2E_DATASET_DIR }}", 1)
+    text = lanes.render_workflow().replace("${{ vars.GPU_DATASET_DIR }}",
+                                           "${{ varz.GPU_DATASET_DIR }}", 1)
     text = text.replace("timeout-minutes:", "timeout-minutez:", 1)
     bad = tmp_path / ".github" / "workflows" / "broken.yml"
     bad.parent.mkdir(parents=True)

@@ -50,7 +50,8 @@ _ids = itertools.count(1)
 
 
 def results_root() -> Path:
-    return settings.get("E2E_RESULTS_DIR")
+    """This run's results folder (settings.results_dir: E2E_RESULTS_DIR, or one of its own)."""
+    return settings.results_dir()
 
 
 def default_backend() -> str:
@@ -126,6 +127,12 @@ class Cluster:
         self.driver: Engine = engines.for_topology(engine, self.topology)
         self.spec.require(engine, self.topology.kind)
         self.backend = settings.resolve_backend(backend, source="backend")
+        if self.backend not in self.driver.backends:
+            why = "" if backend or settings.raw("E2E_BACKEND") else \
+                " (no backend given and NVML sees no GPU here)"
+            raise ConfigError(f"engine {engine!r} ({self.driver.name}) runs on "
+                              f"{' or '.join(self.driver.backends)} only; backend is "
+                              f"{self.backend}{why}")
         if devices:
             settings.check_devices(devices, self.backend, "devices")
         self.model_path = weights_path(self.spec)

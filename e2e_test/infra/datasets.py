@@ -112,13 +112,24 @@ def download(dest: Path | None = None) -> Path:
     root = dest or cache_dir() / "datasets"
     (root / "gsm8k").mkdir(parents=True, exist_ok=True)
     (root / "mmlu").mkdir(parents=True, exist_ok=True)
+    def get(c, url: str):
+        """One URL; offline, refused or an HTTP error is one line (ConfigError, exit 2)."""
+        try:
+            r = c.get(url)
+            r.raise_for_status()
+            return r
+        except httpx.HTTPError as e:
+            why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"datasets download: cannot fetch {url} ({type(e).__name__}: "
+                              f"{why[:160]}); offline? set E2E_DATASET_DIR to a folder with "
+                              "gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl instead"
+                              ) from None
+
     with httpx.Client(timeout=120, follow_redirects=True) as c:
         for split in ("train", "test"):
-            r = c.get(GSM8K_URL.format(split=split))
-            r.raise_for_status()
+            r = get(c, GSM8K_URL.format(split=split))
             (root / "gsm8k" / f"{split}.jsonl").write_bytes(r.content)
-        r = c.get(MMLU_URL)
-        r.raise_for_status()
+        r = get(c, MMLU_URL)
     with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
         for split in ("dev", "test"):
             rows = []

@@ -132,6 +132,9 @@ def parse_spec(model_id: str, raw: Any) -> ModelSpec:
     if not 0.0 < spec.gpu_memory_fraction <= 1.0:
         raise ConfigError(f"{where}.gpu_memory_fraction: {spec.gpu_memory_fraction} "
                           "is not in (0, 1]")
+    if spec.max_model_len is not None and spec.max_model_len < 1:
+        raise ConfigError(f"{where}.max_model_len: {spec.max_model_len} must be an integer "
+                          ">= 1 (or left out for the engine's default)")
     if spec.kv_budget_tokens is not None and spec.kv_budget_tokens < 1:
         raise ConfigError(f"{where}.kv_budget_tokens: must be >= 1 (a KV pool of tokens), "
                           f"got {spec.kv_budget_tokens}")

@@ -18,6 +18,9 @@ from .errors import ConfigError
 from .model_specs import MODEL_ROOT_ENV, ModelSpec
 
 CACHE_ENV = "E2E_CACHE_DIR"
+# Registry entries whose weights are built here, never downloaded: the command that builds them.
+BUILDERS = {"tiny-random/Qwen3.5-VL": "build it: python -m e2e_test models tiny-vlm (or set "
+                                      "E2E_MODEL_PATH to a built copy)"}
 _MARKER = ".e2e_prepared.json"
 
 
@@ -73,7 +76,8 @@ def weights_path(spec: ModelSpec, must_exist: bool = True) -> Path:
         return p
     if w.source == "path":
         p = Path(os.path.expanduser(w.path))
-        hint = "fix weights.path in the registry"
+        hint = BUILDERS.get(spec.id, "put the weights there, set E2E_MODEL_PATH, or fix "
+                                     "weights.path in the registry")
     elif w.source == "hf":
         root = settings.raw(MODEL_ROOT_ENV)
         if not root:

@@ -152,10 +152,11 @@ def xdist_share(devices: tuple[int, ...], environ: dict | None = None) -> tuple[
 
 
 def resolve_devices(topology: Topology, explicit: str | None = None,
-                    environ: dict | None = None, inventory=nvml_inventory) -> tuple[int, ...]:
+                    environ: dict | None = None, inventory=None) -> tuple[int, ...]:
     """The ordered GPU list; a list given by --devices, E2E_DEVICES or AFD_E2E_DEVICES must name
-    GPUs NVML lists (settings.check_gpu_ids; unchecked when NVML is unavailable)."""
+    GPUs NVML lists (settings.check_gpu_ids: where NVML lists none, a given list is an error)."""
     from . import settings
+    inventory = inventory or nvml_inventory
     env = os.environ if environ is None else environ
     given = None
     if explicit:

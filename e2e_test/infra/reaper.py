@@ -444,7 +444,7 @@ def main(argv=None) -> int:
 def _results_dir() -> Path:
     # Mirrors cluster.results_root() (not imported: process.py must not pull in the cluster).
     from . import settings
-    return Path(settings.get("E2E_RESULTS_DIR")).resolve()
+    return Path(settings.results_dir()).resolve()
 
 
 class Guardian:

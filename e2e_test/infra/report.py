@@ -11,6 +11,17 @@ import json
 from pathlib import Path
 
 
+RESULT_FILES = ("run.json", "summary.json", "note.json")
+
+
+def has_results(d: Path) -> bool:
+    """The folder holds what a run (or its publisher) left: run.json, summary.json, note.json
+    or tests/*.json."""
+    d = Path(d)
+    return (any((d / f).is_file() for f in RESULT_FILES)
+            or ((d / "tests").is_dir() and any((d / "tests").glob("*.json"))))
+
+
 def _load(d: Path) -> dict:
     run = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
     # note.json: what the publisher adds beside a lane's own files (the machine in words, what

@@ -1,6 +1,7 @@
 """Result files: one JSON record per test, a session summary as JSON and markdown.
 
-Layout under E2E_RESULTS_DIR (default ./results):
+Layout under E2E_RESULTS_DIR (unset: results/<lane or run>-<date>-<time>-<pid>/ of this run,
+with results/latest pointing at the newest; settings.results_dir):
   tests/<test id>.json     engine and versions, model, topology, device plan, ready time per
                            role, eval scores with n and errors, burst statistics, teardown verdict
   clusters/<name>/         plan.txt, cluster.json, logs/ (one per worker and the gateway)
@@ -90,6 +91,8 @@ def write_session(records: list[dict], clusters: dict, wall_s: float,
                   root: Path | None = None) -> dict:
     root = Path(root or results_root())
     (root / "tests").mkdir(parents=True, exist_ok=True)
+    from . import settings
+    settings.mark_latest(root)
     teardowns = {name: c.teardown_report.to_dict() for name, c in clusters.items()
                  if c.teardown_report}
     timings = {name: vars(c.timing) for name, c in clusters.items()}

@@ -145,7 +145,11 @@ def DeviceList() -> Kind:
 def Topologies() -> Kind:
     def parse(raw: str) -> tuple[str, ...]:
         from .topology import parse as parse_topology
-        items = tuple(x.strip() for x in raw.split(",") if x.strip())
+        from .topology import split_list
+        try:
+            items = tuple(split_list(raw))
+        except ConfigError as e:
+            raise ValueError(e.summary) from None
         if not items:
             raise ValueError("empty list")
         for t in items:
@@ -154,7 +158,7 @@ def Topologies() -> Kind:
             except ConfigError as e:
                 raise ValueError(e.summary) from None
         return items
-    return Kind("list", "a comma list of topologies (1, dpN, XpYd, XeYpZd, XaYf, ...)", parse)
+    return Kind("list", "a comma list of topologies (1, dpN, XpYd, XeYpZd, XaYf, ...); an option (p.tp=2, d.node=1) belongs to the topology before it; `;` also separates", parse)
 
 
 def Model() -> Kind:
@@ -220,7 +224,7 @@ _add("E2E_MODEL_PATH", PathKind(must_be_dir=True), None, "weights folder of the 
 _add("E2E_MODEL_ROOT", PathKind(must_be_dir=True), None, "folder holding hub-id sub-folders for `source: hf` registry entries")
 _add("E2E_CACHE_DIR", PathKind(), Path("~/.cache/e2e_test").expanduser(), "cache of prepared models and downloaded datasets")
 _add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: the cache")
-_add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go")
+_add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go; unset: a folder of its own per run, results/<lane or run>-<date>-<time>-<pid>, with results/latest pointing at it")
 # An offline GPU runner's recipe (scripts/gpu_lane.sh; docs/gpu.md)
 _add("E2E_STAGE_ENV", PathKind(), None, "scripts/gpu_lane.sh: the env file the engine's staging wrote (default /root/stage/env.sh for vllm, /root/stage/ts-env.sh for tokenspeed)")
 _add("E2E_SMG_WHEEL", PathKind(), None, "scripts/gpu_lane.sh: the smg wheel to install when the engine's site has no smg (default .whl/smg-*.whl)")
@@ -291,6 +295,40 @@ def value(name: str, text: str | None, source: str) -> Any:
     return SETTINGS[name].parse(text, source=source)
 
 
+def results_dir(environ=None) -> Path:
+    """This run's results folder. E2E_RESULTS_DIR when set; unset, a folder of its own under
+    `results/` (`<E2E_LANE or run>-<date>-<time>-<pid>`), written back into the environment so
+    every part of the run (pytest-xdist workers, guardians, a lane's parts) uses the same one,
+    and two runs in one checkout never overwrite each other's summary."""
+    import time
+    env = os.environ if environ is None else environ
+    if raw("E2E_RESULTS_DIR", env) is None:
+        name = f"{raw('E2E_LANE', env) or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        env["E2E_RESULTS_DIR"] = str(RESULTS_BASE / name)
+    return get("E2E_RESULTS_DIR", env)
+
+
+RESULTS_BASE = Path("results")
+LATEST = "latest"
+
+
+def mark_latest(d: Path) -> None:
+    """`results/latest` -> `d` when `d` is a run folder directly under results/ (replaced
+    atomically; a failure to link is not an error of the run)."""
+    d = Path(d)
+    base = RESULTS_BASE.resolve()
+    if d.resolve().parent != base or d.name == LATEST:
+        return
+    tmp = base / f".{LATEST}-{os.getpid()}"
+    try:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        tmp.symlink_to(d.name, target_is_directory=True)
+        os.replace(tmp, base / LATEST)
+    except OSError:
+        pass
+
+
 def check(environ=None) -> dict[str, Any]:
     """Every variable parsed; all errors at once, one line each. Returns the values."""
     out, errors = _collect(environ)
@@ -329,7 +367,56 @@ def _check_opt_in_model(values: dict, environ) -> None:
                            "accepts it only with AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
 
 
-_CROSS_CHECKS = [_check_cpu_cores, _check_opt_in_model]
+def selection_problem(model: str, engines, topologies, source: str, text: str) -> str | None:
+    """One line when a topology of the selection runs on no selected engine with this model
+    (the registry's engines and topology kinds, and which engines build each kind): pytest
+    would collect tests that can only fail. None when every topology has a runnable pair."""
+    from .engines import kind_engines
+    from .model_specs import get_spec
+    from .topology import parse as parse_topology
+    spec = get_spec(model)
+    kinds = kind_engines()
+    for t in topologies:
+        topo = parse_topology(t)
+        runs = [e for e in engines if e in kinds.get(topo.kind, ()) and
+                spec.supports(e, topo.kind)]
+        if not runs:
+            return (f"{source}={text!r}: topology {topo.name!r} ({topo.kind}) runs on none of "
+                    f"engine(s) {','.join(engines)} with model {spec.id!r} (its registry entry "
+                    f"allows {','.join(spec.topologies)} on {','.join(spec.engines)}); accepts "
+                    "topologies the model and an engine both run")
+    return None
+
+
+def _check_selection(values: dict, environ) -> None:
+    """E2E_TOPOLOGIES, when given, against E2E_MODEL and E2E_ENGINES (the defaults are the
+    harness's, and a command that takes its own topology, `plan 1`, does not read them)."""
+    text = raw("E2E_TOPOLOGIES", environ)
+    if text is None:
+        return
+    why = selection_problem(values["E2E_MODEL"], values["E2E_ENGINES"],
+                            values["E2E_TOPOLOGIES"], "E2E_TOPOLOGIES", text)
+    if why:
+        raise SettingError(why)
+
+
+def _check_model_path(values: dict, environ) -> None:
+    """E2E_MODEL_PATH's config.json parsed now (what `plan` and a Cluster do before launch),
+    so `settings` and pytest's start-up do not pass a folder a worker would fail on."""
+    path = values.get("E2E_MODEL_PATH")
+    if path is None:
+        return
+    from .model_specs import get_spec
+    from .models import check_config_json
+    try:
+        check_config_json(get_spec(values["E2E_MODEL"]), path,
+                          f"E2E_MODEL_PATH={raw('E2E_MODEL_PATH', environ)}")
+    except ConfigError as e:
+        raise SettingError(f"E2E_MODEL_PATH={raw('E2E_MODEL_PATH', environ)!r}: "
+                           f"{e.summary}") from None
+
+
+_CROSS_CHECKS = [_check_cpu_cores, _check_opt_in_model, _check_selection, _check_model_path]
 
 
 # -- device ids against the machine -------------------------------------------------------------
@@ -348,19 +435,36 @@ def check_cpu_ids(cores, source: str, text: str | None = None, present=affinity)
 
 
 def check_gpu_ids(devices, source: str, text: str | None = None, present=None) -> None:
-    """GPU ids must be ones NVML lists. When NVML is not available nothing is checked here
-    (the planner then finds no GPU and says so)."""
+    """GPU ids must be ones NVML lists. Where NVML lists none (no driver, no GPU, or
+    nvidia-ml-py missing) no id can be checked, so any id is an error, never a silent pass."""
     if present is None:
         from .plan import nvml_inventory
         present = nvml_inventory
     have = tuple(present())
     if not have:
-        return
+        raise SettingError(f"{source}={text or ','.join(map(str, devices))!r}: GPU id(s) "
+                           f"cannot be checked, NVML sees no GPU here ({_nvml_why()}); "
+                           "accepts ids of GPUs NVML lists (or --backend cpu for CPU cores)")
     missing = [d for d in devices if d not in have]
     if missing:
         raise SettingError(f"{source}={text or ','.join(map(str, devices))!r}: GPU(s) "
                            f"{','.join(map(str, missing))} not present; accepts ids among "
                            f"{_ranges(have)} (NVML)")
+
+
+def _nvml_why() -> str:
+    try:
+        import pynvml
+    except ImportError:
+        return "nvidia-ml-py is not installed: pip install -e ."
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return f"NVML: {str(e) or type(e).__name__}"
+    try:
+        return f"NVML lists {pynvml.nvmlDeviceGetCount()} GPU(s)"
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def check_devices(text: str | None, backend: str, source: str = "--devices",
@@ -414,8 +518,17 @@ def startup(environ=None, *, backend: str | None = None, devices: str | None = N
         errors.append(e.summary)
     values["backend"] = b
     values["model"] = opt("E2E_MODEL", model, "--model")
-    opt("E2E_ENGINES", engines, "--engine")
-    opt("E2E_TOPOLOGIES", topologies, "--topology")
+    sel_engines = opt("E2E_ENGINES", engines, "--engine")
+    sel_topologies = opt("E2E_TOPOLOGIES", topologies, "--topology")
+    if (topologies or engines or model) and not errors and values["model"]:
+        # the options over the variables: the selection pytest would collect
+        t_text, t_source = ((topologies, "--topology") if topologies else
+                            (raw("E2E_TOPOLOGIES", environ), "E2E_TOPOLOGIES"))
+        if t_text is not None:
+            why = selection_problem(values["model"], sel_engines, sel_topologies, t_source,
+                                    t_text)
+            if why:
+                errors.append(why)
     text, source = (devices, "--devices") if devices else (raw("E2E_DEVICES", environ), "E2E_DEVICES")
     if text and b:
         try:
@@ -461,19 +574,29 @@ BEGIN, END = "<!-- settings:begin (generated: python -m e2e_test settings --writ
     "<!-- settings:end -->"
 
 
-def _default_text(s: Setting) -> str:
-    d = s.default
-    if d is None:
+def shown(v: Any, name: str | None = None) -> str:
+    """A value as a user would type it (`vllm,tokenspeed`, `~/.cache/e2e_test`, `true`,
+    shell words shell-quoted), never a Python repr; `unset` / `empty` where there is none.
+    `name`: the variable (its kind decides how a list is joined)."""
+    if v is None:
         return "unset"
-    if isinstance(d, bool):
-        return "true" if d else "false"
-    if isinstance(d, tuple):
-        return ",".join(map(str, d)) if d else "empty"
-    if isinstance(d, Path):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, tuple):
+        if not v:
+            return "empty"
+        if name and SETTINGS[name].kind.label == "shell words":
+            return shlex.join(v)
+        return ",".join(map(str, v))
+    if isinstance(v, Path):
         home = str(Path.home())
-        t = str(d)
-        return "~" + t[len(home):] if t.startswith(home) else t
-    return str(d)
+        t = str(v)
+        return "~" + t[len(home):] if t.startswith(home + "/") or t == home else t
+    return str(v)
+
+
+def _default_text(s: Setting) -> str:
+    return shown(s.default, s.name)
 
 
 def table() -> str:

@@ -13,6 +13,11 @@ Grammar:  CORE[,OPTION]*
           `ROLE.node=K` pins the role's workers to node K of a multi-node launcher (`--launcher
           ray`), e.g. `1p1d,p.node=0,d.node=1` (plan.assign_nodes; unpinned roles spread).
 
+A *list* of topologies (`--topology`, E2E_TOPOLOGIES, `split_list`) is comma-separated too:
+a piece that is an option (`tp=K`, `ROLE.key=K`) belongs to the topology before it, so
+`1,1p1d,p.node=0,d.node=1` is `1` and `1p1d,p.node=0,d.node=1`. `;` also separates
+topologies (`1p1d,p.tp=2;1`).
+
 Every problem is a one-line ConfigError, raised before anything starts.
 """
 
@@ -77,6 +82,33 @@ _CORE = [
     (re.compile(r"^(\d+)a(\d+)f$"), "afd"),
     (re.compile(r"^native-dp(\d+)$"), "afd-native"),
 ]
+
+
+_OPTION = re.compile(r"^(?:[a-z]+\.)?[a-z_]+=")
+
+
+def split_list(text: str) -> list[str]:
+    """A topology list as its topologies: `;` separates; within a `;` part a comma starts a
+    new topology unless the next piece is an option (`key=value`, `role.key=value`), which
+    belongs to the topology before it. A list that starts with an option is a ConfigError."""
+    out: list[str] = []
+    for part in (text or "").split(";"):
+        group: list[str] = []
+        for piece in (x.strip() for x in part.split(",")):
+            if not piece:
+                continue
+            if _OPTION.match(piece.lower()):
+                if not group:
+                    raise ConfigError(f"bad topology list {text!r}: option {piece!r} follows "
+                                      "no topology (options go after theirs: 1p1d,p.tp=2)")
+                group.append(piece)
+                continue
+            if group:
+                out.append(",".join(group))
+            group = [piece]
+        if group:
+            out.append(",".join(group))
+    return out
 
 
 def _count(text: str, what: str, name: str) -> int:

@@ -41,10 +41,9 @@ def test_afd_chat(cluster, record):
     record["chat"] = {"text": body["choices"][0]["message"]["content"], "usage": usage}
 
 
+@pytest.mark.not_native_baseline    # no FFN server there: never selected on native-dpN
 def test_afd_ffn_served(cluster, record):
-    if cluster.topology.native_baseline:
-        pytest.skip(f"{cluster.topology.name} is the native baseline: no FFN server, the FFN "
-                    "proof does not apply")
+    assert not cluster.topology.native_baseline, "not_native_baseline: never selected there"
     p = proof.afd_ffn_served(cluster, n=4)
     record["afd_ffn_proof"] = p.to_dict()
     print(f"AFD FFN proof: {p.to_dict()}")
