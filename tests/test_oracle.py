@@ -328,3 +328,95 @@ def test_negative_control_with_an_empty_baseline_is_an_error_not_a_pass():
     other = {i: seq("q", "r") for i in range(32)}
     with pytest.raises(oracle.NoEvidenceError, match="^baseline gsm8k"):
         oracle.compare("gsm8k", "x/1", "x/1 other exemplars", {i: [] for i in range(32)}, other)
+
+
+# -- an engine that leaves tokens without logprobs (TokenSpeed through smg 1.13, H200) -------
+
+def _pass(steps: dict, texts: dict) -> oracle.Pass:
+    """A pass as comparisons.run_pass builds it: steps plus each answer's text lead."""
+    p = oracle.Pass(steps)
+    for i, st in steps.items():
+        lead = oracle.text_lead(st, texts[i])
+        if lead:
+            p.lead[i] = lead
+    return p
+
+
+def test_stop_token_not_reported_is_a_possible_tie_bounded_by_the_other_side():
+    """TokenSpeed's servicer trims the stop token's logprob entry: a side that stopped shows
+    one step fewer. With top-k 0 that is a divergence like any other, its gap at least
+    logit(p) of the token the other side chose (the MMLU control arm on the H200)."""
+    tie = compare_item(0, sampled_only(("A", -0.01), ("\n", math.log(0.52))),
+                       sampled_only(("A", -0.01)), **B)
+    assert tie.verdict == "numerics" and tie.divergence == "bound" and tie.position == 1
+    assert tie.tokens == ("\n", "<stop>") and tie.gap == pytest.approx(math.log(0.52 / 0.48))
+    # Negative control: a confident token where the other side stopped is a mismatch.
+    sure = compare_item(0, sampled_only(("A", -0.01), ("\n", math.log(0.97))),
+                        sampled_only(("A", -0.01)), **B)
+    assert sure.verdict == "mismatch" and "stop" in sure.reason
+    # With top-k reported the stop is seen for what it is: still structural.
+    assert compare_item(0, seq("a", "b"), seq("a", "b", "c")).divergence == "stopped"
+
+
+def test_first_token_without_logprob_is_matched_by_text_and_the_rest_compared():
+    """TokenSpeed PD/EPD through smg 1.13 on the H200: the full text, logprobs from the second
+    token on ('The pass code is ...' with steps ' pass', ' code', ...). The first token is
+    checked against the baseline's by text; the decode's first step is compared with the
+    baseline's second, distribution included."""
+    text = "The pass code is 0-3"
+    base = _pass({0: sampled_only(("The", -0.3), (" pass", -0.2), (" code", -0.1),
+                                  (" is", -0.05), (" 0-3", -0.5))}, {0: text})
+    cand = _pass({0: sampled_only((" pass", -0.2), (" code", -0.1), (" is", -0.05),
+                                  (" 0-3", -0.5))}, {0: text})
+    assert base.lead == {} and cand.lead == {0: "The"}
+    c = oracle.compare("recall", "ts/1", "ts/1p1d", base, cand)
+    it = c.items[0]
+    assert (it.verdict, it.text_only, it.compared) == ("identical", 1, 5)
+    assert it.first_step_delta == pytest.approx(0.0)      # ' pass' against ' pass'
+    assert "matched by text" in c.line()
+    # Negative controls: another first token, or a later divergence, are still seen.
+    other = _pass({0: cand[0]}, {0: "A pass code is 0-3"})
+    bad = oracle.compare("recall", "ts/1", "ts/1p1d", base, other).items[0]
+    assert bad.verdict == "mismatch" and "'A'" in bad.reason and "text" in bad.reason
+    late = _pass({0: sampled_only((" pass", -0.2), (" code", -0.1), (" was", -0.01),
+                                  (" 0-3", -0.5))}, {0: "The pass code was 0-3"})
+    lv = oracle.compare("recall", "ts/1", "ts/1p1d", base, late).items[0]
+    assert lv.position == 3 and lv.reason.startswith("token 3:")
+    # A shifted first step that moved is caught by the first-step delta.
+    moved = _pass({0: sampled_only((" pass", -2.5), (" code", -0.1), (" is", -0.05),
+                                   (" 0-3", -0.5))}, {0: text})
+    mv = oracle.compare("recall", "ts/1", "ts/1p1d", base, moved).items[0]
+    assert mv.first_step_delta == pytest.approx(2.3)
+
+
+def test_text_lead_never_invents_an_alignment():
+    steps = sampled_only((" pass", -0.2), (" code", -0.1))
+    assert oracle.text_lead(steps, " pass code") == ""
+    assert oracle.text_lead(steps, "The pass code") == "The"
+    assert oracle.text_lead(steps, "The pass code!") is None       # spells neither: nothing
+    # An engine with no logprobs at all (every item's text is all lead) is still no evidence.
+    none = _pass({0: [], 1: []}, {0: "The pass", 1: "A code"})
+    with pytest.raises(oracle.NoEvidenceError, match="carry per-token logprobs"):
+        oracle.compare("gsm8k", "x", "y", none, none)
+    # An item whose one token came without a logprob counts where the pass has others.
+    one = _pass({0: [], 1: sampled_only(("A", -0.1), (" code", -0.1))},
+                {0: "B", 1: "A code"})
+    base = _pass({0: sampled_only(("B", -0.1)), 1: sampled_only(("A", -0.1), (" code", -0.1))},
+                 {0: "B", 1: "A code"})
+    c = oracle.compare("mmlu", "x", "y", base, one)
+    assert [it.verdict for it in c.items] == ["identical", "identical"]
+    assert c.items[0].text_only == 1
+
+
+def test_a_stop_entry_past_the_text_is_dropped_never_a_token_of_the_answer():
+    """A PD decode's shifted list may end with the stop token's entry (not in the text)."""
+    text = " pass code"
+    steps = sampled_only((" pass", -0.2), (" code", -0.1), ("<|im_end|>", -0.01))
+    assert [s.token for s in oracle.trim_stop_entry(steps, text)] == [" pass", " code"]
+    empty_eos = sampled_only((" pass", -0.2), (" code", -0.1), ("", -0.01))
+    assert len(oracle.trim_stop_entry(empty_eos, text)) == 2
+    # Negative controls: a last token that is part of the text stays; so does a list that
+    # spells nothing of the text (nothing is assumed).
+    assert len(oracle.trim_stop_entry(steps[:2], text)) == 2
+    odd = sampled_only((" x", -0.2), (" y", -0.1))
+    assert len(oracle.trim_stop_entry(odd, text)) == 2

@@ -70,6 +70,15 @@ def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
     out = oracle.Pass({r.tag: (oracle.steps_from_openai(r.logprobs) if r.ok else None)
                        for r in rep.results})
     out.shape = request_shape(reqs)
+    for r in rep.results:
+        if r.ok:
+            # Steps against the answer's text: a stop token's entry is dropped, and tokens
+            # that came without a logprob at the start are kept as the item's lead (oracle
+            # text_lead; TokenSpeed PD/EPD through smg 1.13, docs/accuracy.md).
+            out[r.tag] = oracle.trim_stop_entry(out[r.tag], r.text)
+            lead = oracle.text_lead(out[r.tag], r.text)
+            if lead:
+                out.lead[r.tag] = lead
     return out
 
 

@@ -141,6 +141,7 @@ class ItemVerdict:
     compared: int = 0                  # tokens compared
     reason: str = ""
     divergence: str | None = None      # None (no divergence) | top-k | bound | outside | stopped
+    text_only: int = 0                 # leading tokens matched by text alone (see align_lead)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -168,7 +169,8 @@ class ItemVerdict:
         return cls(index=d["index"], verdict=d["verdict"], position=d.get("position"),
                    tokens=tuple(d["tokens"]) if d.get("tokens") else None, gap=num(d.get("gap")),
                    first_step_delta=num(d.get("first_step_delta")),
-                   compared=d.get("compared", 0), reason=reason, divergence=div)
+                   compared=d.get("compared", 0), reason=reason, divergence=div,
+                   text_only=d.get("text_only", 0))
 
 
 def _logit_floor(logprob: float) -> float:
@@ -192,7 +194,7 @@ def _structural(index, base: list[Step], cand: list[Step], window: int) -> ItemV
     """The item's facts and its verdict before any threshold: a divergence inside both
     top-k sets is `numerics` here, whatever its gap; `classify` applies the bounds."""
     v = ItemVerdict(index=index, verdict="identical")
-    v.first_step_delta = first_step_delta(base[0], cand[0])
+    v.first_step_delta = first_step_delta(base[0], cand[0]) if base and cand else None
     n = min(len(base), len(cand), window)
     for i in range(n):
         a, b = base[i], cand[i]
@@ -221,10 +223,24 @@ def _structural(index, base: list[Step], cand: list[Step], window: int) -> ItemV
     else:
         v.compared = n
         if len(base) != len(cand) and n < window:
-            v.verdict, v.position, v.divergence = "mismatch", n, "stopped"
             longer = "baseline" if len(base) > len(cand) else "candidate"
-            v.reason = (f"token {n}: the {'candidate' if longer == 'baseline' else 'baseline'} "
-                        f"stopped, the {longer} went on")
+            went_on = (base if len(base) > len(cand) else cand)[n]
+            if not went_on.top_reported:
+                # Top-k 0, and the side that stopped reported no entry for its stop token
+                # (TokenSpeed's servicer trims it): the stop token is one more candidate at
+                # this step, its gap at least logit(p) of the token the other side chose.
+                stop = "<stop>"
+                v.position, v.compared = n, n + 1
+                v.tokens = (went_on.token, stop) if longer == "baseline" else (stop, went_on.token)
+                v.gap = _logit_floor(went_on.logprob)
+                v.verdict, v.divergence = "numerics", "bound"
+                v.reason = (f"token {n}: possible near-tie {v.tokens[0]!r}/{v.tokens[1]!r} (the "
+                            f"stop token's logprob not reported; gap at least {v.gap:.3f} nats)")
+            else:
+                v.verdict, v.position, v.divergence = "mismatch", n, "stopped"
+                v.reason = (f"token {n}: the "
+                            f"{'candidate' if longer == 'baseline' else 'baseline'} "
+                            f"stopped, the {longer} went on")
     if v.first_step_delta is not None and math.isinf(v.first_step_delta):
         v.verdict = "mismatch"
         v.reason = ("first-step top-k sets share no token"
@@ -407,13 +423,21 @@ class Comparison:
                 "max_first_step_delta": (round(fs, 4) if fs is not None and math.isfinite(fs)
                                          else fs if fs is None else "inf"),
                 "max_numerics_gap": (round(self.max_gap(), 4) if self.max_gap() is not None
-                                     else None)}
+                                     else None),
+                **({"text_only_items": self.text_only_items()} if self.text_only_items()
+                   else {})}
 
     def line(self) -> str:
         c = self.counts()
         s = (f"{self.name} {self.b} vs {self.a}: {c['identical']} identical, {c['numerics']} "
              f"numerics, {c['mismatch']} mismatch")
-        return s + (f", {c['error']} errors (not compared)" if c["error"] else "")
+        t = self.text_only_items()
+        return (s + (f", {c['error']} errors (not compared)" if c["error"] else "")
+                + (f"; {t} item(s) began with a token that carried no logprob, matched by "
+                   "text" if t else ""))
+
+    def text_only_items(self) -> int:
+        return sum(1 for it in self.items if it.text_only)
 
     def to_dict(self) -> dict:
         return dict(self.summary(), items=[it.to_dict() for it in self.items])
@@ -425,14 +449,71 @@ class Comparison:
 
 class Pass(dict):
     """index -> list[Step] (None for an item whose request failed), with the request shape
-    that produced it (e.g. "/v1/completions logprobs=5"), named when it carries no tokens."""
+    that produced it (e.g. "/v1/completions logprobs=5"), named when it carries no tokens,
+    and per item the text at the answer's start that its steps do not cover (`lead`, from
+    text_lead: tokens the engine returned no logprob for)."""
     shape: str | None = None
+
+    @property
+    def lead(self) -> dict:
+        if "_lead" not in self.__dict__:
+            self.__dict__["_lead"] = {}
+        return self.__dict__["_lead"]
+
+
+def text_lead(steps: list[Step], text: str) -> str | None:
+    """The start of an answer's `text` that its steps' tokens do not cover: "" when they
+    spell the whole text, the missing prefix when they spell only its end (TokenSpeed PD and
+    EPD through smg 1.13: no logprob entry for the first token, which the prefill sampled),
+    None when they spell neither (nothing is assumed then)."""
+    joined = "".join(st.token for st in steps)
+    if joined == text:
+        return ""
+    if text.endswith(joined) and len(text) > len(joined):
+        return text[:len(text) - len(joined)]
+    return None
+
+
+def trim_stop_entry(steps: list[Step], text: str) -> list[Step]:
+    """`steps` less a last entry that is no part of the answer's `text`: a stop token's
+    (empty, or spelling past the text). A regular TokenSpeed worker trims it, a PD decode may
+    not (its list is shifted by one: generation_output_processor.py:819). Pure."""
+    if steps and (steps[-1].token == "" or (text_lead(steps, text) is None
+                                            and text_lead(steps[:-1], text) is not None)):
+        return steps[:-1]
+    return steps
+
+
+def align_lead(base: list[Step], cand: list[Step], lead_a: str, lead_b: str
+               ) -> tuple[list[Step], list[Step], int] | str:
+    """Align two answers whose steps start at different tokens because one side's first
+    token(s) came without logprobs (its `lead`): the other side's first steps must spell the
+    same text, and are then compared by text alone. Returns (base, cand, k text-only steps)
+    or, when the texts differ there, the reason (a mismatch)."""
+    if lead_a == lead_b:
+        return base, cand, 0
+    long_, short = (lead_a, lead_b) if len(lead_a) > len(lead_b) else (lead_b, lead_a)
+    steps = base if long_ is lead_b else cand        # the side whose steps cover more
+    if not long_.startswith(short):
+        return f"answer starts {lead_a!r} vs {lead_b!r} (text)"
+    want, k, got = long_[len(short):], 0, ""
+    while k < len(steps) and len(got) < len(want):
+        got += steps[k].token
+        k += 1
+    if got != want:
+        who = "baseline" if steps is base else "candidate"
+        return (f"token 0: {want!r} (text, no logprob reported) vs the {who}'s {got!r}")
+    return (base[k:], cand, k) if steps is base else (base, cand[k:], k)
 
 
 def _evidence(side: str, name: str, label: str, steps: dict) -> None:
-    """Every answered item of a pass must carry per-token logprobs: else one sentence."""
+    """Every answered item of a pass must carry per-token logprobs: else one sentence. An
+    item whose only tokens came without logprobs (a `lead` checked against its text) counts
+    while the pass carries logprobs elsewhere; a pass with none at all is no evidence."""
     answered = [i for i, s in steps.items() if s is not None]
-    empty = [i for i in answered if not s_len(steps[i])]
+    lead = getattr(steps, "lead", {})
+    any_steps = any(s_len(steps[i]) for i in answered)
+    empty = [i for i in answered if not s_len(steps[i]) and not (any_steps and lead.get(i))]
     if not answered:
         raise NoEvidenceError(f"{side} {name} ({label}): no item answered "
                               f"({len(steps)} requests, all failed): nothing to compare")
@@ -465,8 +546,33 @@ def compare(name: str, a_label: str, b_label: str, base: dict, cand: dict, **kw)
                                        reason=(f"not asked on {where}" if missing else
                                                f"request failed on {where}")))
             continue
-        c.items.append(compare_item(idx, base[idx], cand[idx], **kw))
+        a, b = base[idx], cand[idx]
+        aligned = align_lead(a, b, getattr(base, "lead", {}).get(idx) or "",
+                             getattr(cand, "lead", {}).get(idx) or "")
+        if isinstance(aligned, str):
+            c.items.append(ItemVerdict(index=idx, verdict="mismatch", position=0,
+                                       divergence="outside", reason=aligned))
+            continue
+        a, b, k = aligned
+        if not a and not b:
+            v = ItemVerdict(index=idx, verdict="identical", compared=k)
+        else:
+            v = compare_item(idx, a, b, **kw)
+            if k:
+                v = _shifted(v, k)
+        v.text_only = k
+        c.items.append(v)
     return c
+
+
+def _shifted(v: ItemVerdict, k: int) -> ItemVerdict:
+    """An item verdict over steps that start k tokens into the answer: positions in answer
+    tokens (the first k were matched by text)."""
+    v = replace(v, compared=v.compared + k,
+                position=None if v.position is None else v.position + k)
+    if v.reason.startswith("token ") and v.position is not None:
+        v.reason = f"token {v.position}:" + v.reason.split(":", 1)[1]
+    return v
 
 
 @dataclass
