@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from e2e_test.infra.engines import EngineOptions, Ports, kv_corrupt as kc, vllm
+from e2e_test.infra.engines import EngineOptions, Ports, vllm
+from e2e_test.infra.engines import kv_corrupt as kc
 from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.model_specs import get_spec
 from e2e_test.infra.plan import plan_cpu
