@@ -93,6 +93,9 @@ def _runner_deselection(item, config, backend: str | None, cache: dict) -> str |
     if ("cluster_key" in params and params["cluster_key"] is None) or \
             ("engine_name" in params and params["engine_name"] is None):
         return "no selected engine/topology fits the test"
+    only = item.get_closest_marker("backends")
+    if only is not None and backend is not None and backend not in only.args:
+        return f"runs on backend {' or '.join(only.args)} only (measured there)"
     ck = params.get("cluster_key")
     if not ck or backend is None:
         return None

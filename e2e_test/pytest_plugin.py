@@ -209,6 +209,11 @@ PROFILES = {p.name: p for p in [
         "them (little traffic: eager is cheaper end to end, docs/lanes.md)",
         lambda: options_from_env(max_num_seqs=settings.get("E2E_BURST_WINDOW"),
                                  enforce_eager=True)),
+    ClusterProfile(
+        "kv_corrupt", "the decode worker's KV connector corrupts what it received, the kind "
+        "switched at run time by the test (engines/kv_corrupt.py): the negative controls of "
+        "the PD verdicts (test_kv_corrupt.py); otherwise booted as the plain topology",
+        lambda: options_from_env(kv_corrupt="runtime")),
 ]}
 
 

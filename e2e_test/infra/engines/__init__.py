@@ -56,6 +56,11 @@ class EngineOptions:
     # keys its entries by what the compile depends on); the cluster fills it with
     # <E2E_CACHE_DIR>/compile when E2E_COMPILE_CACHE=shared. Empty: the engine's own default.
     compile_cache_dir: str = ""
+    # KV corruption negative control (engines/kv_corrupt.py, vLLM NIXL PD only): "" = off (the
+    # default: plain NixlConnector everywhere); a kind ("zero_layer", ...) or "runtime" (the
+    # kind is read from <state_dir>/kv-corrupt/<decode worker>/kind) puts the corrupting
+    # connector on every decode worker. Never set from the environment.
+    kv_corrupt: str = ""
 
 
 def options_from_env(environ=None, **overrides) -> EngineOptions:

@@ -18,7 +18,11 @@ from ..model_specs import ModelSpec
 from ..plan import PlanEntry
 from ..readiness import HttpGet
 from ..topology import Topology
-from . import Engine, EngineOptions, Ports, WorkerCommand, core_list
+from . import Engine, EngineOptions, Ports, WorkerCommand, core_list, kv_corrupt
+
+# The folder holding the e2e_test package (a worker that imports harness code gets it first).
+HARNESS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 KV_CONNECTORS = ("nixl", "example", "mooncake")
 # Idle verification (infra/idle.py): Prometheus gauges of the API server's /metrics
@@ -92,14 +96,33 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
     return names
 
 
-def kv_transfer_config(role: str, options: EngineOptions) -> dict:
+def kv_corrupt_dir(options: EngineOptions, worker: str) -> str:
+    """The folder of a corrupting decode worker: `kind` (the control file) and `counts.json`."""
+    return os.path.join(options.state_dir, "kv-corrupt", worker)
+
+
+def kv_transfer_config(role: str, options: EngineOptions, worker: str = "") -> dict:
     if options.kv_connector not in KV_CONNECTORS:
         raise ConfigError(f"unknown kv connector {options.kv_connector!r} "
                           f"(known: {', '.join(KV_CONNECTORS)})")
+    if options.kv_corrupt and (options.kv_connector != "nixl" or not options.state_dir):
+        raise ConfigError("kv_corrupt needs the nixl connector and a state folder")
     if options.kv_connector == "nixl":
         cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
         if options.backend == "cpu":
             cfg["kv_buffer_device"] = "cpu"
+        if options.kv_corrupt and role == "decode":
+            # The negative control: a NixlConnector subclass loaded by vLLM from the harness
+            # (engines/kv_corrupt.py); off unless asked for.
+            try:
+                kv_corrupt.check_setting(options.kv_corrupt)
+            except ValueError as e:
+                raise ConfigError(f"kv_corrupt={options.kv_corrupt!r}: {e}") from None
+            cfg.update(kv_connector=kv_corrupt.CLASS_NAME,
+                       kv_connector_module_path=kv_corrupt.MODULE,
+                       kv_connector_extra_config={
+                           kv_corrupt.KIND_KEY: options.kv_corrupt,
+                           kv_corrupt.DIR_KEY: kv_corrupt_dir(options, worker)})
         return cfg
     producer = role == "prefill"
     if options.kv_connector == "example":
@@ -146,8 +169,13 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     worker_type, kv_connector = "regular", None
     if topology.kind == "pd":
         worker_type = entry.role
-        cfg = kv_transfer_config(entry.role, options)
+        cfg = kv_transfer_config(entry.role, options, entry.name)
         argv += ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
+        if "kv_connector_module_path" in cfg:
+            # vLLM imports the module: this checkout's harness first on the worker's path.
+            env["PYTHONPATH"] = os.pathsep.join(
+                [HARNESS_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                  if p])
         if options.kv_connector == "nixl":
             kv_connector = "NixlConnector"
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = entry.host

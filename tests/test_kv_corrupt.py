@@ -1,0 +1,171 @@
+"""The KV corruption negative control's pure parts (engines/kv_corrupt.py) and the builder's
+switch (engines/vllm.py): kind parsing, block selection, pairing, layer order, the KV views of
+each cache layout on small CPU tensors. No engine starts; the real-engine run is
+e2e_test/router/test_kv_corrupt.py."""
+
+import json
+import random
+
+import pytest
+
+from e2e_test.infra.engines import EngineOptions, Ports, vllm
+from e2e_test.infra.engines import kv_corrupt as kc
+from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.model_specs import get_spec
+from e2e_test.infra.plan import plan_cpu
+from e2e_test.infra.topology import parse
+
+torch = pytest.importorskip("torch")
+
+
+def test_parse_kind():
+    assert kc.parse_kind(None) == kc.parse_kind("") == kc.parse_kind(" none ") == kc.Kind()
+    assert kc.parse_kind("zero_layer") == kc.Kind("zero_layer", layer=0)
+    assert kc.parse_kind("swap_kv:-1") == kc.Kind("swap_kv", layer=-1)
+    assert kc.parse_kind("bitflip:0.25") == kc.Kind("bitflip", rate=0.25)
+    assert str(kc.parse_kind("bitflip:0.25")) == "bitflip:0.25"
+    assert str(kc.parse_kind("zero_layer:3")) == "zero_layer:3"
+    for bad in ("zero", "zero_layer:x", "bitflip:0", "bitflip:2", "cross_request:1",
+                "stale_last_block:2"):
+        with pytest.raises(ValueError):
+            kc.parse_kind(bad)
+    assert kc.check_setting("") == "" and kc.check_setting("runtime") == "runtime"
+
+
+def test_flat_blocks_takes_both_shapes():
+    assert kc.flat_blocks([3, 4]) == [3, 4]
+    assert kc.flat_blocks(([3, 4], [7])) == [3, 4, 7]
+    assert kc.flat_blocks(()) == [] and kc.flat_blocks(None) == []
+
+
+def test_block_selection():
+    rng = random.Random(0)
+    assert kc.blocks_to_corrupt(kc.Kind("stale_last_block"), [5, 6, 9], rng) == [9]
+    assert kc.blocks_to_corrupt(kc.Kind("zero_layer"), [5, 6], rng) == [5, 6]
+    assert kc.blocks_to_corrupt(kc.Kind("none"), [5, 6], rng) == []
+    assert kc.blocks_to_corrupt(kc.Kind("stale_last_block"), [], rng) == []
+    hit = kc.blocks_to_corrupt(kc.Kind("bitflip", rate=0.01), list(range(20000)), rng)
+    assert 120 < len(hit) < 280          # about 1 %
+    assert kc.blocks_to_corrupt(kc.Kind("bitflip", rate=1.0), [1, 2], rng) == [1, 2]
+
+
+def test_layer_order_is_numeric():
+    names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 1, 0)]
+    assert kc.layer_order(names)[:3] == ["model.layers.0.self_attn.attn",
+                                         "model.layers.1.self_attn.attn",
+                                         "model.layers.2.self_attn.attn"]
+    assert kc.pick_layer(names, -1) == "model.layers.10.self_attn.attn"
+    with pytest.raises(ValueError):
+        kc.pick_layer(names, 4)
+
+
+def test_pairing_holds_a_lone_request_then_releases_it():
+    p = kc.Pairing(hold_s=3.0)
+    p.add("a", [1], now=0.0)
+    assert p.take(now=1.0) == ([], []) and p.held == {"a"}
+    p.add("b", [2, 3], now=1.5)
+    pairs, alone = p.take(now=1.5)
+    assert pairs == [(("a", [1]), ("b", [2, 3]))] and alone == [] and not p.held
+    p.add("c", [4], now=2.0)
+    assert p.take(now=4.9) == ([], [])
+    assert p.take(now=5.0) == ([], [("c", [4])]) and not p.held
+
+
+def cpu_cache(num_blocks=3, heads=2, block_size=4, head_size=3, dtype=torch.float32):
+    return torch.arange(num_blocks * heads * block_size * 2 * head_size, dtype=dtype).view(
+        num_blocks, heads, block_size, 2 * head_size)
+
+
+def test_kv_views_cpu_layout_matches_cpu_attn():
+    t = cpu_cache()            # 2 KV heads: s[1] == 2 must not read as FlashInfer's layout
+    k, v = kc.kv_views(t, 3)
+    ref_k, ref_v = t.view(3, 2, 8, 3).chunk(2, dim=2)      # what cpu_attn.py does
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
+def test_kv_views_gpu_layouts():
+    fa = torch.zeros(2, 5, 4, 1, 3)         # (2, blocks, block_size, heads, head)
+    k, v = kc.kv_views(fa, 5)
+    k[1] = 1
+    assert fa[0, 1].sum() == 12 and fa[1].sum() == 0
+    fi = torch.zeros(5, 2, 4, 1, 3)         # FlashInfer (blocks, 2, ...)
+    k, v = kc.kv_views(fi, 5)
+    v[2] = 1
+    assert fi[2, 1].sum() == 12 and fi[:, 0].sum() == 0
+    with pytest.raises(ValueError):
+        kc.kv_views(torch.zeros(7, 3), 5)
+
+
+def test_corruptor_operations():
+    base = cpu_cache(dtype=torch.bfloat16)
+    caches = {f"layers.{i}": base.clone() for i in range(2)}
+    c = kc.Corruptor(caches, 3, seed=1)
+    c.swap_kv([1], 0)
+    k0, v0 = c.views("layers.0")
+    rk, rv = kc.kv_views(base, 3)
+    assert torch.equal(k0[1], rv[1]) and torch.equal(v0[1], rk[1]) and torch.equal(k0[0], rk[0])
+    assert torch.equal(caches["layers.1"], base)           # the other layer untouched
+    snap = c.snapshot([2])
+    c.zero([2], -1)
+    assert caches["layers.1"][2].abs().sum() == 0 and caches["layers.0"][2].abs().sum() > 0
+    c.restore([2], snap)
+    assert torch.equal(caches["layers.1"][2], base[2])
+    assert c.exchange([0], [2, 1]) == 1
+    assert torch.equal(caches["layers.1"][0], base[2]) and torch.equal(caches["layers.1"][2], base[0])
+    before = caches["layers.0"][1].clone()
+    c.bitflip([1])
+    assert (caches["layers.0"][1] != before).sum() >= 1
+
+
+def test_counts_and_control_file(tmp_path):
+    folder = str(tmp_path / "w")
+    kc.set_kind(folder, "zero_layer:2")
+    assert (tmp_path / "w" / "kind").read_text().strip() == "zero_layer:2"
+    with pytest.raises(ValueError):
+        kc.set_kind(folder, "nonsense")
+    assert kc.read_counts(folder) == {}
+    (tmp_path / "w" / "counts.json").write_text(json.dumps({"zero_layer": {"requests": 3,
+                                                                           "blocks": 5}}))
+    after = {"zero_layer": {"requests": 5, "blocks": 9}, "swap_kv": {"requests": 0}}
+    assert kc.counts_delta(kc.read_counts(folder), after) == {
+        "zero_layer": {"requests": 2, "blocks": 4}}
+
+
+# -- the builder switch --------------------------------------------------------------------
+
+SMOL = get_spec("SmolLM2-135M-Instruct")
+
+
+def pd_commands(options):
+    t = parse("1p1d")
+    entries = {e.name: e for e in plan_cpu(t, (0, 1)).entries}
+    ports = Ports(api=20100, aux={"nixl": 20101})
+    return {n: vllm.build(SMOL, t, e, ports, "/m", options) for n, e in entries.items()}
+
+
+def kv(cmd):
+    return json.loads(cmd.argv[cmd.argv.index("--kv-transfer-config") + 1])
+
+
+def test_off_by_default():
+    for cmd in pd_commands(EngineOptions(state_dir="/s")).values():
+        assert kv(cmd) == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                           "kv_buffer_device": "cpu"}
+        assert "PYTHONPATH" not in cmd.env
+
+
+def test_on_the_decode_only():
+    cmds = pd_commands(EngineOptions(state_dir="/s", kv_corrupt="runtime"))
+    assert kv(cmds["prefill-0"])["kv_connector"] == "NixlConnector"
+    d = kv(cmds["decode-0"])
+    assert d == {"kv_connector": "E2ECorruptingNixlConnector", "kv_role": "kv_both",
+                 "kv_buffer_device": "cpu",
+                 "kv_connector_module_path": "e2e_test.infra.engines.kv_corrupt",
+                 "kv_connector_extra_config": {"e2e_corrupt": "runtime",
+                                               "e2e_corrupt_dir": "/s/kv-corrupt/decode-0"}}
+    assert cmds["decode-0"].env["PYTHONPATH"].split(":")[0] == vllm.HARNESS_ROOT
+    assert cmds["decode-0"].kv_connector == "NixlConnector"     # what smg is told
+    with pytest.raises(ConfigError):
+        pd_commands(EngineOptions(state_dir="/s", kv_corrupt="zap"))
+    with pytest.raises(ConfigError):
+        pd_commands(EngineOptions(kv_corrupt="zero_layer"))      # no state folder
