@@ -67,14 +67,28 @@ def comparisons(records: list[dict]) -> list[tuple[str, str, str, dict]]:
     return out
 
 
+def _not_rejudged(run: Path) -> str | None:
+    """A run whose note.json says `rejudge: "no: why"` (its items were judged on evidence the
+    harness has since learnt to read differently)."""
+    try:
+        why = json.loads((run / "note.json").read_text()).get("rejudge")
+    except (OSError, ValueError):
+        return None
+    return why if isinstance(why, str) and why.startswith("no") else None
+
+
 def rejudge(run: Path) -> list[dict]:
     records = _records(run)
+    skip = _not_rejudged(run)
     arms = controls(records)
     engine = next((r.get("engine") for r in records if r.get("engine")), None)
     results = []
     for test, expect, name, cmp in comparisons(records):
         res = {"run": run.name, "test": test, "eval": name, "expect": expect}
-        if not cmp or "items" not in cmp:
+        if skip:
+            res["rejudged"] = False
+            res["why"] = f"note.json: {skip}"
+        elif not cmp or "items" not in cmp:
             res["rejudged"] = False
             res["why"] = "the record holds no per-item comparison (written before the oracle)"
         elif (engine, name) not in arms:

@@ -23,8 +23,10 @@ JUDGED = [r for r in ALL if r["rejudged"]]
 
 
 def test_the_recorded_runs_that_can_be_rejudged_are():
-    """Three H200 sessions hold a control arm with per-item deltas: two PD lanes (GSM8K and
-    MMLU against `1`, the negative control) and the chat lane (its negative control)."""
+    """Four H200 sessions hold a control arm with per-item deltas: two vLLM PD lanes (GSM8K and
+    MMLU against `1`, the negative control), the vLLM chat lane (its negative control) and the
+    TokenSpeed PD lane (GSM8K, MMLU and recall against `1`, the negative control). TokenSpeed
+    runs judged before its logprobs were aligned say so in their note.json."""
     got = sorted((r["run"], r["test"].split("::")[1]) for r in JUDGED)
     assert got == sorted([
         ("h200-e2e-1gpu-chat-vllm", "test_oracle_negative_control[vllm-1]"),
@@ -34,6 +36,12 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
         ("h200-e2e-1gpu-pd-vllm-05e988f", "test_oracle_negative_control[vllm-1]"),
         ("h200-e2e-1gpu-pd-vllm-05e988f", "test_pd_answers_match_regular[vllm-1p1d-gsm8k]"),
         ("h200-e2e-1gpu-pd-vllm-05e988f", "test_pd_answers_match_regular[vllm-1p1d-mmlu]"),
+        ("h200-e2e-1gpu-pd-tokenspeed-cdba3e8", "test_oracle_negative_control[tokenspeed-1]"),
+        ("h200-e2e-1gpu-pd-tokenspeed-cdba3e8",
+         "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]"),
+        ("h200-e2e-1gpu-pd-tokenspeed-cdba3e8",
+         "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]"),
+        ("h200-e2e-1gpu-pd-tokenspeed-cdba3e8", "test_pd_kv_recall[tokenspeed-1p1d]"),
     ])
     # what cannot be re-judged says why (recall: its control arm was recorded as a summary
     # only; TokenSpeed: records written before the oracle)
