@@ -33,7 +33,7 @@ import httpx
 
 from . import engines, metrics, ports, progress, reaper, settings, teardown
 from . import gateway as gw
-from .engines import DEFAULT_ENGINE, Engine, EngineOptions, Ports, WorkerCommand
+from .engines import DEFAULT_ENGINE, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 from .errors import ConfigError, StartupError, UpstreamBug, WorkerDied
 from .launcher import Baseline, Handle, Launcher, make_launcher
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
@@ -434,27 +434,33 @@ class Cluster:
         r.raise_for_status()
         return r.json()
 
-    def dead_processes(self) -> str | None:
-        """One line naming every worker (or the gateway) that exited, with its exit code, and
-        the known upstream bug it died of where its engine names one (Engine.known_crashes)."""
-        dead = []
-        roles = {w.process: w.entry.role for w in self.workers}
+    def _dead(self) -> list[tuple[str, KnownCrash | None]]:
+        """(line, the known upstream crash it shows or None) for every worker (or gateway)
+        that exited."""
+        out = []
+        roles = {id(w.process): w.entry.role for w in self.workers}
         for name, p in ([("gateway", self.gateway)] + [(h.name, h) for h in self._extra_gateways]
                         + [(w.name, w.process) for w in self.workers]):
             if p is not None and p.started_at is not None and not p.alive():
-                line = f"{name} (pid {p.pid}{p.where}) died: {p.death_reason()}"
-                known = (self.driver.known_crash(roles[p], p.log_text(200_000))
-                         if p in roles else None)
-                dead.append(line + (f"; {known.line()}" if known else ""))
+                known = (self.driver.known_crash(roles[id(p)], p.log_text(200_000))
+                         if id(p) in roles else None)
+                out.append((f"{name} (pid {p.pid}{p.where}) died: {p.death_reason()}", known))
+        return out
+
+    def dead_processes(self) -> str | None:
+        """One line naming every worker (or the gateway) that exited, with its exit code, and
+        the known upstream bug it died of where its engine names one (Engine.known_crashes)."""
+        dead = self._dead()
         if not dead:
             return None
-        return f"topology {self.topology.name} ({self.engine}): " + "; ".join(dead)
+        return (f"topology {self.topology.name} ({self.engine}): "
+                + "; ".join(line + (f"; {k.line()}" if k else "") for line, k in dead))
 
-    @staticmethod
-    def death_error(message: str) -> WorkerDied:
-        """The error for a dead topology: UpstreamBug when a death is a known upstream bug
-        (dead_processes names it), else WorkerDied."""
-        return (UpstreamBug if "known upstream bug: " in message else WorkerDied)(message)
+    def death_error(self, message: str) -> WorkerDied:
+        """The error for a dead topology: UpstreamBug when a worker died of a known upstream
+        crash, else WorkerDied."""
+        known = any(k for _, k in self._dead())
+        return (UpstreamBug if known else WorkerDied)(message)
 
     def check_alive(self) -> None:
         """Raise death_error when a worker or the gateway has exited."""

@@ -452,13 +452,11 @@ class Pass(dict):
     that produced it (e.g. "/v1/completions logprobs=5"), named when it carries no tokens,
     and per item the text at the answer's start that its steps do not cover (`lead`, from
     text_lead: tokens the engine returned no logprob for)."""
-    shape: str | None = None
 
-    @property
-    def lead(self) -> dict:
-        if "_lead" not in self.__dict__:
-            self.__dict__["_lead"] = {}
-        return self.__dict__["_lead"]
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.shape: str | None = None
+        self.lead: dict = {}
 
 
 def text_lead(steps: list[Step], text: str) -> str | None:
