@@ -21,6 +21,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
+
 from . import metrics
 from .errors import HarnessError
 
@@ -178,12 +180,13 @@ def _sum_delta(before: list[dict], after: list[dict], name: str, **labels) -> fl
     return sum(metrics.delta(b, a, name, **labels) for b, a in zip(before, after))
 
 
-def _post_all(cluster, what: str, path: str, bodies) -> list[dict]:
-    """POST each body through the gateway; any non-200 or empty answer fails the proof.
-    Returns each answer's usage."""
+def _post_all(cluster, what: str, path: str, bodies, url: str | None = None) -> list[dict]:
+    """POST each body through the gateway (or straight to `url`); any non-200 or empty answer
+    fails the proof. Returns each answer's usage."""
     usages = []
     for i, body in enumerate(bodies):
-        r = cluster.client.post(path, json=body)
+        r = (cluster.client.post(path, json=body) if url is None
+             else httpx.post(url + path, json=body, timeout=cluster.client.timeout))
         if r.status_code != 200:
             raise HarnessError(f"{what} request {i}: HTTP {r.status_code} {r.text[:200]}")
         if not r.json().get("choices"):
@@ -199,7 +202,10 @@ def _verdict(what: str, cluster, problems: list[str], proof):
     return proof
 
 
-def pd_transfer(cluster, n: int = 4) -> TransferProof:
+def pd_transfer(cluster, n: int = 4, via: str | None = None) -> TransferProof:
+    """The vLLM PD proof over `n` fresh prompts through the gateway. `via`: send them
+    straight to this URL instead (the proof's negative control: asked of the decode worker
+    itself, nothing is transferred, and the proof must fail)."""
     decode, prefill = cluster.role("decode"), cluster.role("prefill")
     if not decode or not prefill:
         raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
@@ -207,7 +213,7 @@ def pd_transfer(cluster, n: int = 4) -> TransferProof:
     each = [u["prompt_tokens"] for u in _post_all(
         cluster, "PD proof", "/v1/completions",
         ({"model": cluster.model_name, "prompt": long_unique_prompt(seed=i), "max_tokens": 8,
-          "temperature": 0} for i in range(n)))]
+          "temperature": 0} for i in range(n)), url=via)]
     a_d, a_p = _scrape_all(decode), _scrape_all(prefill)
     nixl = all(w.command.kv_connector == "NixlConnector" for w in decode + prefill)
     cache = cache_config(a_d[0]) if a_d else {}

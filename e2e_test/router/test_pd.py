@@ -9,7 +9,9 @@ on `1` in the same session. No tolerance is set by hand.
 import pytest
 
 from e2e_test.infra import comparisons, oracle
+from e2e_test.infra.errors import HarnessError
 from e2e_test.infra.evals import recall
+from e2e_test.infra.proof import pd_transfer
 from e2e_test.router.test_evals import oracle_pass
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd")]
@@ -19,6 +21,20 @@ def test_pd_kv_transfer_proof(cluster, record):
     p = cluster.driver.pd_proof(cluster)
     record["pd_proof"] = p.to_dict()
     print(f"PD proof: {p.to_dict()}")
+
+
+@pytest.mark.engines("vllm")
+def test_pd_kv_transfer_proof_negative_control(cluster, record):
+    """The same proof with its prompts sent straight to the decode worker (a kv_both vLLM
+    worker serves them itself): nothing moves, so it must fail on a real engine, naming the
+    missing transfer and the recomputed prompt tokens."""
+    decode = cluster.role("decode")[0]
+    with pytest.raises(HarnessError) as ei:
+        pd_transfer(cluster, via=decode.http_url)
+    msg = str(ei.value).splitlines()[0]
+    record["pd_proof_negative_control"] = msg
+    print(f"PD proof asked of {decode.name} alone: {msg}")
+    assert "decode received KV for 0 of" in msg and "decode recomputed" in msg, msg
 
 
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
