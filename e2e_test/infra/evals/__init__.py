@@ -9,8 +9,9 @@ from ..load import RunReport
 
 
 def without_logprobs(items: list[dict]) -> list[dict]:
-    """Item records for result files: the per-token logprobs stay in memory."""
-    return [{k: v for k, v in it.items() if k != "logprobs"} for it in items]
+    """Item records for result files: the per-token logprobs (and the whole answer text they
+    are read against) stay in memory."""
+    return [{k: v for k, v in it.items() if k not in ("logprobs", "text")} for it in items]
 
 
 @dataclass
@@ -80,5 +81,6 @@ def collect(name: str, report: RunReport, score) -> EvalResult:
         item = {"index": r.tag, "prediction": pred, "correct": ok, "output": r.text[:400]}
         if r.logprobs is not None:
             item["logprobs"] = r.logprobs
+            item["text"] = r.text          # the oracle reads the steps against it
         res.items.append(item)
     return res
