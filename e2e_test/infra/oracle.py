@@ -282,11 +282,13 @@ def classify(item: ItemVerdict, gap_max: float, first_step_max: float) -> ItemVe
 
 
 def compare_item(index, base: list[Step], cand: list[Step], *, gap_max: float | None = None,
-                 first_step_max: float | None = None, window: int = WINDOW) -> ItemVerdict:
+                 first_step_max: float | None = None, window: int = WINDOW,
+                 empty_ok: bool = False) -> ItemVerdict:
     """One item's verdict: `base` (the baseline's steps) against `cand` (the candidate's).
     Without bounds only the structural verdict (`judge` applies the control arm's); a side
-    without tokens is no evidence: NoEvidenceError."""
-    if not base or not cand:
+    without tokens is no evidence: NoEvidenceError, unless `empty_ok` (that side's answer was
+    empty: it stopped at once, a divergence like any other stop)."""
+    if (not base or not cand) and not (empty_ok and (base or cand)):
         raise NoEvidenceError(f"item {index}: no tokens on " + (
             "either side" if not base and not cand else
             "the baseline" if not base else "the candidate"))
@@ -457,6 +459,7 @@ class Pass(dict):
         super().__init__(*args, **kw)
         self.shape: str | None = None
         self.lead: dict = {}
+        self.empty_answers: set = set()    # answered with no text at all: nothing to carry
 
 
 def text_lead(steps: list[Step], text: str) -> str | None:
@@ -510,8 +513,10 @@ def _evidence(side: str, name: str, label: str, steps: dict) -> None:
     while the pass carries logprobs elsewhere; a pass with none at all is no evidence."""
     answered = [i for i, s in steps.items() if s is not None]
     lead = getattr(steps, "lead", {})
+    blank = getattr(steps, "empty_answers", set())
     any_steps = any(s_len(steps[i]) for i in answered)
-    empty = [i for i in answered if not s_len(steps[i]) and not (any_steps and lead.get(i))]
+    empty = [i for i in answered if not s_len(steps[i])
+             and not (any_steps and (lead.get(i) or i in blank))]
     if not answered:
         raise NoEvidenceError(f"{side} {name} ({label}): no item answered "
                               f"({len(steps)} requests, all failed): nothing to compare")
@@ -555,7 +560,9 @@ def compare(name: str, a_label: str, b_label: str, base: dict, cand: dict, **kw)
         if not a and not b:
             v = ItemVerdict(index=idx, verdict="identical", compared=k)
         else:
-            v = compare_item(idx, a, b, **kw)
+            blank = (idx in getattr(base, "empty_answers", ()) or
+                     idx in getattr(cand, "empty_answers", ()) or k > 0)
+            v = compare_item(idx, a, b, empty_ok=blank, **kw)
             if k:
                 v = _shifted(v, k)
         v.text_only = k
@@ -754,6 +761,8 @@ def add_answer(p: Pass, index, logprobs: dict | None, text: str | None) -> None:
         lead = text_lead(steps, text)
         if lead:
             p.lead[index] = lead
+        if text == "" and not steps:
+            p.empty_answers.add(index)
     p[index] = steps
 
 
