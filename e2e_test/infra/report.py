@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .engines import all_engines
 
 RESULT_FILES = ("run.json", "summary.json", "note.json")
 
@@ -60,28 +61,11 @@ def _details(t: dict) -> str:
         if b.get("rejected_metric_delta") is not None:
             s += f", smg rejected {b['rejected_metric_delta']:.0f}"
         out.append(s)
-    if t.get("pd_proof"):
-        p = t["pd_proof"]
-        if "decode_external" in p:          # vLLM: transfer counters on the decode side
-            out.append(f"KV proof: decode got {p['decode_external']:.0f}/{p['prompt_tokens']} "
-                       f"prompt tokens by transfer, recomputed {p['decode_local_compute']:.0f}, "
-                       f"{p['nixl_bytes'] / 2**20:.1f} MiB over NIXL")
-        else:                               # TokenSpeed: see proof.pd_transfer_tokenspeed
-            out.append(f"KV proof: gateway sent {p['gateway_prefill_selections']:.0f} prefill + "
-                       f"{p['gateway_decode_selections']:.0f} decode selections for "
-                       f"{p['requests']} requests, prefill ran {p['prefill_forward_tokens']:.0f}/"
-                       f"{p['prompt_tokens']} prompt tokens forward, decode finished "
-                       f"{p['decode_success']:.0f}/{p['requests']} ({p['decode_generation_tokens']:.0f}"
-                       f" tokens), transfer failures {p['gateway_transfer_failures']:.0f}")
-    if t.get("epd_proof"):
-        p = t["epd_proof"]
-        out.append(f"encoder proof: {p['gateway_encode_selections']:.0f}/{p['image_items']} image "
-                   f"items dispatched to encode, decode finished {p['decode_success']:.0f}/"
-                   f"{p['requests']}")
-    if t.get("afd_ffn_proof"):
-        p = t["afd_ffn_proof"]
-        out.append(f"FFN proof: {p.get('new_traces')} new FFN step traces for {p.get('requests')} "
-                   f"requests ({p.get('moe_kernel_events')} MoE kernel events)")
+    for key in PROOF_KEYS:
+        if t.get(key):
+            line = proof_line(key, t[key])
+            if line:
+                out.append(line)
     if "message" in (t.get("afd_vs_native") or {}):
         out.append(_oracle_line(t["afd_vs_native"]))
     else:                                   # result files from before the oracle
@@ -107,6 +91,19 @@ def _details(t: dict) -> str:
     if t.get("chat"):
         out.append(f"chat {t['chat']['usage']['completion_tokens']} tokens")
     return "; ".join(out)
+
+
+PROOF_KEYS = ("pd_proof", "epd_proof", "afd_ffn_proof")
+
+
+def proof_line(key: str, proof: dict) -> str | None:
+    """A recorded disaggregation proof in one line, worded by the engine whose proof it is
+    (Engine.proof_line); None when no engine knows it."""
+    for e in all_engines():
+        line = e.proof_line(key, proof)
+        if line:
+            return line
+    return None
 
 
 def _oracle_line(v: dict) -> str:

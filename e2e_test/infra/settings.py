@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .engines import engine_names
 from .errors import ConfigError
 
 
@@ -35,8 +36,14 @@ class SettingError(ConfigError):
 @dataclass(frozen=True)
 class Kind:
     label: str                          # the table's "type" column
-    accepts: str                        # what the error message says is accepted
+    # what the error message says is accepted; a callable: worked out when asked (a list that
+    # a registry holds, which grows at run time)
+    accepts_text: str | Callable[[], str]
     parse: Callable[[str], Any]         # raw -> value; raises ValueError(why) on a bad value
+
+    @property
+    def accepts(self) -> str:
+        return self.accepts_text() if callable(self.accepts_text) else self.accepts_text
 
 
 def Int(minimum: int | None = None) -> Kind:
@@ -89,16 +96,20 @@ def Choice(*choices: str) -> Kind:
     return Kind("choice", " | ".join(choices), parse)
 
 
-def CsvOf(*choices: str) -> Kind:
+def CsvOf(*choices: str, among: Callable[[], tuple[str, ...]] | None = None) -> Kind:
+    """A comma list of `choices`, or of what `among()` returns when asked (a registry's names)."""
+    def allowed() -> tuple[str, ...]:
+        return tuple(among()) if among is not None else choices
+
     def parse(raw: str) -> tuple[str, ...]:
         items = tuple(x.strip() for x in raw.split(",") if x.strip())
-        bad = [x for x in items if x not in choices]
+        bad = [x for x in items if x not in allowed()]
         if bad:
             raise ValueError(f"unknown {', '.join(map(repr, bad))}")
         if not items:
             raise ValueError("empty list")
         return items
-    return Kind("list", "a comma list of " + ", ".join(choices), parse)
+    return Kind("list", lambda: "a comma list of " + ", ".join(allowed()), parse)
 
 
 def Text() -> Kind:
@@ -185,8 +196,12 @@ def Executable() -> Kind:
 class Setting:
     name: str
     kind: Kind
-    default: Any                        # the value when unset (None: see the doc)
-    doc: str
+    initial: Any                        # the value when unset (None: see the doc); a callable:
+    doc: str                            # asked each time (a registry's current names)
+
+    @property
+    def default(self) -> Any:
+        return self.initial() if callable(self.initial) else self.initial
 
     def parse(self, raw: str | None, source: str | None = None) -> Any:
         if raw is None or raw.strip() == "":
@@ -206,11 +221,16 @@ def _add(name: str, kind: Kind, default: Any, doc: str) -> None:
     SETTINGS[name] = Setting(name, kind, default, doc)
 
 
-ENGINES = ("vllm", "tokenspeed")
+def __getattr__(name: str):
+    if name == "ENGINES":       # the --engine names, from the engine registry (engines/)
+        return engine_names()
+    raise AttributeError(name)
+
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 # Selection (the pytest plugin; `run LANE` sets the first three from the lane table)
-_add("E2E_ENGINES", CsvOf(*ENGINES), ENGINES, "engines to parametrize over (`--engine`)")
+_add("E2E_ENGINES", CsvOf(among=engine_names), engine_names, "engines to parametrize over (`--engine`)")
 _add("E2E_TOPOLOGIES", Topologies(), ("1", "dp2", "1p1d"), "topologies to parametrize over (`--topology`)")
 _add("E2E_LANE", Text(), None, "the lane being run; set by `python -m e2e_test run LANE`")
 _add("E2E_GIT_SHA", Text(), None, "the commit a lane's run.json names, where the checkout has no .git (a copied tree)")

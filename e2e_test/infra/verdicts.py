@@ -1,14 +1,14 @@
 """What the main job proved about a disaggregated topology, as short lines for its summary.
 
 - `disagg_proof(cluster)`: runs the proof that fits the topology kind (PD: the KV moved; EPD:
-  the encoder ran; AFD: the FFN served) and returns {record key: proof dict}, the same keys
+  the encoder ran; AFD: the FFN served; each the engine's own hook) and returns {record key: proof dict}, the same keys
   the pytest records use, so report.py words them the same way everywhere.
 - `print_verdicts(summary)`: the proof line(s) and the comparison oracle's verdict line.
 """
 
 from __future__ import annotations
 
-from . import proof, report
+from . import report
 
 KEYS = {"pd": "pd_proof", "epd": "epd_proof", "afd": "afd_ffn_proof"}
 
@@ -18,9 +18,9 @@ def disagg_proof(cluster) -> dict:
     if kind == "pd":
         p = cluster.driver.pd_proof(cluster)     # the engine's own proof (Engine.pd_proof)
     elif kind == "epd":
-        p = proof.epd_encoder_ran(cluster)
+        p = cluster.driver.epd_proof(cluster)    # Engine.epd_proof
     elif kind == "afd" and not cluster.topology.name.startswith("native"):
-        p = proof.afd_ffn_served(cluster)
+        p = cluster.driver.ffn_proof(cluster)    # Engine.ffn_proof
     else:
         return {}
     return {KEYS[kind]: p.to_dict()}
