@@ -56,8 +56,7 @@ from ..plan import PlanEntry
 from ..proof import long_unique_prompt, post_all, scrape_all, sum_delta
 from ..readiness import Alive, HttpGet, PortBound
 from ..topology import Topology
-from . import Engine, EngineOptions, Ports, WorkerCommand
-from . import vllm
+from . import Engine, EngineOptions, Ports, WorkerCommand, vllm
 from .vllm import WORK_COUNTERS as VLLM_WORK_COUNTERS
 
 CONNECTOR = "P2pNcclAFDConnector"

@@ -42,8 +42,17 @@ from dataclasses import asdict, dataclass
 from ..errors import ConfigError, HarnessError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
-from ..proof import (dispatch_problems, gateway_dispatch, image_chat_body, long_unique_prompt,
-                     post_all, random_png_data_uri, scrape_all, sum_delta, verdict)
+from ..proof import (
+    dispatch_problems,
+    gateway_dispatch,
+    image_chat_body,
+    long_unique_prompt,
+    post_all,
+    random_png_data_uri,
+    scrape_all,
+    sum_delta,
+    verdict,
+)
 from ..readiness import GrpcHealth
 from ..topology import Topology
 from . import Engine, EngineOptions, KnownCrash, Ports, WorkerCommand

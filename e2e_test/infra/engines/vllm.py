@@ -20,8 +20,15 @@ import httpx
 from ..errors import ConfigError, HarnessError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
-from ..proof import (kv_bytes_per_token, kv_dtype, long_unique_prompt, post_all, scrape_all,
-                     sum_delta, verdict)
+from ..proof import (
+    kv_bytes_per_token,
+    kv_dtype,
+    long_unique_prompt,
+    post_all,
+    scrape_all,
+    sum_delta,
+    verdict,
+)
 from ..readiness import HttpGet
 from ..topology import Topology
 from . import Engine, EngineOptions, Ports, WorkerCommand, core_list, kv_corrupt
