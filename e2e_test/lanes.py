@@ -719,11 +719,11 @@ def lane_command(lane: Lane, extra_pytest_args=(), environ: dict | None = None
 def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
              runner: Callable[..., int] | None = None, part: str | None = None) -> int:
     """Run one lane's pytest selection, one pytest per venv; returns the first non-zero exit
-    code (every part runs). Each part's environment is checked first (settings.startup): a
+    code (every part runs). Each part's environment is checked first (startup.startup): a
     bad value is a one-line ConfigError (exit 2) before anything starts. `part` (an engine
     name) runs only the part of that engine. Each part leaves `run.json` in its results folder:
     lane, part, the exact command line, git SHA, date and devices."""
-    from .infra import settings
+    from .infra import startup
     lane = get_lane(name)
     cmds = lane_commands(lane, extra_pytest_args, environ)
     if part is not None:
@@ -733,7 +733,7 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
         cmds = [(a, e) for a, e in cmds
                 if part in (e.get("E2E_ENGINES") or ",".join(lane.engines)).split(",")]
     for _, env in cmds:
-        settings.startup(env)
+        startup.startup(env)
     run = runner or _call
     rc = 0
     for argv, env in cmds:
@@ -780,21 +780,17 @@ def _git_sha() -> str:
 def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: float) -> None:
     """results/run.json of one lane part: what ran, where, from which commit."""
     from .infra import settings
-    from .infra.plan import nvml_inventory
+    from .infra.devices import nvml
     out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
     for d in (out, out.parent):          # the run's folder (a split lane: the parts' parent)
         settings.mark_latest(d)
     devices = []
     try:
-        import pynvml
-        ids = nvml_inventory()          # initializes NVML and shuts it down again
-        pynvml.nvmlInit()
-        try:
-            devices = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                       for i in ids]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML: a CPU runner
+        with nvml() as n:               # None: no NVML, a CPU runner
+            if n is not None:
+                devices = [n.nvmlDeviceGetName(n.nvmlDeviceGetHandleByIndex(i))
+                           for i in range(n.nvmlDeviceGetCount())]
+    except Exception:  # noqa: BLE001 - a device NVML cannot name
         pass
     rec = {"lane": lane.name, "engines": env.get("E2E_ENGINES"), "git_sha": _git_sha(),
            "command": shlex.join(argv), "argv": argv,

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..devices import core_list  # noqa: F401 (the builders' name for it)
 from ..errors import ConfigError
 from ..readiness import Alive, HttpGet, Readiness
 
@@ -107,21 +108,6 @@ class WorkerCommand:
     def health_path(self) -> str | None:
         """The HTTP path its readiness asks, None when it is not an HTTP check."""
         return self.readiness.path if isinstance(self.readiness, HttpGet) else None
-
-
-def core_list(cores: tuple[int, ...]) -> str:
-    """0,1,2,5 -> '0-2,5'; the form VLLM_CPU_OMP_THREADS_BIND and taskset accept."""
-    parts, run = [], []
-    for c in sorted(cores):
-        if run and c == run[-1] + 1:
-            run.append(c)
-        else:
-            if run:
-                parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = [c]
-    if run:
-        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(parts)
 
 
 # -- the engine interface ------------------------------------------------------------------
