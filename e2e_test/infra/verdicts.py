@@ -27,11 +27,11 @@ def disagg_proof(cluster) -> dict:
 
 
 def proof_lines(summary: dict) -> list[str]:
-    """One line per proof in `summary` (keys as in KEYS), worded by report._details."""
+    """One line per proof in `summary` (keys as in KEYS), worded by report.details."""
     out = []
     for key in KEYS.values():
         if summary.get(key):
-            out.append(report._details({key: summary[key]}))
+            out.append(report.details({key: summary[key]}))
     if summary.get("proof_error"):
         out.append(f"proof FAILED: {summary['proof_error']}")
     return out
@@ -40,10 +40,10 @@ def proof_lines(summary: dict) -> list[str]:
 def oracle_lines(summary: dict) -> list[str]:
     """The comparison oracle's verdicts in `summary["oracle"]` ({eval: Verdict.to_dict()}, as
     comparisons.against_one_worker returns them), one line per eval, worded by
-    report._oracle_line as in every other report: e.g. "answers, gsm8k: ok: gsm8k vllm/1p1d
+    report.oracle_line as in every other report: e.g. "answers, gsm8k: ok: gsm8k vllm/1p1d
     vs vllm/prefill-0 alone: 31 identical, 1 numerics, 0 mismatch (numerics budget 7 from the
     control arm); max first-step delta 0.126 nats"."""
-    return [f"answers, {name}: {report._oracle_line(v)}"
+    return [f"answers, {name}: {report.oracle_line(v)}"
             for name, v in (summary.get("oracle") or {}).items()]
 
 
