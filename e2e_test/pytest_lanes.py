@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from .infra import settings
+from .infra import settings, startup
 from .infra.engines import engine_names, for_topology, kind_engines
 from .infra.topology import parse as parse_topology
 from .pytest_state import DESELECT_WHY, state
@@ -118,7 +118,7 @@ def pytest_collection_modifyitems(session, config, items):
     """Cases this runner cannot run are deselected (named in the selection report), so a lane
     neither skips them nor counts them: --e2e-min-tests then says the lane ran too little."""
     try:
-        backend = settings.resolve_backend(config.getoption("--backend"))
+        backend = startup.resolve_backend(config.getoption("--backend"))
     except Exception:   # startup already named a bad --backend
         backend = None
     cache: dict = {}

@@ -16,7 +16,7 @@ import pytest
 
 pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
-from .infra import lifecycle, progress, results, settings
+from .infra import lifecycle, progress, results, settings, startup
 from .infra.cluster import Cluster
 from .infra.engines import (DEFAULT_ENGINE, EngineOptions, engine_names, kind_engines,
                             options_from_env)
@@ -95,7 +95,7 @@ def pytest_configure(config):
     config.add_cleanup(lambda: progress.set_sink(previous))
     # Bad input: one line per problem, exit 2, before anything starts (settings.py).
     try:
-        settings.startup(backend=_given(config, "--backend", "E2E_BACKEND"),
+        startup.startup(backend=_given(config, "--backend", "E2E_BACKEND"),
                          devices=_given(config, "--devices", "E2E_DEVICES"),
                          model=_given(config, "--model", "E2E_MODEL"),
                          engines=_given(config, "--engine", "E2E_ENGINES"),
@@ -226,7 +226,7 @@ def cluster_profile(name: str) -> ClusterProfile:
 
 @pytest.fixture(scope="session")
 def e2e_backend(request) -> str:
-    return settings.resolve_backend(request.config.getoption("--backend"))
+    return startup.resolve_backend(request.config.getoption("--backend"))
 
 
 class ClusterPool:

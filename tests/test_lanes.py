@@ -361,7 +361,7 @@ def test_opt_in_profile_fails_fast_with_one_line_per_problem(tmp_path):
             break
     elapsed = min(times)
     out = r.stdout + r.stderr
-    assert r.returncode == 2, out        # settings.startup: a bad value is exit 2
+    assert r.returncode == 2, out        # startup.startup: a bad value is exit 2
     assert f"AFD_GPU_E2E_MODEL={str(missing)!r}: no such directory" in out, out
     assert "::" not in r.stdout                      # nothing was collected
     problems = [ln for ln in out.splitlines() if "AFD large-model profile" in ln]
@@ -455,7 +455,7 @@ def test_run_lane_command_and_env(tmp_path):
     assert env["E2E_ENGINES"] == "vllm"                # the lane wins over the caller
     assert env["E2E_TOPOLOGIES"] == "1,dp2,1p1d" and env["E2E_LANE"] == "e2e-cpu"
 
-    # The opt-in lane's prerequisites are checked before pytest is started (settings.startup).
+    # The opt-in lane's prerequisites are checked before pytest is started (startup.startup).
     with pytest.raises(ConfigError) as ei:
         lanes.run_lane("e2e-8gpu-afd-large", [], environ={"E2E_LANE_PYTHON": sys.executable},
                        runner=runner)

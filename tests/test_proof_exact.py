@@ -1,5 +1,6 @@
-"""The exact PD and AFD proofs (proof.vllm_transfer_problems, tokenspeed_transfer_problems,
-afd_trace_problems) against the figures the H200 runs recorded under docs/validation/, each
+"""The exact PD and AFD proofs (engines/vllm.vllm_transfer_problems,
+engines/tokenspeed.tokenspeed_transfer_problems, engines/afd.afd_trace_problems; the shared
+KV arithmetic in proof.py) against the figures the H200 runs recorded under docs/validation/, each
 with negative controls built from the same numbers."""
 
 import json
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from e2e_test.infra import proof
+from e2e_test.infra.engines import afd, tokenspeed, vllm
 
 VALIDATION = Path(__file__).resolve().parent.parent / "docs" / "validation"
 # SmolLM2-135M-Instruct's config.json (the fields the KV size depends on)
@@ -39,8 +41,8 @@ def test_kv_dtype_and_cache_config():
     assert proof.kv_dtype(None, [], SMOLLM2) == "bfloat16"
     samples = {("vllm:cache_config_info", (("block_size", "16"), ("cache_dtype", "auto"))): 1.0,
                ("vllm:num_requests_running", ()): 0.0}
-    assert proof.cache_config(samples) == {"block_size": "16", "cache_dtype": "auto"}
-    assert proof.cache_config({}) == {}
+    assert vllm.cache_config(samples) == {"block_size": "16", "cache_dtype": "auto"}
+    assert vllm.cache_config({}) == {}
 
 
 RUNS = ["h200-e2e-1gpu-pd-vllm", "h200-e2e-1gpu-pd-vllm-05e988f", "h200-1gpu-pd-packed",
@@ -68,7 +70,7 @@ def _vllm_proof(**kw):
     per-request split that the record did not keep (any split of 4 prompts of 353-368 tokens
     makes 23 blocks each; from now on the proof records the split)."""
     p = _record("h200-e2e-1gpu-pd-vllm", "test_pd_kv_transfer_proof")["pd_proof"]
-    base = proof.TransferProof(
+    base = vllm.TransferProof(
         requests=p["requests"], prompt_tokens=p["prompt_tokens"],
         decode_external=p["decode_external"], decode_local_compute=p["decode_local_compute"],
         decode_local_cache_hit=p["decode_local_cache_hit"],
@@ -81,7 +83,7 @@ def _vllm_proof(**kw):
 def test_recorded_vllm_proof_passes_exactly():
     p = _vllm_proof()
     assert p.expected_blocks == 92 and p.expected_bytes == 33914880 == p.nixl_bytes
-    assert proof.vllm_transfer_problems(p) == []
+    assert vllm.vllm_transfer_problems(p) == []
     assert p.to_dict()["expected_bytes"] == 33914880
 
 
@@ -104,14 +106,14 @@ def test_recorded_vllm_proof_passes_exactly():
     ({"prompt_tokens": 0}, "nothing was proved"),
 ])
 def test_vllm_proof_negative_controls(broken, why):
-    problems = proof.vllm_transfer_problems(_vllm_proof(**broken))
+    problems = vllm.vllm_transfer_problems(_vllm_proof(**broken))
     assert problems and any(why in p for p in problems), problems
 
 
 def test_vllm_proof_without_nixl_checks_tokens_only():
     p = _vllm_proof(nixl=False, nixl_bytes=0.0, nixl_transfers=0.0, block_size=None)
-    assert proof.vllm_transfer_problems(p) == []
-    assert proof.vllm_transfer_problems(replace(p, decode_external=0.0))
+    assert vllm.vllm_transfer_problems(p) == []
+    assert vllm.vllm_transfer_problems(replace(p, decode_external=0.0))
 
 
 def test_blocks_range():
@@ -127,7 +129,7 @@ TS_RUNS = ["h200x2-tokenspeed", "h200x2-tokenspeed-pd-rerun"]
 
 def _ts(run, **kw):
     p = dict(_record(run, "test_pd_kv_transfer_proof")["pd_proof"])
-    return proof.TokenSpeedPDProof(**{**p, **kw})
+    return tokenspeed.TokenSpeedPDProof(**{**p, **kw})
 
 
 @pytest.mark.parametrize("run", TS_RUNS)
@@ -135,7 +137,7 @@ def test_recorded_tokenspeed_proofs_pass(run):
     p = _ts(run)
     assert p.decode_prompt_tokens == p.prompt_tokens
     assert p.prefill_forward_tokens == p.prompt_tokens + p.requests
-    assert proof.tokenspeed_transfer_problems(p, p.requests) == []
+    assert tokenspeed.tokenspeed_transfer_problems(p, p.requests) == []
 
 
 @pytest.mark.parametrize("run", TS_RUNS)
@@ -153,7 +155,7 @@ def test_tokenspeed_proof_negative_controls(run, broken, why):
                "prefill_extra": {"prefill_forward_tokens": p.prompt_tokens + 2 * p.requests},
                "decode_lost_one": {"decode_success": 3.0},
                "no_decode_selection": {"gateway_decode_selections": 3}}[broken]
-    problems = proof.tokenspeed_transfer_problems(replace(p, **changed), p.requests)
+    problems = tokenspeed.tokenspeed_transfer_problems(replace(p, **changed), p.requests)
     assert any(why in x for x in problems), problems
 
 
@@ -162,13 +164,13 @@ def test_tokenspeed_proof_negative_controls(run, broken, why):
 def _ffn(**kw):
     p = dict(_record("h200x2-afd", "test_afd_ffn_served_vllm-1a1f")["afd_ffn_proof"])
     p.pop("new_traces")
-    return replace(proof.FfnProof(**p), **kw)
+    return replace(afd.FfnProof(**p), **kw)
 
 
 def test_recorded_afd_proof_passes():
     p = _ffn()
     assert (p.new_traces, p.expected_min_new) == (8, 7)
-    assert proof.afd_trace_problems(p) == []
+    assert afd.afd_trace_problems(p) == []
 
 
 @pytest.mark.parametrize("broken, why", [
@@ -179,5 +181,5 @@ def test_recorded_afd_proof_passes():
     ({"completion_tokens": 0}, "generated no token"),
 ])
 def test_afd_proof_negative_controls(broken, why):
-    problems = proof.afd_trace_problems(_ffn(**broken))
+    problems = afd.afd_trace_problems(_ffn(**broken))
     assert any(why in x for x in problems), problems

@@ -4,11 +4,11 @@ from e2e_test.infra import report
 
 
 def test_vllm_and_tokenspeed_pd_proofs_and_tolerance():
-    v = report._details({"pd_proof": {"decode_external": 1437, "prompt_tokens": 1437,
+    v = report.details({"pd_proof": {"decode_external": 1437, "prompt_tokens": 1437,
                                       "decode_local_compute": 0, "nixl_bytes": 2**20 * 35.4}})
     assert v == "KV proof: decode got 1437/1437 prompt tokens by transfer, recomputed 0, " \
                 "35.4 MiB over NIXL"
-    t = report._details({"pd_proof": {
+    t = report.details({"pd_proof": {
         "requests": 4, "prompt_tokens": 1560, "gateway_prefill_selections": 4,
         "gateway_decode_selections": 4, "gateway_transfer_failures": 0,
         "prefill_forward_tokens": 1564.0, "prefill_finished": 4.0, "decode_success": 4.0,
@@ -20,7 +20,7 @@ def test_vllm_and_tokenspeed_pd_proofs_and_tolerance():
 
 
 def test_epd_proof_line():
-    line = report._details({"epd_proof": {"gateway_encode_selections": 3, "image_items": 3,
+    line = report.details({"epd_proof": {"gateway_encode_selections": 3, "image_items": 3,
                                           "decode_success": 3, "requests": 3}})
     assert line == "encoder proof: 3/3 image items dispatched to encode, decode finished 3/3"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_test.infra import settings
+from e2e_test.infra import settings, startup
 from e2e_test.infra.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,20 +212,20 @@ def test_defaults_and_parsing():
 
 def test_check_names_every_bad_variable_at_once():
     with pytest.raises(settings.SettingError) as ei:
-        settings.check({"E2E_BURST_N": "x", "E2E_WATCHDOG_S": "y"})
+        startup.check({"E2E_BURST_N": "x", "E2E_WATCHDOG_S": "y"})
     lines = str(ei.value).splitlines()
     assert [ln.split("=", 1)[0] for ln in lines] == ["E2E_WATCHDOG_S", "E2E_BURST_N"]
 
 
 def test_device_ids_against_the_machine():
     with pytest.raises(settings.SettingError, match="GPU.s. 9 not present; accepts ids among 0-3"):
-        settings.check_devices("0,9", "cuda", gpu_present=lambda: (0, 1, 2, 3))
-    assert settings.check_devices("3,1", "cuda", gpu_present=lambda: (0, 1, 2, 3)) == (3, 1)
+        startup.check_devices("0,9", "cuda", gpu_present=lambda: (0, 1, 2, 3))
+    assert startup.check_devices("3,1", "cuda", gpu_present=lambda: (0, 1, 2, 3)) == (3, 1)
     with pytest.raises(settings.SettingError, match="NVML sees no GPU"):   # NVML absent:
-        settings.check_devices("7", "cuda", gpu_present=lambda: ())        # never a pass
+        startup.check_devices("7", "cuda", gpu_present=lambda: ())        # never a pass
     with pytest.raises(settings.SettingError, match="core.s. 7 not in"):
-        settings.check_devices("7", "cpu", cpu_present=lambda: (0, 1))
-    assert settings.check_devices("1", "cpu", cpu_present=lambda: (0, 1)) == (1,)
+        startup.check_devices("7", "cpu", cpu_present=lambda: (0, 1))
+    assert startup.check_devices("1", "cpu", cpu_present=lambda: (0, 1)) == (1,)
 
 
 def test_every_variable_the_code_reads_is_declared():
@@ -296,8 +296,8 @@ def test_large_model_weights_come_from_afd_gpu_e2e_model(tmp_path, monkeypatch):
 def test_opt_in_model_needs_its_flag():
     env = {"E2E_MODEL": "Qwen/Qwen3.5-122B-A10B"}
     with pytest.raises(settings.SettingError, match="AFD_E2E_LARGE_MODEL=1"):
-        settings.check(env)
-    settings.check({**env, "AFD_E2E_LARGE_MODEL": "1"})   # the flag alone passes check()
+        startup.check(env)
+    startup.check({**env, "AFD_E2E_LARGE_MODEL": "1"})   # the flag alone passes check()
 
 
 # -- what `plan` and `settings` print is what a user would type (issue 28) ----------------------

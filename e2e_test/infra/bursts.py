@@ -10,12 +10,9 @@ fast, nothing may hang past the queue timeout, admitted requests complete, and s
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 from . import load, metrics
 from .errors import HarnessError
@@ -127,19 +124,6 @@ def check_admission(res: BurstResult, admission: Admission, fast_s: float = 1.0,
             "p99_refusal_s": load.percentiles([r.latency_s for r in refused]).get("p99")}
 
 
-def tokenspeed_server_info(port: int, timeout: float = 5.0) -> dict:
-    """TokenSpeed's GetServerInfo over gRPC (server_args, scheduler_info as dicts), through
-    the proto stubs its servicer ships (smg_grpc_proto)."""
-    import grpc
-    from google.protobuf.json_format import MessageToDict
-    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
-    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as pb_grpc
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        resp = pb_grpc.TokenSpeedSchedulerStub(ch).GetServerInfo(pb.GetServerInfoRequest(),
-                                                                  timeout=timeout)
-    return MessageToDict(resp, preserving_proto_field_name=True)
-
-
 def _window_from_log(log_text: str, **extra) -> dict:
     m = re.search(r"max_num_seqs['\"]?[:=]\s*(\d+)", log_text)
     if m:
@@ -147,39 +131,16 @@ def _window_from_log(log_text: str, **extra) -> dict:
     return {"max_num_seqs": None, "source": "unknown", **extra}
 
 
-def effective_window(worker_url: str, log_text: str = "", timeout: float = 5.0) -> dict:
-    """The engine's resolved running window, read from the worker itself: vLLM's
-    /server_info (dev mode) max_num_seqs; TokenSpeed's gRPC GetServerInfo
-    scheduler_info.max_num_seqs; else the startup log."""
-    if worker_url.startswith("grpc://"):
-        try:
-            info = tokenspeed_server_info(int(worker_url.rsplit(":", 1)[1]))
-        except Exception as e:       # stubs missing, worker gone: say so, fall back to the log
-            return _window_from_log(log_text, error=f"{type(e).__name__}: {e}"[:200])
-        sched = info.get("scheduler_info", {})
-
-        def num(v):
-            return int(v) if isinstance(v, (int, float)) else None
-        return {"max_num_seqs": num(sched.get("max_num_seqs")),
-                "max_total_num_tokens": num(sched.get("max_total_num_tokens")),
-                "chunked_prefill_size": num(sched.get("chunked_prefill_size")),
-                "source": "grpc GetServerInfo"}
-    why = ""
-    try:
-        r = httpx.get(f"{worker_url}/server_info", params={"config_format": "json"},
-                      timeout=timeout)
-        if r.status_code == 200:
-            cfg = r.json().get("vllm_config", {})
-            if isinstance(cfg, str):
-                cfg = json.loads(cfg)
-            sched = cfg.get("scheduler_config", {})
-            return {"max_num_seqs": sched.get("max_num_seqs"),
-                    "max_num_batched_tokens": sched.get("max_num_batched_tokens"),
-                    "source": "/server_info"}
-        why = f"/server_info HTTP {r.status_code}"
-    except (httpx.HTTPError, ValueError, AttributeError) as e:
-        why = f"/server_info {type(e).__name__}: {e}"[:200]
-    return _window_from_log(log_text, **({"error": why} if why else {}))
+def effective_window(worker_url: str, log_text: str = "", timeout: float = 5.0,
+                     engine=None) -> dict:
+    """The engine's resolved running window, read from the worker itself (the worker's
+    `engine`, an engines.Engine: Engine.running_window); else the startup log."""
+    win = engine.running_window(worker_url, timeout) if engine is not None else None
+    if win is None:
+        return _window_from_log(log_text)
+    if "error" in win:
+        return _window_from_log(log_text, error=win["error"])
+    return win
 
 
 def histogram(res: BurstResult, path: Path) -> Path | None:
@@ -284,7 +245,7 @@ def read_windows(cluster, tries: int = 3, timeout: float = 10.0) -> dict[str, di
             continue
         for _ in range(tries):
             win = effective_window(w.url, w.process.log_text() if w.process else "",
-                                   timeout=timeout)
+                                   timeout=timeout, engine=cluster.driver)
             if isinstance(win.get("max_num_seqs"), int) or not win.get("error"):
                 break
         out[w.name] = {**win, "stage": w.command.worker_type}

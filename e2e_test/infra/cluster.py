@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from . import engines, metrics, ports, progress, reaper, settings, teardown
+from . import engines, metrics, ports, progress, reaper, settings, startup, teardown
 from . import gateway as gw
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 from .errors import ConfigError, StartupError, UpstreamBug, WorkerDied
@@ -55,7 +55,7 @@ def results_root() -> Path:
 
 
 def default_backend() -> str:
-    return settings.resolve_backend(None)
+    return startup.resolve_backend(None)
 
 
 @dataclass
@@ -126,7 +126,7 @@ class Cluster:
         self.topology = parse(topology)
         self.driver: Engine = engines.for_topology(engine, self.topology)
         self.spec.require(engine, self.topology.kind)
-        self.backend = settings.resolve_backend(backend, source="backend")
+        self.backend = startup.resolve_backend(backend, source="backend")
         if self.backend not in self.driver.backends:
             why = "" if backend or settings.raw("E2E_BACKEND") else \
                 " (no backend given and NVML sees no GPU here)"
@@ -134,7 +134,7 @@ class Cluster:
                               f"{' or '.join(self.driver.backends)} only; backend is "
                               f"{self.backend}{why}")
         if devices:
-            settings.check_devices(devices, self.backend, "devices")
+            startup.check_devices(devices, self.backend, "devices")
         self.model_path = weights_path(self.spec)
         self.launcher: Launcher = launcher or make_launcher()
         self.plan: Plan = place(self.topology, self.spec, self.backend, devices, self.driver,

@@ -16,6 +16,10 @@ class ConfigError(HarnessError):
     Raised before any process starts."""
 
 
+class SettingError(ConfigError):
+    """A variable (or the option standing for it) has a value the harness does not accept."""
+
+
 class StartupError(HarnessError):
     """A worker or the gateway failed to become ready."""
 

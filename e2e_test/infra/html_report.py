@@ -172,7 +172,7 @@ def _teardown_cell(td: dict | None) -> tuple[str, str | None]:
 
 def render_run(d: Path) -> str:
     d = Path(d)
-    r = report._load(d)
+    r = report.load_results(d)
     run, s, tests = r["run"], r["summary"], r["tests"]
     meta = _run_meta(r)
     title = f"{run.get('lane', d.name)} — {run.get('device', '?')}"
@@ -225,7 +225,7 @@ def render_run(d: Path) -> str:
     for t in tests:
         rows.append([esc(t["test"].split("::")[-1]), esc(t.get("outcome", "")),
                      esc(t.get("topology", "")), esc(t.get("cluster", "")),
-                     esc(report._details(t))])
+                     esc(report.details(t))])
         cls.append(t.get("outcome"))
     body.append(_table(["test", "outcome", "topology", "cluster", "results"], rows, cls))
 
@@ -320,7 +320,7 @@ def _run_label(r: dict) -> str:
 def collect_trend(dirs: list[Path]) -> dict:
     """Per run: the series values. Returns {"runs": [label...], "series": {group: {key:
     [value per run or None]}}} with values as dicts for accuracy ({k, n}) and scalars else."""
-    runs = [report._load(Path(d)) for d in dirs]
+    runs = [report.load_results(Path(d)) for d in dirs]
     labels = [_run_label(r) for r in runs]
     groups = ("ready_s", "accuracy", "burst_p50_s", "burst_p99_s", "shed", "window",
               "teardown_s")

@@ -159,7 +159,7 @@ def _error_code(body: str) -> str:
     return ""
 
 
-def _extract_text(choice: dict) -> str:
+def extract_text(choice: dict) -> str:
     if "message" in choice:
         return choice["message"].get("content") or ""
     if "delta" in choice:
@@ -208,7 +208,7 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
                     for ch in chunk.get("choices") or []:
                         if ch.get("logprobs"):
                             lp_parts.append(ch["logprobs"])
-                        t = _extract_text(ch)
+                        t = extract_text(ch)
                         if t:
                             now = time.monotonic()
                             if res.ttft_s is None:
@@ -238,7 +238,7 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
             if not choices:
                 res.error = f"no choices in response: {r.text[:200]}"
                 return res
-            res.text = _extract_text(choices[0])
+            res.text = extract_text(choices[0])
             res.logprobs = choices[0].get("logprobs")
             usage = j.get("usage") or {}
             res.output_tokens = usage.get("completion_tokens", 0) or 0

@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from . import devices as dev
+from .devices import check_cpu_ids, check_gpu_ids, nvml_inventory, parse_device_list, xdist_share  # noqa: F401 (re-exported)
 from .errors import ConfigError
 from .model_specs import ModelSpec
 from .topology import Topology
@@ -103,60 +105,12 @@ def devices_needed(topology: Topology, spec: ModelSpec) -> int:
     return topology.num_devices * spec.tp
 
 
-def parse_device_list(text: str, source: str) -> tuple[int, ...]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ConfigError(f"{source}: empty device list")
-    try:
-        devs = tuple(int(t) for t in items)
-    except ValueError:
-        raise ConfigError(f"{source}={text!r}: device ids must be integers") from None
-    if any(d < 0 for d in devs):
-        raise ConfigError(f"{source}={text!r}: device ids must be >= 0")
-    dup = sorted({d for d in devs if devs.count(d) > 1})
-    if dup:
-        raise ConfigError(f"{source}={text!r}: duplicate device(s) {dup}")
-    return devs
-
-
-def nvml_inventory() -> tuple[int, ...]:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            return tuple(range(pynvml.nvmlDeviceGetCount()))
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return ()
-
-
-def xdist_share(devices: tuple[int, ...], environ: dict | None = None) -> tuple[int, ...]:
-    """Under pytest-xdist (-n N) each worker leases its own slice of the ordered list:
-    worker k of N gets every N-th device starting at k, so topologies tested in parallel
-    never share a device (or CPU core). Without xdist: the whole list."""
-    env = os.environ if environ is None else environ
-    try:
-        count = int(env.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        k = int(env.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw"))
-    except ValueError:
-        return devices
-    if count <= 1:
-        return devices
-    share = devices[k % count::count]
-    if not share:
-        raise ConfigError(f"pytest-xdist worker gw{k} of {count} gets none of the "
-                          f"{len(devices)} device(s) {','.join(map(str, devices))}; "
-                          f"use at most -n {len(devices)}")
-    return share
-
-
 def resolve_devices(topology: Topology, explicit: str | None = None,
                     environ: dict | None = None, inventory=None) -> tuple[int, ...]:
     """The ordered GPU list; a list given by --devices, E2E_DEVICES or AFD_E2E_DEVICES must name
-    GPUs NVML lists (settings.check_gpu_ids: where NVML lists none, a given list is an error)."""
+    GPUs NVML lists (devices.check_gpu_ids: where NVML lists none, a given list is an error)."""
     from . import settings
-    inventory = inventory or nvml_inventory
+    inventory = inventory or dev.nvml_inventory
     env = os.environ if environ is None else environ
     given = None
     if explicit:
@@ -167,7 +121,7 @@ def resolve_devices(topology: Topology, explicit: str | None = None,
         given = (settings.raw("AFD_E2E_DEVICES", env), "AFD_E2E_DEVICES")
     if given:
         devs = settings.value("E2E_DEVICES", given[0], given[1])
-        settings.check_gpu_ids(devs, given[1], given[0], present=inventory)
+        check_gpu_ids(devs, given[1], given[0], present=inventory)
     elif env.get("CUDA_VISIBLE_DEVICES"):
         devs = parse_device_list(env["CUDA_VISIBLE_DEVICES"], "CUDA_VISIBLE_DEVICES")
     else:
@@ -180,9 +134,9 @@ def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
     env = os.environ if environ is None else environ
     cores = settings.get("E2E_CPU_CORES", env)
     if cores:
-        settings.check_cpu_ids(cores, "E2E_CPU_CORES", settings.raw("E2E_CPU_CORES", env))
+        check_cpu_ids(cores, "E2E_CPU_CORES", settings.raw("E2E_CPU_CORES", env))
     else:
-        cores = tuple(sorted(os.sched_getaffinity(0)))
+        cores = dev.affinity()
     return xdist_share(cores, env)
 
 

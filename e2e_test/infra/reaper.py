@@ -45,6 +45,8 @@ from pathlib import Path
 
 import psutil
 
+from .devices import nvml
+
 RUN_ID_ENV = "E2E_RUN_ID"
 DRIVER_PID_ENV = "E2E_DRIVER_PID"
 DRIVER_CREATE_ENV = "E2E_DRIVER_CREATE"
@@ -634,28 +636,21 @@ class GpuHolder:
 def nvml_processes(devices) -> dict[int, list[tuple[int, float | None]]] | None:
     """NVML's running compute processes per physical device: [(pid, MiB or None)];
     None when NVML is not available."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception:
-        return None
-    try:
-        out = {}
-        for d in devices:
-            h = pynvml.nvmlDeviceGetHandleByIndex(d)
-            rows = []
-            for info in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                used = getattr(info, "usedGpuMemory", None)
-                rows.append((int(info.pid), None if used is None else used / 2**20))
-            out[d] = rows
-        return out
-    except Exception:
-        return None
-    finally:
+    with nvml() as n:
+        if n is None:
+            return None
         try:
-            pynvml.nvmlShutdown()
+            out = {}
+            for d in devices:
+                h = n.nvmlDeviceGetHandleByIndex(d)
+                rows = []
+                for info in n.nvmlDeviceGetComputeRunningProcesses(h):
+                    used = getattr(info, "usedGpuMemory", None)
+                    rows.append((int(info.pid), None if used is None else used / 2**20))
+                out[d] = rows
+            return out
         except Exception:
-            pass
+            return None
 
 
 def _owner_of(pid: int) -> tuple[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .engines import all_engines
 
 RESULT_FILES = ("run.json", "summary.json", "note.json")
 
@@ -22,7 +23,7 @@ def has_results(d: Path) -> bool:
             or ((d / "tests").is_dir() and any((d / "tests").glob("*.json"))))
 
 
-def _load(d: Path) -> dict:
+def load_results(d: Path) -> dict:
     run = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
     # note.json: what the publisher adds beside a lane's own files (the machine in words, what
     # to know); it never overrides what the lane recorded, only fills what it lacks.
@@ -41,7 +42,7 @@ def _fmt_ready(t: dict) -> str:
     return ", ".join(f"{k} {v:.0f}s" for k, v in sorted(r.items()))
 
 
-def _details(t: dict) -> str:
+def details(t: dict) -> str:
     out = []
     for ev in (t.get("evals") or {}).values():
         out.append(f"{ev['eval']} {ev['correct']}/{ev['scored']} = {ev['accuracy']:.3f} "
@@ -60,37 +61,20 @@ def _details(t: dict) -> str:
         if b.get("rejected_metric_delta") is not None:
             s += f", smg rejected {b['rejected_metric_delta']:.0f}"
         out.append(s)
-    if t.get("pd_proof"):
-        p = t["pd_proof"]
-        if "decode_external" in p:          # vLLM: transfer counters on the decode side
-            out.append(f"KV proof: decode got {p['decode_external']:.0f}/{p['prompt_tokens']} "
-                       f"prompt tokens by transfer, recomputed {p['decode_local_compute']:.0f}, "
-                       f"{p['nixl_bytes'] / 2**20:.1f} MiB over NIXL")
-        else:                               # TokenSpeed: see proof.pd_transfer_tokenspeed
-            out.append(f"KV proof: gateway sent {p['gateway_prefill_selections']:.0f} prefill + "
-                       f"{p['gateway_decode_selections']:.0f} decode selections for "
-                       f"{p['requests']} requests, prefill ran {p['prefill_forward_tokens']:.0f}/"
-                       f"{p['prompt_tokens']} prompt tokens forward, decode finished "
-                       f"{p['decode_success']:.0f}/{p['requests']} ({p['decode_generation_tokens']:.0f}"
-                       f" tokens), transfer failures {p['gateway_transfer_failures']:.0f}")
-    if t.get("epd_proof"):
-        p = t["epd_proof"]
-        out.append(f"encoder proof: {p['gateway_encode_selections']:.0f}/{p['image_items']} image "
-                   f"items dispatched to encode, decode finished {p['decode_success']:.0f}/"
-                   f"{p['requests']}")
-    if t.get("afd_ffn_proof"):
-        p = t["afd_ffn_proof"]
-        out.append(f"FFN proof: {p.get('new_traces')} new FFN step traces for {p.get('requests')} "
-                   f"requests ({p.get('moe_kernel_events')} MoE kernel events)")
+    for key in PROOF_KEYS:
+        if t.get(key):
+            line = proof_line(key, t[key])
+            if line:
+                out.append(line)
     if "message" in (t.get("afd_vs_native") or {}):
-        out.append(_oracle_line(t["afd_vs_native"]))
+        out.append(oracle_line(t["afd_vs_native"]))
     else:                                   # result files from before the oracle
         for name, v in (t.get("afd_vs_native") or {}).items():
             out.append(f"vs {name}: {v['same_text']}/{v['prompts']} identical outputs, "
                        f"{v['same_first_token']}/{v['prompts']} same first token")
     for name, v in (t.get("pd_vs_regular") or {}).items():
         if "message" in v:
-            out.append(_oracle_line(v))
+            out.append(oracle_line(v))
             continue
         tol = f" (tolerance {v['tolerance']:.0%})" if "tolerance" in v else ""
         out.append(f"{name} vs `1`: {v['same_prediction']}/{v['items']} same answers{tol}")
@@ -99,9 +83,9 @@ def _details(t: dict) -> str:
             f"{x['b']}: {x['counts']['identical']} identical, {x['counts']['numerics']} numerics, "
             f"{x['counts']['mismatch']} mismatch" for x in c["comparisons"]))
     if t.get("oracle_negative_control"):
-        out.append("negative control: " + _oracle_line(t["oracle_negative_control"]))
+        out.append("negative control: " + oracle_line(t["oracle_negative_control"]))
     for name, vs in (t.get("oracle_dp") or {}).items():
-        out.extend(_oracle_line(v) for v in vs)
+        out.extend(oracle_line(v) for v in vs)
     if t.get("error"):
         out.append(f"error: {t['error']}")
     if t.get("chat"):
@@ -109,7 +93,20 @@ def _details(t: dict) -> str:
     return "; ".join(out)
 
 
-def _oracle_line(v: dict) -> str:
+PROOF_KEYS = ("pd_proof", "epd_proof", "afd_ffn_proof")
+
+
+def proof_line(key: str, proof: dict) -> str | None:
+    """A recorded disaggregation proof in one line, worded by the engine whose proof it is
+    (Engine.proof_line); None when no engine knows it."""
+    for e in all_engines():
+        line = e.proof_line(key, proof)
+        if line:
+            return line
+    return None
+
+
+def oracle_line(v: dict) -> str:
     """An oracle verdict (oracle.Verdict.to_dict()) in one line."""
     fs = v.get("comparison", {}).get("max_first_step_delta")
     return (("ok: " if v.get("ok") else "FAILED: ") + v["message"]
@@ -121,7 +118,7 @@ def render(dirs: list[Path]) -> str:
              "Generated by `python -m e2e_test report` from the result files of the runs below;",
              "nothing here is typed by hand.", ""]
     for d in dirs:
-        r = _load(Path(d))
+        r = load_results(Path(d))
         run, s = r["run"], r["summary"]
         vers = s.get("versions", {})
         lines += [f"## {run.get('lane', Path(d).name)} — {run.get('device', '?')}", "",
@@ -167,6 +164,6 @@ def render(dirs: list[Path]) -> str:
                 else f"{e['name']}: cores {','.join(map(str, e.get('cores', [])))}"
                 for e in plan.get("entries", []))
             lines.append(f"| {t['test'].split('::')[-1]} | {t.get('outcome', '')} | "
-                         f"{t.get('topology', '')} | {where} | {_fmt_ready(t)} | {_details(t)} |")
+                         f"{t.get('topology', '')} | {where} | {_fmt_ready(t)} | {details(t)} |")
         lines.append("")
     return "\n".join(lines)

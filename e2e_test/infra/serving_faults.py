@@ -103,7 +103,7 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
                     if "error" in chunk:
                         raise HarnessError(f"{case.case}: error chunk before the cancel: "
                                            f"{json.dumps(chunk['error'])[:300]}")
-                    if any(load._extract_text(c) for c in chunk.get("choices") or []):
+                    if any(load.extract_text(c) for c in chunk.get("choices") or []):
                         case.chunks_before_cancel += 1
                         if case.first_token_s is None:
                             case.first_token_s = round(time.monotonic() - t0, 3)

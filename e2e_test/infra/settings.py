@@ -3,9 +3,11 @@ once: name, type, default, accepted values and a one-line doc.
 
     from e2e_test.infra import settings
     n = settings.get("E2E_BURST_N")            # parsed and validated (16 when unset)
-    settings.check()                           # every variable at once; raises SettingError
+    startup.check()                            # every variable at once; raises SettingError
 
-`check()` runs at start-up (the CLI's `main`, the pytest plugin's configure, `run LANE`), so a
+This module is only the table and its parsing; `startup.check()` / `startup.startup()`
+(infra/startup.py: the checks across variables, against the machine's devices, the model
+registry, the engines and the weights) run at start-up (the CLI's `main`, the pytest plugin's configure, `run LANE`), so a
 wrong value is one line, exit 2, naming the variable, what it got and what it accepts, before
 any process starts. Adding a variable is one `_add(...)` line below; the README's table
 (between the `settings:begin`/`settings:end` markers) is generated from this list
@@ -23,20 +25,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ConfigError
-
-
-class SettingError(ConfigError):
-    """A variable (or the option standing for it) has a value the harness does not accept."""
-
+from . import devices
+from .engines import engine_names
+from .errors import ConfigError, SettingError
 
 # -- kinds: how a raw string becomes a value, and what is accepted -------------------------------
 
 @dataclass(frozen=True)
 class Kind:
     label: str                          # the table's "type" column
-    accepts: str                        # what the error message says is accepted
+    # what the error message says is accepted; a callable: worked out when asked (a list that
+    # a registry holds, which grows at run time)
+    accepts_text: str | Callable[[], str]
     parse: Callable[[str], Any]         # raw -> value; raises ValueError(why) on a bad value
+
+    @property
+    def accepts(self) -> str:
+        return self.accepts_text() if callable(self.accepts_text) else self.accepts_text
 
 
 def Int(minimum: int | None = None) -> Kind:
@@ -89,16 +94,20 @@ def Choice(*choices: str) -> Kind:
     return Kind("choice", " | ".join(choices), parse)
 
 
-def CsvOf(*choices: str) -> Kind:
+def CsvOf(*choices: str, among: Callable[[], tuple[str, ...]] | None = None) -> Kind:
+    """A comma list of `choices`, or of what `among()` returns when asked (a registry's names)."""
+    def allowed() -> tuple[str, ...]:
+        return tuple(among()) if among is not None else choices
+
     def parse(raw: str) -> tuple[str, ...]:
         items = tuple(x.strip() for x in raw.split(",") if x.strip())
-        bad = [x for x in items if x not in choices]
+        bad = [x for x in items if x not in allowed()]
         if bad:
             raise ValueError(f"unknown {', '.join(map(repr, bad))}")
         if not items:
             raise ValueError("empty list")
         return items
-    return Kind("list", "a comma list of " + ", ".join(choices), parse)
+    return Kind("list", lambda: "a comma list of " + ", ".join(allowed()), parse)
 
 
 def Text() -> Kind:
@@ -125,21 +134,7 @@ def ShellWords() -> Kind:
 
 
 def DeviceList() -> Kind:
-    def parse(raw: str) -> tuple[int, ...]:
-        items = [t.strip() for t in raw.split(",") if t.strip()]
-        if not items:
-            raise ValueError("empty list")
-        try:
-            devs = tuple(int(t) for t in items)
-        except ValueError:
-            raise ValueError("device ids must be integers") from None
-        if any(d < 0 for d in devs):
-            raise ValueError("device ids must be >= 0")
-        dup = sorted({d for d in devs if devs.count(d) > 1})
-        if dup:
-            raise ValueError(f"duplicate device(s) {dup}")
-        return devs
-    return Kind("ids", "comma-separated distinct ids >= 0 (e.g. 0,1)", parse)
+    return Kind("ids", "comma-separated distinct ids >= 0 (e.g. 0,1)", devices.parse_ids)
 
 
 def Topologies() -> Kind:
@@ -185,8 +180,12 @@ def Executable() -> Kind:
 class Setting:
     name: str
     kind: Kind
-    default: Any                        # the value when unset (None: see the doc)
-    doc: str
+    initial: Any                        # the value when unset (None: see the doc); a callable:
+    doc: str                            # asked each time (a registry's current names)
+
+    @property
+    def default(self) -> Any:
+        return self.initial() if callable(self.initial) else self.initial
 
     def parse(self, raw: str | None, source: str | None = None) -> Any:
         if raw is None or raw.strip() == "":
@@ -206,11 +205,16 @@ def _add(name: str, kind: Kind, default: Any, doc: str) -> None:
     SETTINGS[name] = Setting(name, kind, default, doc)
 
 
-ENGINES = ("vllm", "tokenspeed")
+def __getattr__(name: str):
+    if name == "ENGINES":       # the --engine names, from the engine registry (engines/)
+        return engine_names()
+    raise AttributeError(name)
+
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 # Selection (the pytest plugin; `run LANE` sets the first three from the lane table)
-_add("E2E_ENGINES", CsvOf(*ENGINES), ENGINES, "engines to parametrize over (`--engine`)")
+_add("E2E_ENGINES", CsvOf(among=engine_names), engine_names, "engines to parametrize over (`--engine`)")
 _add("E2E_TOPOLOGIES", Topologies(), ("1", "dp2", "1p1d"), "topologies to parametrize over (`--topology`)")
 _add("E2E_LANE", Text(), None, "the lane being run; set by `python -m e2e_test run LANE`")
 _add("E2E_GIT_SHA", Text(), None, "the commit a lane's run.json names, where the checkout has no .git (a copied tree)")
@@ -329,243 +333,19 @@ def mark_latest(d: Path) -> None:
         pass
 
 
-def check(environ=None) -> dict[str, Any]:
-    """Every variable parsed; all errors at once, one line each. Returns the values."""
-    out, errors = _collect(environ)
-    if errors:
-        raise SettingError("\n".join(errors))
-    return out
-
-
-def _collect(environ=None) -> tuple[dict[str, Any], list[str]]:
+def collect(environ=None) -> tuple[dict[str, Any], list[str]]:
+    """Every variable parsed: (values, one error line per bad value). The checks across
+    variables and against the machine, the registry and the weights are startup.py's."""
     out, errors = {}, []
     for name, s in SETTINGS.items():
         try:
             out[name] = s.parse(raw(name, environ))
         except SettingError as e:
             errors.append(e.summary)
-    if not errors:
-        for fn in _CROSS_CHECKS:
-            try:
-                fn(out, environ)
-            except SettingError as e:
-                errors.append(e.summary)
     return out, errors
 
 
-def _check_cpu_cores(values: dict, environ) -> None:
-    cores = values.get("E2E_CPU_CORES")
-    if cores:
-        check_cpu_ids(cores, "E2E_CPU_CORES", raw("E2E_CPU_CORES", environ))
 
-
-def _check_opt_in_model(values: dict, environ) -> None:
-    from .model_specs import get_spec
-    spec = get_spec(values["E2E_MODEL"])
-    if spec.opt_in and not values["AFD_E2E_LARGE_MODEL"]:
-        raise SettingError(f"E2E_MODEL={raw('E2E_MODEL', environ)!r}: an opt-in model; "
-                           "accepts it only with AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
-
-
-def selection_problem(model: str, engines, topologies, source: str, text: str) -> str | None:
-    """One line when a topology of the selection runs on no selected engine with this model
-    (the registry's engines and topology kinds, and which engines build each kind): pytest
-    would collect tests that can only fail. None when every topology has a runnable pair."""
-    from .engines import kind_engines
-    from .model_specs import get_spec
-    from .topology import parse as parse_topology
-    spec = get_spec(model)
-    kinds = kind_engines()
-    for t in topologies:
-        topo = parse_topology(t)
-        runs = [e for e in engines if e in kinds.get(topo.kind, ()) and
-                spec.supports(e, topo.kind)]
-        if not runs:
-            return (f"{source}={text!r}: topology {topo.name!r} ({topo.kind}) runs on none of "
-                    f"engine(s) {','.join(engines)} with model {spec.id!r} (its registry entry "
-                    f"allows {','.join(spec.topologies)} on {','.join(spec.engines)}); accepts "
-                    "topologies the model and an engine both run")
-    return None
-
-
-def _check_selection(values: dict, environ) -> None:
-    """E2E_TOPOLOGIES, when given, against E2E_MODEL and E2E_ENGINES (the defaults are the
-    harness's, and a command that takes its own topology, `plan 1`, does not read them)."""
-    text = raw("E2E_TOPOLOGIES", environ)
-    if text is None:
-        return
-    why = selection_problem(values["E2E_MODEL"], values["E2E_ENGINES"],
-                            values["E2E_TOPOLOGIES"], "E2E_TOPOLOGIES", text)
-    if why:
-        raise SettingError(why)
-
-
-def _check_model_path(values: dict, environ) -> None:
-    """E2E_MODEL_PATH's config.json parsed now (what `plan` and a Cluster do before launch),
-    so `settings` and pytest's start-up do not pass a folder a worker would fail on."""
-    path = values.get("E2E_MODEL_PATH")
-    if path is None:
-        return
-    from .model_specs import get_spec
-    from .models import check_config_json
-    try:
-        check_config_json(get_spec(values["E2E_MODEL"]), path,
-                          f"E2E_MODEL_PATH={raw('E2E_MODEL_PATH', environ)}")
-    except ConfigError as e:
-        raise SettingError(f"E2E_MODEL_PATH={raw('E2E_MODEL_PATH', environ)!r}: "
-                           f"{e.summary}") from None
-
-
-_CROSS_CHECKS = [_check_cpu_cores, _check_opt_in_model, _check_selection, _check_model_path]
-
-
-# -- device ids against the machine -------------------------------------------------------------
-
-def affinity() -> tuple[int, ...]:
-    return tuple(sorted(os.sched_getaffinity(0)))
-
-
-def check_cpu_ids(cores, source: str, text: str | None = None, present=affinity) -> None:
-    have = present()
-    missing = [c for c in cores if c not in have]
-    if missing:
-        raise SettingError(f"{source}={text or ','.join(map(str, cores))!r}: core(s) "
-                           f"{','.join(map(str, missing))} not in this process's CPU affinity; "
-                           f"accepts ids among {_ranges(have)}")
-
-
-def check_gpu_ids(devices, source: str, text: str | None = None, present=None) -> None:
-    """GPU ids must be ones NVML lists. Where NVML lists none (no driver, no GPU, or
-    nvidia-ml-py missing) no id can be checked, so any id is an error, never a silent pass."""
-    if present is None:
-        from .plan import nvml_inventory
-        present = nvml_inventory
-    have = tuple(present())
-    if not have:
-        raise SettingError(f"{source}={text or ','.join(map(str, devices))!r}: GPU id(s) "
-                           f"cannot be checked, NVML sees no GPU here ({_nvml_why()}); "
-                           "accepts ids of GPUs NVML lists (or --backend cpu for CPU cores)")
-    missing = [d for d in devices if d not in have]
-    if missing:
-        raise SettingError(f"{source}={text or ','.join(map(str, devices))!r}: GPU(s) "
-                           f"{','.join(map(str, missing))} not present; accepts ids among "
-                           f"{_ranges(have)} (NVML)")
-
-
-def _nvml_why() -> str:
-    try:
-        import pynvml
-    except ImportError:
-        return "nvidia-ml-py is not installed: pip install -e ."
-    try:
-        pynvml.nvmlInit()
-    except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return f"NVML: {str(e) or type(e).__name__}"
-    try:
-        return f"NVML lists {pynvml.nvmlDeviceGetCount()} GPU(s)"
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def check_devices(text: str | None, backend: str, source: str = "--devices",
-                  cpu_present=affinity, gpu_present=None) -> tuple[int, ...] | None:
-    """Parse a device list and check it against the machine: GPU ids against NVML (cuda),
-    CPU cores against the affinity mask (cpu)."""
-    devs = value("E2E_DEVICES", text, source)
-    if devs:
-        if backend == "cuda":
-            check_gpu_ids(devs, source, text, present=gpu_present)
-        else:
-            check_cpu_ids(devs, source, text, present=cpu_present)
-    return devs
-
-
-def resolve_backend(text: str | None, source: str = "--backend") -> str:
-    """`--backend`/E2E_BACKEND checked (cpu | cuda; `gpu` is refused, never read as cpu);
-    unset: cuda when NVML sees a GPU."""
-    b = value("E2E_BACKEND", text, source) if text else get("E2E_BACKEND")
-    if b:
-        return b
-    from .plan import nvml_inventory
-    return "cuda" if nvml_inventory() else "cpu"
-
-
-def startup(environ=None, *, backend: str | None = None, devices: str | None = None,
-            model: str | None = None, engines: str | None = None,
-            topologies: str | None = None) -> dict[str, Any]:
-    """What every entry point runs first: all variables (check()), then the options that stand
-    for them (they override the variables), device ids against this machine and an opt-in
-    model against its flag, and with AFD_E2E_LARGE_MODEL=1 the opt-in profile's prerequisites
-    (engines/afd.check_profile). Raises SettingError with one line per problem."""
-    values, errors = _collect(environ)
-    if errors:
-        if values.get("AFD_E2E_LARGE_MODEL"):
-            errors += _profile_problems(environ, skip=errors)
-        raise SettingError("\n".join(errors))
-
-    def opt(name, text, source):
-        if text is None:
-            return values[name]
-        try:
-            return value(name, text, source)
-        except SettingError as e:
-            errors.append(e.summary)
-
-    b = None
-    try:
-        b = resolve_backend(backend) if backend else (values["E2E_BACKEND"] or resolve_backend(None))
-    except SettingError as e:
-        errors.append(e.summary)
-    values["backend"] = b
-    values["model"] = opt("E2E_MODEL", model, "--model")
-    sel_engines = opt("E2E_ENGINES", engines, "--engine")
-    sel_topologies = opt("E2E_TOPOLOGIES", topologies, "--topology")
-    if (topologies or engines or model) and not errors and values["model"]:
-        # the options over the variables: the selection pytest would collect
-        t_text, t_source = ((topologies, "--topology") if topologies else
-                            (raw("E2E_TOPOLOGIES", environ), "E2E_TOPOLOGIES"))
-        if t_text is not None:
-            why = selection_problem(values["model"], sel_engines, sel_topologies, t_source,
-                                    t_text)
-            if why:
-                errors.append(why)
-    text, source = (devices, "--devices") if devices else (raw("E2E_DEVICES", environ), "E2E_DEVICES")
-    if text and b:
-        try:
-            check_devices(text, b, source)
-        except SettingError as e:
-            errors.append(e.summary)
-    afd = values["AFD_E2E_DEVICES"]
-    if afd:
-        try:
-            check_gpu_ids(afd, "AFD_E2E_DEVICES", raw("AFD_E2E_DEVICES", environ))
-        except SettingError as e:
-            errors.append(e.summary)
-    if model and values["model"] and not errors:
-        from .model_specs import get_spec
-        if get_spec(values["model"]).opt_in and not values["AFD_E2E_LARGE_MODEL"]:
-            errors.append(f"--model={model!r}: an opt-in model; accepts it only with "
-                          "AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
-    if values["AFD_E2E_LARGE_MODEL"]:
-        errors += _profile_problems(environ, skip=errors)
-    if errors:
-        raise SettingError("\n".join(errors))
-    return values
-
-
-def _profile_problems(environ, skip=()) -> list[str]:
-    """The opt-in AFD large-model profile's missing prerequisites, one line each; a variable
-    already named in `skip` is not named twice."""
-    from .engines import afd
-    named = {e.split("=", 1)[0] for e in skip}
-    problems = afd.check_profile(afd.profile_from_env(environ), need_devices=8, large_model=True)
-    return [f"opt-in AFD large-model profile (AFD_E2E_LARGE_MODEL=1): {p}" for p in problems
-            if p.split("=", 1)[0].split(" ", 1)[0] not in named]
-
-
-def _ranges(ids) -> str:
-    from .engines import core_list
-    return core_list(tuple(ids)) or "(none)"
 
 
 # -- the README table -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from .devices import nvml
 from .errors import TeardownError
 
 SHM = Path("/dev/shm")
@@ -145,21 +146,14 @@ def gpu_memory_mib(devices) -> dict[int, float]:
     """Used memory per physical device, or {} when NVML is unavailable."""
     if not devices:
         return {}
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
-    try:
-        return {d: pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(d)).used
-                / 2**20 for d in devices}
-    except Exception:
-        return {}
-    finally:
+    with nvml() as n:
+        if n is None:
+            return {}
         try:
-            pynvml.nvmlShutdown()
+            return {d: n.nvmlDeviceGetMemoryInfo(n.nvmlDeviceGetHandleByIndex(d)).used
+                    / 2**20 for d in devices}
         except Exception:
-            pass
+            return {}
 
 
 def wait_gpu_baseline(baseline: dict[int, float], timeout: float = 20.0) -> dict[int, float]:

@@ -1,14 +1,14 @@
 """What the main job proved about a disaggregated topology, as short lines for its summary.
 
 - `disagg_proof(cluster)`: runs the proof that fits the topology kind (PD: the KV moved; EPD:
-  the encoder ran; AFD: the FFN served) and returns {record key: proof dict}, the same keys
+  the encoder ran; AFD: the FFN served; each the engine's own hook) and returns {record key: proof dict}, the same keys
   the pytest records use, so report.py words them the same way everywhere.
 - `print_verdicts(summary)`: the proof line(s) and the comparison oracle's verdict line.
 """
 
 from __future__ import annotations
 
-from . import proof, report
+from . import report
 
 KEYS = {"pd": "pd_proof", "epd": "epd_proof", "afd": "afd_ffn_proof"}
 
@@ -18,20 +18,20 @@ def disagg_proof(cluster) -> dict:
     if kind == "pd":
         p = cluster.driver.pd_proof(cluster)     # the engine's own proof (Engine.pd_proof)
     elif kind == "epd":
-        p = proof.epd_encoder_ran(cluster)
+        p = cluster.driver.epd_proof(cluster)    # Engine.epd_proof
     elif kind == "afd" and not cluster.topology.name.startswith("native"):
-        p = proof.afd_ffn_served(cluster)
+        p = cluster.driver.ffn_proof(cluster)    # Engine.ffn_proof
     else:
         return {}
     return {KEYS[kind]: p.to_dict()}
 
 
 def proof_lines(summary: dict) -> list[str]:
-    """One line per proof in `summary` (keys as in KEYS), worded by report._details."""
+    """One line per proof in `summary` (keys as in KEYS), worded by report.details."""
     out = []
     for key in KEYS.values():
         if summary.get(key):
-            out.append(report._details({key: summary[key]}))
+            out.append(report.details({key: summary[key]}))
     if summary.get("proof_error"):
         out.append(f"proof FAILED: {summary['proof_error']}")
     return out
@@ -40,10 +40,10 @@ def proof_lines(summary: dict) -> list[str]:
 def oracle_lines(summary: dict) -> list[str]:
     """The comparison oracle's verdicts in `summary["oracle"]` ({eval: Verdict.to_dict()}, as
     comparisons.against_one_worker returns them), one line per eval, worded by
-    report._oracle_line as in every other report: e.g. "answers, gsm8k: ok: gsm8k vllm/1p1d
+    report.oracle_line as in every other report: e.g. "answers, gsm8k: ok: gsm8k vllm/1p1d
     vs vllm/prefill-0 alone: 31 identical, 1 numerics, 0 mismatch (numerics budget 7 from the
     control arm); max first-step delta 0.126 nats"."""
-    return [f"answers, {name}: {report._oracle_line(v)}"
+    return [f"answers, {name}: {report.oracle_line(v)}"
             for name, v in (summary.get("oracle") or {}).items()]
 
 

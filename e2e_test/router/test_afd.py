@@ -4,13 +4,13 @@ Every AFD-kind topology (`XaYf` and `native-dpN`): chat completes through smg, a
 sample completes without errors (no accuracy floor: the suite is meant to run on a tiny
 random-weight MoE, see e2e_test/infra/tiny_models.py), and the same greedy prompts are
 judged by the comparison oracle between the native baseline and AFD. On `XaYf` only: the FFN server really served
-the requests (proof.afd_ffn_served, from the plugin's FFN step traces).
+the requests (Engine.ffn_proof: engines/afd.afd_ffn_served, from the plugin's FFN step traces).
 """
 
 
 import pytest
 
-from e2e_test.infra import comparisons, oracle, proof, settings
+from e2e_test.infra import comparisons, oracle, settings
 from e2e_test.infra.evals import gsm8k
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("afd")]
@@ -44,7 +44,7 @@ def test_afd_chat(cluster, record):
 @pytest.mark.not_native_baseline    # no FFN server there: never selected on native-dpN
 def test_afd_ffn_served(cluster, record):
     assert not cluster.topology.native_baseline, "not_native_baseline: never selected there"
-    p = proof.afd_ffn_served(cluster, n=4)
+    p = cluster.driver.ffn_proof(cluster)          # engines/afd.afd_ffn_served, n=4
     record["afd_ffn_proof"] = p.to_dict()
     print(f"AFD FFN proof: {p.to_dict()}")
 

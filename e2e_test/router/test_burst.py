@@ -37,7 +37,8 @@ def test_burst_within_capacity(cluster, record, stream):
                        stream=stream, name=f"within-capacity-{'stream' if stream else 'plain'}",
                        watchdog=cluster.watchdog("burst"))
     w = cluster.workers[0]
-    res.effective_window = bursts.effective_window(w.url, w.process.log_text())
+    res.effective_window = bursts.effective_window(w.url, w.process.log_text(),
+                                                   engine=cluster.driver)
     _save(record, res, cluster)
     bursts.check_within_capacity(res)
 
@@ -58,7 +59,7 @@ def _window_case(cluster, record):
                            name=f"versus-window-{c.topology.name}", metrics_url=g.metrics_url,
                            watchdog=c.watchdog("burst"))
     w = c.workers[-1]
-    res.effective_window = bursts.effective_window(w.url, w.process.log_text())
+    res.effective_window = bursts.effective_window(w.url, w.process.log_text(), engine=c.driver)
     res.admission = vars(admission)
     record["gateway"] = {"name": g.name, "argv": g.argv}
     _save(record, res, c)

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("epd")]
 def test_epd_encoder_proof(cluster, record):
     if "multimodal" not in cluster.spec.features:
         pytest.skip(f"{cluster.model_name} is not multimodal")
-    p = proof.epd_encoder_ran(cluster)
+    p = cluster.driver.epd_proof(cluster)          # engines/tokenspeed.epd_encoder_ran
     record["epd_proof"] = p.to_dict()
     print(f"EPD proof: {p.to_dict()}")
 

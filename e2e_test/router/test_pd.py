@@ -9,9 +9,9 @@ on `1` in the same session. No tolerance is set by hand.
 import pytest
 
 from e2e_test.infra import comparisons, oracle
+from e2e_test.infra.engines.vllm import pd_transfer
 from e2e_test.infra.errors import HarnessError
 from e2e_test.infra.evals import recall
-from e2e_test.infra.proof import pd_transfer
 from e2e_test.router.test_evals import oracle_pass
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd")]

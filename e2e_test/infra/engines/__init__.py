@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..devices import core_list  # noqa: F401 (the builders' name for it)
 from ..errors import ConfigError
 from ..readiness import Alive, HttpGet, Readiness
 
@@ -109,21 +110,6 @@ class WorkerCommand:
         return self.readiness.path if isinstance(self.readiness, HttpGet) else None
 
 
-def core_list(cores: tuple[int, ...]) -> str:
-    """0,1,2,5 -> '0-2,5'; the form VLLM_CPU_OMP_THREADS_BIND and taskset accept."""
-    parts, run = [], []
-    for c in sorted(cores):
-        if run and c == run[-1] + 1:
-            run.append(c)
-        else:
-            if run:
-                parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = [c]
-    if run:
-        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(parts)
-
-
 # -- the engine interface ------------------------------------------------------------------
 
 class Engine:
@@ -208,8 +194,34 @@ class Engine:
         return ()
 
     def pd_proof(self, cluster):
-        """The proof that a PD topology's KV moved (proof.py); returns a proof object."""
+        """The proof that a PD topology's KV moved; returns a proof object (its to_dict() is
+        the record's `pd_proof`). Raises HarnessError when the numbers do not show it."""
         raise ConfigError(f"engine {self.name!r} has no PD transfer proof")
+
+    def epd_proof(self, cluster):
+        """The proof that an EPD topology's encoder ran for the requests (`epd_proof`)."""
+        raise ConfigError(f"engine {self.name!r} has no EPD encoder proof")
+
+    def ffn_proof(self, cluster):
+        """The proof that an AFD topology's FFN servers served the requests
+        (`afd_ffn_proof`)."""
+        raise ConfigError(f"engine {self.name!r} has no FFN proof")
+
+    def proof_line(self, key: str, proof: dict) -> str | None:
+        """One line for a report of a recorded proof (`key`: pd_proof, epd_proof,
+        afd_ffn_proof; `proof`: its to_dict()), or None when the proof is not this engine's.
+        Pure."""
+        return None
+
+    def running_window(self, worker_url: str, timeout: float = 5.0) -> dict | None:
+        """The running window a live worker reports itself ({"max_num_seqs": int, ...,
+        "source": where from}), or {"error": why} when asking failed, or None when the engine
+        has no way to say (the caller falls back to the worker's log)."""
+        return None
+
+    # Environment a lane's virtualenv of this engine sets on every run (lanes.py Venv.env):
+    # (name, value) pairs.
+    lane_env: tuple[tuple[str, str], ...] = ()
 
     def compile_cache_status(self, log_text: str, options: EngineOptions) -> str:
         """Whether a worker's boot reused a compile cache, read from its log (the lane's time

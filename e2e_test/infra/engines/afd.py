@@ -46,15 +46,17 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass, replace
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, HarnessError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
+from ..proof import long_unique_prompt, post_all, scrape_all, sum_delta
 from ..readiness import Alive, HttpGet, PortBound
 from ..topology import Topology
-from . import Engine, EngineOptions, Ports, WorkerCommand
+from . import Engine, EngineOptions, Ports, WorkerCommand, vllm
 from .vllm import WORK_COUNTERS as VLLM_WORK_COUNTERS
 
 CONNECTOR = "P2pNcclAFDConnector"
@@ -162,6 +164,175 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                          start_stage=1 if entry.role == "attention" else 0)
 
 
+# -- AFD: the FFN server really ran the FFN ----------------------------------------------------
+#
+# The afd-plugin exposes no Prometheus metric, counter or per-step log line on the FFN side
+# (its FFN EngineCore runs a connector loop, no scheduler, so vLLM's own counters there stay at
+# zero). The one per-step signal it has is its FFN profiler: afd_plugin/compat/profiler.py,
+# configured by AFD_GPU_FFN_PROFILER_{ENABLE,WAIT,WARMUP,ACTIVE,REPEAT,SKIP_FIRST,DIR} and
+# stepped at the top of every GPUFFNModelRunner.execute_model (afd_plugin/v1/worker/
+# ffn_model_runner.py), which the FFN worker loop calls once per control-plane payload from
+# Attention (afd_plugin/v1/worker/ffn_worker.py _run_ffn_server_loop), i.e. once per Attention
+# forward step. With WAIT=every-2, WARMUP=1, ACTIVE=1, REPEAT=0 (unlimited) torch.profiler's
+# TensorBoard handler writes one `<host>_<pid>.<ns>.pt.trace.json` per `every` FFN steps into
+# DIR. The plugin's own GPU e2e test proves FFN execution the same way
+# (tests/e2e/features/test_profiler_gpu.py: trace files must appear in the FFN dir).
+# The cluster sets this env on every AFD FFN server (E2E_AFD_FFN_STEP_TRACE=0 turns it off).
+
+FFN_STEP_TRACE_ENV = "E2E_AFD_FFN_STEP_TRACE"
+FFN_PROFILER_PREFIX = "AFD_GPU_FFN_PROFILER"
+FFN_TRACE_EVERY = 8
+_TRACE_GLOB = "*.pt.trace.json*"
+
+
+def ffn_step_trace_enabled(environ: dict | None = None) -> bool:
+    from .. import settings
+    return bool(settings.get(FFN_STEP_TRACE_ENV, environ))
+
+
+def afd_ffn_step_env(trace_dir, every: int = FFN_TRACE_EVERY) -> dict[str, str]:
+    """The FFN server's env for one profiler trace per `every` FFN steps into `trace_dir`."""
+    if every < 2:
+        raise ValueError("every must be >= 2 (one warmup + one active step per cycle)")
+    p = FFN_PROFILER_PREFIX
+    return {f"{p}_ENABLE": "1", f"{p}_WAIT": str(every - 2), f"{p}_WARMUP": "1",
+            f"{p}_ACTIVE": "1", f"{p}_REPEAT": "0", f"{p}_SKIP_FIRST": "0",
+            f"{p}_DIR": str(trace_dir)}
+
+
+@dataclass
+class FfnProof:
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    trace_every: int
+    traces_before: int
+    traces_after: int
+    new_traces_by_process: dict
+    expected_min_new: int            # floor(steps / every) - 1 for these sequential requests
+    kernel_events: int | None        # GPU kernels in the parsed new traces (None: none parsed)
+    moe_kernel_events: int | None
+    top_kernels: list
+    attention_generation_tokens: float
+
+    @property
+    def new_traces(self) -> int:
+        return self.traces_after - self.traces_before
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "new_traces": self.new_traces}
+
+
+def _ffn_trace_dirs(cluster) -> list:
+    return [Path(w.command.env[f"{FFN_PROFILER_PREFIX}_DIR"]) for w in cluster.role("ffn")
+            if w.command.env.get(f"{FFN_PROFILER_PREFIX}_ENABLE") == "1"
+            and w.command.env.get(f"{FFN_PROFILER_PREFIX}_DIR")]
+
+
+def _traces(dirs) -> set:
+    return {f for d in dirs if d.is_dir() for f in d.rglob(_TRACE_GLOB) if f.is_file()}
+
+
+def _kernel_summary(files, limit: int = 3) -> tuple[int | None, int | None, list]:
+    """Kernel events in (at most `limit` of) the new trace files: what the FFN GPU ran."""
+    import gzip
+    counts: dict[str, int] = {}
+    parsed = 0
+    for f in sorted(files, key=lambda p: p.stat().st_mtime)[:limit]:
+        try:
+            raw = gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_bytes()
+            events = json.loads(raw).get("traceEvents", [])
+        except (OSError, ValueError):
+            continue        # still being written
+        parsed += 1
+        for e in events:
+            if isinstance(e, dict) and e.get("cat") == "kernel":
+                counts[e.get("name", "?")] = counts.get(e.get("name", "?"), 0) + 1
+    if not parsed:
+        return None, None, []
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
+    moe = sum(v for k, v in counts.items() if "moe" in k.lower())
+    return sum(counts.values()), moe, [[k[:80], v] for k, v in top]
+
+
+def afd_ffn_served(cluster, n: int = 4, max_tokens: int = 16, settle_s: float = 10.0,
+                   every: int | None = None) -> FfnProof:
+    """n sequential completions through the gateway must make the FFN server(s) step: the
+    plugin's FFN step traces (see above) must grow. Raises HarnessError otherwise."""
+    name = cluster.topology.name
+    if cluster.topology.kind != "afd" or cluster.topology.native_baseline:
+        raise HarnessError(f"topology {name} has no AFD FFN server: the FFN proof does not "
+                           "apply")
+    ffn = cluster.role("ffn")
+    if not ffn:
+        raise HarnessError(f"topology {name}: no FFN worker")
+    dirs = _ffn_trace_dirs(cluster)
+    if not dirs:
+        raise HarnessError(f"topology {name}: the FFN servers were started without the "
+                           f"plugin's step traces ({FFN_STEP_TRACE_ENV}=0?): nothing to "
+                           "measure")
+    if every is None:
+        env = ffn[0].command.env
+        every = (int(env.get(f"{FFN_PROFILER_PREFIX}_WAIT", FFN_TRACE_EVERY - 2))
+                 + int(env.get(f"{FFN_PROFILER_PREFIX}_WARMUP", 1))
+                 + int(env.get(f"{FFN_PROFILER_PREFIX}_ACTIVE", 1)))
+    attention = cluster.role("attention")
+    b_att = scrape_all(attention)
+    before = _traces(dirs)
+    usages = post_all(cluster, "AFD FFN proof", "/v1/completions",
+                       ({"model": cluster.model_name,
+                         "prompt": long_unique_prompt(words=40, seed=i),
+                         "max_tokens": max_tokens, "temperature": 0} for i in range(n)))
+    prompt_tokens = sum(u.get("prompt_tokens", 0) for u in usages)
+    completion_tokens = sum(u.get("completion_tokens", 0) for u in usages)
+    # Sequential requests: each is one prefill step plus completion_tokens - 1 decode steps,
+    # one FFN step each. A trace is saved when the step after its active step starts.
+    expected = max(1, completion_tokens // every - 1)
+    deadline = time.monotonic() + settle_s
+    after = _traces(dirs)
+    while len(after - before) < expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = _traces(dirs)
+    new = after - before
+    by_proc: dict[str, int] = {}
+    for f in new:
+        base = Path(f).name.split(".pt.trace.json", 1)[0]   # <host>_<pid>.<ns>
+        proc = base.rsplit(".", 1)[0]                        # <host>_<pid>
+        by_proc[proc] = by_proc.get(proc, 0) + 1
+    kernels, moe, top = _kernel_summary(new)
+    a_att = scrape_all(attention)
+    proof = FfnProof(
+        requests=n, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        trace_every=every, traces_before=len(before), traces_after=len(before) + len(new),
+        new_traces_by_process=by_proc, expected_min_new=expected, kernel_events=kernels,
+        moe_kernel_events=moe, top_kernels=top,
+        attention_generation_tokens=sum_delta(b_att, a_att, "vllm:generation_tokens_total"))
+    problems = afd_trace_problems(proof)
+    if problems:
+        raise HarnessError(f"AFD FFN proof failed on {name}: {n} completions "
+                           f"({completion_tokens} tokens) through the gateway: "
+                           + "; ".join(problems) + f" (in {', '.join(map(str, dirs))}) "
+                           f"({proof.to_dict()})")
+    return proof
+
+
+def afd_trace_problems(p: FfnProof) -> list[str]:
+    """The FFN server(s) must have written the step traces that the requests' steps make:
+    at least `expected_min_new` (floor(steps / every) - 1: the last one may not be saved yet),
+    not merely one; and a parsed trace must hold GPU kernels. Pure (H200 record: 64 tokens,
+    one trace every 8 steps: 8 new, 7 required)."""
+    out = []
+    if p.completion_tokens <= 0:
+        out.append("the requests generated no token: no FFN step to trace")
+    if p.new_traces < p.expected_min_new or p.new_traces <= 0:
+        out.append(f"{p.new_traces} new FFN step traces, {p.expected_min_new} expected for "
+                   f"{p.completion_tokens} steps at one every {p.trace_every}")
+    if p.kernel_events == 0:
+        out.append("the new FFN traces hold no GPU kernel")
+    return out
+
+
+
 class AfdEngine(Engine):
     """AFD topologies of --engine vllm (the afd-plugin); attention and FFN never share a GPU."""
     idle_gauges = IDLE_GAUGES
@@ -190,11 +361,23 @@ class AfdEngine(Engine):
     def build(self, spec, topology, entry, ports, model_path, options):
         return build(spec, topology, entry, ports, model_path, options)
 
+    def ffn_proof(self, cluster):
+        return afd_ffn_served(cluster)
+
+    def proof_line(self, key, proof):
+        if key != "afd_ffn_proof":
+            return None
+        return (f"FFN proof: {proof.get('new_traces')} new FFN step traces for "
+                f"{proof.get('requests')} requests ({proof.get('moe_kernel_events')} MoE kernel "
+                "events)")
+
+    def running_window(self, worker_url, timeout=5.0):
+        return vllm.running_window(worker_url, timeout)     # the attention side is vLLM's
+
     def worker_command(self, spec, topology, entry, ports, model_path, options, run_dir):
         cmd = build(spec, topology, entry, ports, model_path, options)
         if entry.role == "ffn":
-            from ..proof import afd_ffn_step_env, ffn_step_trace_enabled
-            if ffn_step_trace_enabled():   # the plugin's per-step FFN signal (proof.py)
+            if ffn_step_trace_enabled():   # the plugin's per-step FFN signal (ffn_proof)
                 trace_dir = run_dir.resolve() / "afd-ffn-steps" / entry.name
                 cmd = replace(cmd, env={**cmd.env, **afd_ffn_step_env(trace_dir)})
         return cmd

@@ -36,10 +36,23 @@ flag's contract comes from:
 from __future__ import annotations
 
 import sys
+import uuid
+from dataclasses import asdict, dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, HarnessError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
+from ..proof import (
+    dispatch_problems,
+    gateway_dispatch,
+    image_chat_body,
+    long_unique_prompt,
+    post_all,
+    random_png_data_uri,
+    scrape_all,
+    sum_delta,
+    verdict,
+)
 from ..readiness import GrpcHealth
 from ..topology import Topology
 from . import Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
@@ -219,6 +232,227 @@ def packed_schedule(entries, spec: ModelSpec | None = None) -> dict[str, tuple[i
     return out
 
 
+# -- PD on TokenSpeed -------------------------------------------------------------------------
+#
+# TokenSpeed's servicer serves no /metrics; with --enable-metrics its engine writes Prometheus
+# multiprocess files (the builder points PROMETHEUS_MULTIPROC_DIR at the cluster's state
+# folder; Worker.metrics reads them). Its 0.1.0 KV-transfer metrics are no-ops
+# (runtime/metrics/collector.py KVTransferMetrics), so the proof combines:
+# - the gateway sent every request to a prefill AND a decode worker
+#   (smg_worker_selection_total{worker_type=...}) and counted no bootstrap / KV-transfer
+#   failure (smg_pd_bootstrap_failures_total, smg_pd_kv_transfer_failures_total);
+# - the prefill workers ran the prompts forward (tokenspeed:iteration_tokens_total_sum, the
+#   tokens of every scheduler forward step);
+# - the decode workers finished every request successfully (tokenspeed:request_success) and
+#   generated its tokens. A TokenSpeed decode node cannot recompute a prompt: its extend step
+#   only posts the KV receive and returns without a forward pass, and a request whose transfer
+#   fails or times out is aborted ("PD/EPD remote transfer failed or timed out"), not served
+#   (tokenspeed runtime/engine/event_loop.py, DisaggDecodeExecutor branch and the
+#   FailedEvent handling). So a successful decode-side finish means the KV arrived.
+
+TS_PREFIX = "tokenspeed:"
+
+
+@dataclass
+class TokenSpeedPDProof:
+    requests: int
+    prompt_tokens: int
+    gateway_prefill_selections: float
+    gateway_decode_selections: float
+    gateway_transfer_failures: float
+    prefill_forward_tokens: float
+    prefill_finished: float
+    decode_success: float
+    decode_generation_tokens: float
+    decode_prompt_tokens: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tokenspeed_transfer_problems(proof: TokenSpeedPDProof, n: int) -> list[str]:
+    """Exact checks of a TokenSpeed PD proof. Pure (tests/test_proof_exact.py).
+
+    - the prefill ran every prompt token forward, and at most one more token per request
+      (the first token it samples): prompt_tokens <= prefill_forward_tokens <=
+      prompt_tokens + n (H200 records: 1558 -> 1562 and 1560 -> 1564 for 4 requests);
+    - the decode side counted the whole prompt of every request it finished
+      (tokenspeed:prompt_tokens_total == the prompt tokens the gateway reported; records:
+      1558/1558, 1560/1560): a decode that got a shorter or another request's prompt differs;
+    - the decode finished every request and generated its tokens."""
+    problems = dispatch_problems(proof, n)
+    pt = proof.prompt_tokens
+    if pt <= 0:
+        return problems + ["no prompt tokens sent: nothing was proved"]
+    if not pt <= proof.prefill_forward_tokens <= pt + n:
+        problems.append(f"prefill ran {proof.prefill_forward_tokens:.0f} tokens forward for "
+                        f"{pt} prompt tokens in {n} requests (expected {pt} to {pt + n})")
+    if proof.decode_prompt_tokens != pt:
+        problems.append(f"decode counted {proof.decode_prompt_tokens:.0f} prompt tokens for "
+                        f"the {pt} the prefill was sent")
+    if proof.decode_success < n:
+        problems.append(f"decode finished only {proof.decode_success:.0f} of {n} requests "
+                        "successfully")
+    if proof.decode_generation_tokens <= 0:
+        problems.append("decode generated no tokens")
+    return problems
+
+
+def pd_transfer_tokenspeed(cluster, n: int = 4) -> TokenSpeedPDProof:
+    decode, prefill = cluster.role("decode"), cluster.role("prefill")
+    if not decode or not prefill:
+        raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
+    b_d, b_p, b_g = scrape_all(decode), scrape_all(prefill), cluster.gateway_metrics()
+    prompt_tokens = sum(u["prompt_tokens"] for u in post_all(
+        cluster, "PD proof", "/v1/chat/completions",
+        ({"model": cluster.model_name, "max_tokens": 8, "temperature": 0,
+          "messages": [{"role": "user", "content": long_unique_prompt(seed=i)}]}
+         for i in range(n))))
+    a_d, a_p, a_g = scrape_all(decode), scrape_all(prefill), cluster.gateway_metrics()
+    gw = gateway_dispatch(b_g, a_g)
+    gw.pop("gateway_encode_selections")
+    proof = TokenSpeedPDProof(
+        requests=n, prompt_tokens=prompt_tokens, **gw,
+        prefill_forward_tokens=sum_delta(b_p, a_p, TS_PREFIX + "iteration_tokens_total_sum"),
+        prefill_finished=sum_delta(b_p, a_p, TS_PREFIX + "num_requests_total"),
+        decode_success=sum_delta(b_d, a_d, TS_PREFIX + "request_success_total"),
+        decode_generation_tokens=sum_delta(b_d, a_d, TS_PREFIX + "generation_tokens_total"),
+        decode_prompt_tokens=sum_delta(b_d, a_d, TS_PREFIX + "prompt_tokens_total"),
+    )
+    return verdict("PD transfer proof (tokenspeed)", cluster,
+                    tokenspeed_transfer_problems(proof, n), proof)
+
+
+# -- EPD on TokenSpeed: the encoder ran for the request --------------------------------------
+#
+# TokenSpeed's encode worker exports no metric of its own. What shows that the vision encoder
+# ran on the encode worker for a request, and its output reached prefill:
+# - the gateway dispatched every image item to an encode worker
+#   (smg_worker_selection_total{worker_type="encode"} grows by one per image item) and to a
+#   prefill and a decode worker, with no bootstrap / transfer failure counted;
+# - a prefill node in EPD mode cannot run the tower itself: an item handshaked to an encode
+#   worker that reaches the prefill forward without its received embedding raises, and an
+#   embedding receive that times out aborts the request (tokenspeed runtime/engine/
+#   event_loop.py _assert_epd_embeddings_received; runtime/pd/prefill_executor.py "EPD:
+#   prefill aborted request ... (embedding receive timed out)"), so a 200 answer means the
+#   embeddings arrived from the encoder;
+# - the decode workers finished every request (tokenspeed:request_success), as in PD.
+# The builder sets TOKENSPEED_EPD_ENCODE_EMBED_CACHE_MB=0 on encode workers and every proof
+# image is new, so no embedding comes from the encoder's cache. The encode worker's INFO line
+# "EPD encode: accepted request_id=..." is counted too when its log has it (TokenSpeed may
+# reconfigure logging and drop it), as corroboration only.
+
+ENCODE_LOG_LINE = "EPD encode: accepted request_id="
+
+
+@dataclass
+class EncoderProof:
+    requests: int
+    image_items: int
+    prompt_tokens: int
+    gateway_encode_selections: float
+    gateway_prefill_selections: float
+    gateway_decode_selections: float
+    gateway_transfer_failures: float
+    prefill_forward_tokens: float
+    decode_success: float
+    encode_log_lines: int | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def epd_encoder_ran(cluster, n: int = 3) -> EncoderProof:
+    enc, prefill, decode = cluster.role("encode"), cluster.role("prefill"), cluster.role("decode")
+    if not enc or not prefill or not decode:
+        raise HarnessError(f"topology {cluster.topology.name} has no encode/prefill/decode roles")
+
+    def enc_lines():
+        try:
+            return sum(w.process.log_text().count(ENCODE_LOG_LINE) for w in enc)
+        except (OSError, AttributeError):   # no process or log yet
+            return None
+    b_g, b_p, b_d, b_l = (cluster.gateway_metrics(), scrape_all(prefill), scrape_all(decode),
+                          enc_lines())
+    salt = uuid.uuid4().int % 2**31
+    prompt_tokens = sum(u["prompt_tokens"] for u in post_all(
+        cluster, "EPD proof", "/v1/chat/completions",
+        (image_chat_body(cluster.model_name, f"[{uuid.uuid4().hex[:8]}] Describe the image.",
+                         random_png_data_uri(salt + i)) for i in range(n))))
+    a_g, a_p, a_d, a_l = (cluster.gateway_metrics(), scrape_all(prefill), scrape_all(decode),
+                          enc_lines())
+    proof = EncoderProof(
+        requests=n, image_items=n, prompt_tokens=prompt_tokens, **gateway_dispatch(b_g, a_g),
+        prefill_forward_tokens=sum_delta(b_p, a_p, TS_PREFIX + "iteration_tokens_total_sum"),
+        decode_success=sum_delta(b_d, a_d, TS_PREFIX + "request_success_total"),
+        encode_log_lines=(a_l - b_l) if a_l is not None and b_l is not None else None,
+    )
+    problems = dispatch_problems(proof, n)
+    if proof.gateway_encode_selections < proof.image_items:
+        problems.append(f"the gateway sent {proof.gateway_encode_selections:.0f} of "
+                        f"{proof.image_items} image items to an encode worker")
+    if proof.decode_success < n:
+        problems.append(f"decode finished only {proof.decode_success:.0f} of {n} requests")
+    return verdict("EPD encoder proof", cluster, problems, proof)
+
+
+
+def proof_line(key: str, p: dict) -> str | None:
+    """A recorded PD or EPD proof of TokenSpeed in one line (see pd_transfer_tokenspeed,
+    epd_encoder_ran)."""
+    if key == "pd_proof" and "decode_external" not in p:
+        return (f"KV proof: gateway sent {p['gateway_prefill_selections']:.0f} prefill + "
+                f"{p['gateway_decode_selections']:.0f} decode selections for "
+                f"{p['requests']} requests, prefill ran {p['prefill_forward_tokens']:.0f}/"
+                f"{p['prompt_tokens']} prompt tokens forward, decode finished "
+                f"{p['decode_success']:.0f}/{p['requests']} ({p['decode_generation_tokens']:.0f}"
+                f" tokens), transfer failures {p['gateway_transfer_failures']:.0f}")
+    if key == "epd_proof":
+        return (f"encoder proof: {p['gateway_encode_selections']:.0f}/{p['image_items']} image "
+                f"items dispatched to encode, decode finished {p['decode_success']:.0f}/"
+                f"{p['requests']}")
+    return None
+
+
+def server_info(port: int, timeout: float = 5.0) -> dict:
+    """TokenSpeed's GetServerInfo over gRPC (server_args, scheduler_info as dicts), through
+    the proto stubs its servicer ships (smg_grpc_proto)."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
+    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        resp = pb_grpc.TokenSpeedSchedulerStub(ch).GetServerInfo(pb.GetServerInfoRequest(),
+                                                                  timeout=timeout)
+    return MessageToDict(resp, preserving_proto_field_name=True)
+
+
+def running_window(worker_url: str, timeout: float = 5.0) -> dict:
+    """The worker's resolved running window from gRPC GetServerInfo's scheduler_info;
+    {"error": why} when it cannot be read (stubs missing, worker gone)."""
+    try:
+        info = server_info(int(worker_url.rsplit(":", 1)[1]))
+    except Exception as e:       # stubs missing, worker gone: say so, fall back to the log
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+    sched = info.get("scheduler_info", {})
+
+    def num(v):
+        return int(v) if isinstance(v, (int, float)) else None
+    return {"max_num_seqs": num(sched.get("max_num_seqs")),
+            "max_total_num_tokens": num(sched.get("max_total_num_tokens")),
+            "chunked_prefill_size": num(sched.get("chunked_prefill_size")),
+            "source": "grpc GetServerInfo"}
+
+
+# tokenspeed-kernel 0.1.3's CUDA objects are Blackwell-only (sm_100a/sm_103a); on Hopper two
+# ops must take their triton implementations (docs/gpu.md). Harmless elsewhere. Set by every
+# lane's TokenSpeed virtualenv (Engine.lane_env; lanes.py).
+HOPPER_ENV = (
+    ("TOKENSPEED_KERNEL_OVERRIDE_EMBEDDING_ROPE", "triton_embedding_rope"),
+    ("TOKENSPEED_KERNEL_OVERRIDE_ATTENTION_ATTN_MERGE_STATE", "triton_attn_merge_state"),
+)
+
+
 # TokenSpeed counts tokens per request at its end; per scheduler step, only this.
 WORK_COUNTERS = ("tokenspeed:iteration_tokens_total_sum",)
 
@@ -243,6 +477,7 @@ class TokenSpeedEngine(Engine):
     known_crashes = (ENCODE_GETLOAD_CRASH,)
     backends = ("cuda",)
     work_counters = WORK_COUNTERS
+    lane_env = HOPPER_ENV
 
     def aux_ports(self, topology, entry, options):
         return aux_ports(topology, entry, options)
@@ -257,8 +492,16 @@ class TokenSpeedEngine(Engine):
         return EPD_GATEWAY_ARGS if topology.kind == "epd" else ()
 
     def pd_proof(self, cluster):
-        from ..proof import pd_transfer_tokenspeed
         return pd_transfer_tokenspeed(cluster)
+
+    def epd_proof(self, cluster):
+        return epd_encoder_ran(cluster)
+
+    def proof_line(self, key, proof):
+        return proof_line(key, proof)
+
+    def running_window(self, worker_url, timeout=5.0):
+        return running_window(worker_url, timeout)
 
 
 ENGINE = TokenSpeedEngine()

@@ -8,14 +8,27 @@ their plan's GPUs through CUDA_VISIBLE_DEVICES.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
-from dataclasses import replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
-from ..errors import ConfigError
+import httpx
+
+from ..errors import ConfigError, HarnessError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
+from ..proof import (
+    kv_bytes_per_token,
+    kv_dtype,
+    long_unique_prompt,
+    post_all,
+    scrape_all,
+    sum_delta,
+    verdict,
+)
 from ..readiness import HttpGet
 from ..topology import Topology
 from . import Engine, EngineOptions, Ports, WorkerCommand, core_list, kv_corrupt
@@ -199,6 +212,172 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                          worker_type=worker_type, kv_connector=kv_connector)
 
 
+# -- the PD proof: the KV moved ---------------------------------------------------------------
+#
+# For long, unique prompts sent through the gateway, exactly (`vllm_transfer_problems`): the
+# decode workers' counter `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`
+# grows by the prompt tokens and `local_compute` by 0 (decode recomputed nothing), the prefill
+# workers computed every prompt token, and over NIXL the decode received the bytes of every
+# block that holds a prompt token, the last partial block included: sum_i ceil(p_i / B) blocks
+# x B tokens x the KV bytes of one token (layers x K,V x KV heads x head dim x dtype bytes, from
+# the model's config.json; B from the worker's `vllm:cache_config_info`). The H200 records fit
+# this and nothing less: 1438 prompt tokens in 4 requests moved 33,914,880 B = 92 blocks x 16 x
+# 23,040 B (SmolLM2-135M: 30 x 2 x 3 x 64 x 2 B), where full blocks alone are at most 89. A
+# run that answers 200 without the transfer fails.
+
+SRC = "vllm:prompt_tokens_by_source_total"
+
+
+@dataclass
+class TransferProof:
+    requests: int
+    prompt_tokens: int
+    decode_external: float
+    decode_local_compute: float
+    decode_local_cache_hit: float
+    prefill_local_compute: float
+    nixl_bytes: float
+    nixl_transfers: float
+    failed_transfers: float
+    prompt_tokens_each: list = field(default_factory=list)   # per request, from its usage
+    nixl: bool = True                   # the workers' connector is NIXL (bytes are counted)
+    block_size: int | None = None       # tokens per KV block (the decode's cache_config_info)
+    kv_bytes_per_token: int | None = None   # from config.json and the KV dtype
+    kv_layout: dict = field(default_factory=dict)   # what kv_bytes_per_token came from
+    tp: int = 1                         # decode tensor parallel size
+
+    @property
+    def external_fraction(self) -> float:
+        return self.decode_external / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def expected_blocks(self) -> int | None:
+        if not self.block_size or not self.prompt_tokens_each:
+            return None
+        return sum(math.ceil(p / self.block_size) for p in self.prompt_tokens_each)
+
+    @property
+    def expected_bytes(self) -> int | None:
+        if self.expected_blocks is None or not self.kv_bytes_per_token:
+            return None
+        return self.expected_blocks * self.block_size * self.kv_bytes_per_token
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "external_fraction": round(self.external_fraction, 4),
+                "expected_blocks": self.expected_blocks, "expected_bytes": self.expected_bytes}
+
+
+def cache_config(samples: dict) -> dict:
+    """The labels of vLLM's `vllm:cache_config_info` gauge (block_size, cache_dtype, ...)."""
+    for name, labels in samples:
+        if name == "vllm:cache_config_info":
+            return dict(labels)
+    return {}
+
+
+def vllm_transfer_problems(p: TransferProof) -> list[str]:
+    """What the numbers of a vLLM PD proof show that an exact transfer would not. Pure
+    (tests/test_proof_exact.py holds it against the recorded H200 figures)."""
+    problems = []
+    if p.prompt_tokens <= 0 or p.requests <= 0:
+        return [(f"no prompt tokens sent ({p.requests} requests, {p.prompt_tokens} tokens): "
+                 "nothing was proved")]
+    if p.prompt_tokens_each and sum(p.prompt_tokens_each) != p.prompt_tokens:
+        problems.append(f"the requests' prompt tokens {p.prompt_tokens_each} do not add up to "
+                        f"{p.prompt_tokens}")
+    if p.decode_external != p.prompt_tokens:
+        problems.append(f"decode received KV for {p.decode_external:.0f} of {p.prompt_tokens} "
+                        "prompt tokens")
+    if p.decode_local_compute:
+        problems.append(f"decode recomputed {p.decode_local_compute:.0f} prompt tokens")
+    if p.prefill_local_compute != p.prompt_tokens:
+        problems.append(f"prefill computed {p.prefill_local_compute:.0f} of {p.prompt_tokens} "
+                        "prompt tokens")
+    if p.failed_transfers:
+        problems.append(f"{p.failed_transfers:.0f} failed KV transfers")
+    if not p.nixl:
+        return problems
+    if p.tp == 1 and p.nixl_transfers != p.requests:
+        problems.append(f"{p.nixl_transfers:.0f} NIXL transfers for {p.requests} requests")
+    if not p.block_size or not p.kv_bytes_per_token or not p.prompt_tokens_each:
+        problems.append("the bytes cannot be checked: block size "
+                        f"{p.block_size}, KV bytes per token {p.kv_bytes_per_token}, "
+                        f"per-request prompt tokens {p.prompt_tokens_each or 'unknown'}")
+    elif p.nixl_bytes != p.expected_bytes:
+        got = p.nixl_bytes / (p.block_size * p.kv_bytes_per_token)
+        problems.append(f"NIXL moved {p.nixl_bytes:.0f} B ({got:g} blocks), expected "
+                        f"{p.expected_bytes} B = {p.expected_blocks} blocks (every block "
+                        f"holding a prompt token) x {p.block_size} tokens x "
+                        f"{p.kv_bytes_per_token} B per token")
+    return problems
+
+
+def pd_transfer(cluster, n: int = 4, via: str | None = None) -> TransferProof:
+    """The vLLM PD proof over `n` fresh prompts through the gateway. `via`: send them
+    straight to this URL instead (the proof's negative control: asked of the decode worker
+    itself, nothing is transferred, and the proof must fail)."""
+    decode, prefill = cluster.role("decode"), cluster.role("prefill")
+    if not decode or not prefill:
+        raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
+    b_d, b_p = scrape_all(decode), scrape_all(prefill)
+    each = [u["prompt_tokens"] for u in post_all(
+        cluster, "PD proof", "/v1/completions",
+        ({"model": cluster.model_name, "prompt": long_unique_prompt(seed=i), "max_tokens": 8,
+          "temperature": 0} for i in range(n)), url=via)]
+    a_d, a_p = scrape_all(decode), scrape_all(prefill)
+    nixl = all(w.command.kv_connector == "NixlConnector" for w in decode + prefill)
+    cache = cache_config(a_d[0]) if a_d else {}
+    block = int(cache["block_size"]) if str(cache.get("block_size", "")).isdigit() else None
+    per_token, layout = None, {}
+    config_file = Path(str(getattr(cluster, "model_path", ""))) / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        per_token, layout = kv_bytes_per_token(
+            config, kv_dtype(cache.get("cache_dtype"), decode[0].command.argv, config))
+    proof = TransferProof(
+        requests=n, prompt_tokens=sum(each),
+        decode_external=sum_delta(b_d, a_d, SRC, source="external_kv_transfer"),
+        decode_local_compute=sum_delta(b_d, a_d, SRC, source="local_compute"),
+        decode_local_cache_hit=sum_delta(b_d, a_d, SRC, source="local_cache_hit"),
+        prefill_local_compute=sum_delta(b_p, a_p, SRC, source="local_compute"),
+        nixl_bytes=sum_delta(b_d, a_d, "vllm:nixl_bytes_transferred_sum"),
+        nixl_transfers=sum_delta(b_d, a_d, "vllm:nixl_bytes_transferred_count"),
+        failed_transfers=sum_delta(b_d, a_d, "vllm:nixl_num_failed_transfers_total"),
+        prompt_tokens_each=each, nixl=nixl, block_size=block, kv_bytes_per_token=per_token,
+        kv_layout=layout, tp=decode[0].entry.tp,
+    )
+    return verdict("PD transfer proof", cluster, vllm_transfer_problems(proof), proof)
+
+
+
+def proof_line(key: str, p: dict) -> str | None:
+    """A recorded PD proof of vLLM (transfer counters on the decode side) in one line."""
+    if key != "pd_proof" or "decode_external" not in p:
+        return None
+    return (f"KV proof: decode got {p['decode_external']:.0f}/{p['prompt_tokens']} "
+            f"prompt tokens by transfer, recomputed {p['decode_local_compute']:.0f}, "
+            f"{p['nixl_bytes'] / 2**20:.1f} MiB over NIXL")
+
+
+def running_window(worker_url: str, timeout: float = 5.0) -> dict:
+    """The worker's resolved running window from its /server_info (dev mode): max_num_seqs
+    and max_num_batched_tokens; {"error": why} when it cannot be read."""
+    try:
+        r = httpx.get(f"{worker_url}/server_info", params={"config_format": "json"},
+                      timeout=timeout)
+        if r.status_code == 200:
+            cfg = r.json().get("vllm_config", {})
+            if isinstance(cfg, str):
+                cfg = json.loads(cfg)
+            sched = cfg.get("scheduler_config", {})
+            return {"max_num_seqs": sched.get("max_num_seqs"),
+                    "max_num_batched_tokens": sched.get("max_num_batched_tokens"),
+                    "source": "/server_info"}
+        return {"error": f"/server_info HTTP {r.status_code}"}
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        return {"error": f"/server_info {type(e).__name__}: {e}"[:200]}
+
+
 # Tokens processed: prompt + generated (the watchdog's progress signal).
 WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
@@ -223,8 +402,13 @@ class VllmEngine(Engine):
         return build(spec, topology, entry, ports, model_path, options)
 
     def pd_proof(self, cluster):
-        from ..proof import pd_transfer
         return pd_transfer(cluster)
+
+    def proof_line(self, key, proof):
+        return proof_line(key, proof)
+
+    def running_window(self, worker_url, timeout=5.0):
+        return running_window(worker_url, timeout)
 
     def compile_cache_status(self, log_text, options):
         return compile_cache_status(log_text, options)

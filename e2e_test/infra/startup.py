@@ -1,0 +1,192 @@
+"""What every entry point runs first, above the settings table, the model registry and the
+engines: every variable parsed (settings.py) and checked across (the selection of engines x
+topologies x model against the registries, an opt-in model against its flag, the weights'
+config.json), the options that stand for variables, and device ids against this machine
+(devices.py: NVML, the affinity mask). Raises SettingError with one line per problem.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import devices as dev
+from . import settings
+from .engines import afd, kind_engines
+from .errors import ConfigError, SettingError
+from .model_specs import get_spec
+from .models import check_config_json
+from .topology import parse as parse_topology
+
+
+def _check_cpu_cores(values: dict, environ) -> None:
+    cores = values.get("E2E_CPU_CORES")
+    if cores:
+        dev.check_cpu_ids(cores, "E2E_CPU_CORES", settings.raw("E2E_CPU_CORES", environ))
+
+
+def _check_opt_in_model(values: dict, environ) -> None:
+    spec = get_spec(values["E2E_MODEL"])
+    if spec.opt_in and not values["AFD_E2E_LARGE_MODEL"]:
+        raise SettingError(f"E2E_MODEL={settings.raw('E2E_MODEL', environ)!r}: an opt-in model; "
+                           "accepts it only with AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
+
+
+def selection_problem(model: str, engines, topologies, source: str, text: str) -> str | None:
+    """One line when a topology of the selection runs on no selected engine with this model
+    (the registry's engines and topology kinds, and which engines build each kind): pytest
+    would collect tests that can only fail. None when every topology has a runnable pair."""
+    spec = get_spec(model)
+    kinds = kind_engines()
+    for t in topologies:
+        topo = parse_topology(t)
+        runs = [e for e in engines if e in kinds.get(topo.kind, ()) and
+                spec.supports(e, topo.kind)]
+        if not runs:
+            return (f"{source}={text!r}: topology {topo.name!r} ({topo.kind}) runs on none of "
+                    f"engine(s) {','.join(engines)} with model {spec.id!r} (its registry entry "
+                    f"allows {','.join(spec.topologies)} on {','.join(spec.engines)}); accepts "
+                    "topologies the model and an engine both run")
+    return None
+
+
+def _check_selection(values: dict, environ) -> None:
+    """E2E_TOPOLOGIES, when given, against E2E_MODEL and E2E_ENGINES (the defaults are the
+    harness's, and a command that takes its own topology, `plan 1`, does not read them)."""
+    text = settings.raw("E2E_TOPOLOGIES", environ)
+    if text is None:
+        return
+    why = selection_problem(values["E2E_MODEL"], values["E2E_ENGINES"],
+                            values["E2E_TOPOLOGIES"], "E2E_TOPOLOGIES", text)
+    if why:
+        raise SettingError(why)
+
+
+def _check_model_path(values: dict, environ) -> None:
+    """E2E_MODEL_PATH's config.json parsed now (what `plan` and a Cluster do before launch),
+    so `settings` and pytest's start-up do not pass a folder a worker would fail on."""
+    path = values.get("E2E_MODEL_PATH")
+    if path is None:
+        return
+    try:
+        check_config_json(get_spec(values["E2E_MODEL"]), path,
+                          f"E2E_MODEL_PATH={settings.raw('E2E_MODEL_PATH', environ)}")
+    except ConfigError as e:
+        raise SettingError(f"E2E_MODEL_PATH={settings.raw('E2E_MODEL_PATH', environ)!r}: "
+                           f"{e.summary}") from None
+
+
+_CROSS_CHECKS = [_check_cpu_cores, _check_opt_in_model, _check_selection, _check_model_path]
+
+
+def check(environ=None) -> dict[str, Any]:
+    """Every variable parsed, then checked across (cores against the affinity mask, an opt-in
+    model against its flag, the selection against the registry, the weights' config.json);
+    all errors at once, one line each. Returns the values."""
+    out, errors = _collect(environ)
+    if errors:
+        raise SettingError("\n".join(errors))
+    return out
+
+
+def _collect(environ=None) -> tuple[dict[str, Any], list[str]]:
+    out, errors = settings.collect(environ)
+    if not errors:
+        for fn in _CROSS_CHECKS:
+            try:
+                fn(out, environ)
+            except SettingError as e:
+                errors.append(e.summary)
+    return out, errors
+
+
+def check_devices(text: str | None, backend: str, source: str = "--devices",
+                  cpu_present=dev.affinity, gpu_present=None) -> tuple[int, ...] | None:
+    """Parse a device list and check it against the machine: GPU ids against NVML (cuda),
+    CPU cores against the affinity mask (cpu)."""
+    devs = settings.value("E2E_DEVICES", text, source)
+    if devs:
+        if backend == "cuda":
+            dev.check_gpu_ids(devs, source, text, present=gpu_present)
+        else:
+            dev.check_cpu_ids(devs, source, text, present=cpu_present)
+    return devs
+
+
+def resolve_backend(text: str | None, source: str = "--backend") -> str:
+    """`--backend`/E2E_BACKEND checked (cpu | cuda; `gpu` is refused, never read as cpu);
+    unset: cuda when NVML sees a GPU."""
+    b = settings.value("E2E_BACKEND", text, source) if text else settings.get("E2E_BACKEND")
+    if b:
+        return b
+    return "cuda" if dev.nvml_inventory() else "cpu"
+
+
+def startup(environ=None, *, backend: str | None = None, devices: str | None = None,
+            model: str | None = None, engines: str | None = None,
+            topologies: str | None = None) -> dict[str, Any]:
+    """What every entry point runs first: all variables (check()), then the options that stand
+    for them (they override the variables), device ids against this machine and an opt-in
+    model against its flag, and with AFD_E2E_LARGE_MODEL=1 the opt-in profile's prerequisites
+    (engines/afd.check_profile). Raises SettingError with one line per problem."""
+    values, errors = _collect(environ)
+    if errors:
+        if values.get("AFD_E2E_LARGE_MODEL"):
+            errors += _profile_problems(environ, skip=errors)
+        raise SettingError("\n".join(errors))
+
+    def opt(name, text, source):
+        if text is None:
+            return values[name]
+        try:
+            return settings.value(name, text, source)
+        except SettingError as e:
+            errors.append(e.summary)
+
+    b = None
+    try:
+        b = resolve_backend(backend) if backend else (values["E2E_BACKEND"] or resolve_backend(None))
+    except SettingError as e:
+        errors.append(e.summary)
+    values["backend"] = b
+    values["model"] = opt("E2E_MODEL", model, "--model")
+    sel_engines = opt("E2E_ENGINES", engines, "--engine")
+    sel_topologies = opt("E2E_TOPOLOGIES", topologies, "--topology")
+    if (topologies or engines or model) and not errors and values["model"]:
+        # the options over the variables: the selection pytest would collect
+        t_text, t_source = ((topologies, "--topology") if topologies else
+                            (settings.raw("E2E_TOPOLOGIES", environ), "E2E_TOPOLOGIES"))
+        if t_text is not None:
+            why = selection_problem(values["model"], sel_engines, sel_topologies, t_source,
+                                    t_text)
+            if why:
+                errors.append(why)
+    text, source = (devices, "--devices") if devices else (settings.raw("E2E_DEVICES", environ), "E2E_DEVICES")
+    if text and b:
+        try:
+            check_devices(text, b, source)
+        except SettingError as e:
+            errors.append(e.summary)
+    afd_devices = values["AFD_E2E_DEVICES"]
+    if afd_devices:
+        try:
+            dev.check_gpu_ids(afd_devices, "AFD_E2E_DEVICES", settings.raw("AFD_E2E_DEVICES", environ))
+        except SettingError as e:
+            errors.append(e.summary)
+    if model and values["model"] and not errors:
+        if get_spec(values["model"]).opt_in and not values["AFD_E2E_LARGE_MODEL"]:
+            errors.append(f"--model={model!r}: an opt-in model; accepts it only with "
+                          "AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
+    if values["AFD_E2E_LARGE_MODEL"]:
+        errors += _profile_problems(environ, skip=errors)
+    if errors:
+        raise SettingError("\n".join(errors))
+    return values
+
+
+def _profile_problems(environ, skip=()) -> list[str]:
+    """The opt-in AFD large-model profile's missing prerequisites, one line each; a variable
+    already named in `skip` is not named twice."""
+    named = {e.split("=", 1)[0] for e in skip}
+    problems = afd.check_profile(afd.profile_from_env(environ), need_devices=8, large_model=True)
+    return [f"opt-in AFD large-model profile (AFD_E2E_LARGE_MODEL=1): {p}" for p in problems
+            if p.split("=", 1)[0].split(" ", 1)[0] not in named]

@@ -1,0 +1,72 @@
+"""A third engine defined only here (one class, engines.register(), nothing edited elsewhere):
+the registry, the planner, its argv, the settings table and the lane validation all take it."""
+
+import sys
+
+import pytest
+
+from e2e_test import lanes
+from e2e_test.infra import engines, model_specs, plan, settings
+from e2e_test.infra.engines import Engine, Ports, WorkerCommand
+from e2e_test.infra.model_specs import parse_spec
+from e2e_test.infra.readiness import HttpGet
+from e2e_test.infra.topology import parse
+
+
+class ToyEngine(Engine):
+    name = "toy"
+    kinds = ("regular", "dp")
+    backends = ("cpu",)
+
+    def build(self, spec, topology, entry, ports, model_path, options):
+        return WorkerCommand(argv=[sys.executable, "-m", "toy.serve", "--port", str(ports.api),
+                                   "--model", model_path, "--cores",
+                                   engines.core_list(entry.cores)],
+                             env={}, readiness=HttpGet(ports.api, "/health"))
+
+
+@pytest.fixture
+def toy():
+    e = engines.register(ToyEngine())
+    yield e
+    engines.unregister("toy")
+
+
+def test_toy_engine_plans_and_builds(toy, tmp_path):
+    spec = parse_spec("toy-model", {"weights": {"source": "path", "path": str(tmp_path)},
+                                    "engines": ["toy"], "topologies": ["regular", "dp"]})
+    topo = parse("dp2")
+    assert engines.for_topology("toy", topo) is toy
+    p = plan.make_plan(topo, spec, "cpu", cores=(0, 1, 2, 3))
+    cmds = [toy.build(spec, topo, e, Ports(8000 + i), str(tmp_path), engines.EngineOptions())
+            for i, e in enumerate(p.entries)]
+    assert [c.argv[3:6] for c in cmds] == [["--port", "8000", "--model"],
+                                           ["--port", "8001", "--model"]]
+    assert [c.argv[-1] for c in cmds] == ["0-1", "2-3"]
+
+
+def test_toy_engine_in_settings(toy):
+    assert "toy" in engines.engine_names()
+    assert settings.get("E2E_ENGINES", {"E2E_ENGINES": "toy"}) == ("toy",)
+    assert "toy" in settings.shown(settings.SETTINGS["E2E_ENGINES"].default)
+    assert "toy" in settings.table()          # the `settings` output and the README table
+
+
+def test_toy_engine_in_lane_validation(toy, monkeypatch, tmp_path):
+    """A lane may name it once a venv holds it (lanes.VENVS: path, pyproject extra, engines)
+    and the lane's model lists it in its registry entry (model_specs.yaml `engines`)."""
+    raw = {"description": "toy", "runner": {"gpus": 0, "runs_on": ["ubuntu-latest"]},
+           "engines": ["toy"], "topologies": ["1"], "pytest": {"paths": ["tests"],
+                                                                "markers": "not e2e"},
+           "timeout_minutes": 5, "min_tests": 1, "trigger": ["push"],
+           "venvs": {"toy": ".venv"}, "passed_once": True, "opt_in": False}
+    with pytest.raises(lanes.ConfigError, match=r"\.venv holds vllm, not toy"):
+        lanes.parse_lane("e2e-toy", raw)
+    monkeypatch.setitem(lanes.VENVS, ".venv-toy", lanes.Venv(".venv-toy", "cpu", ("toy",)))
+    with pytest.raises(lanes.ConfigError, match="cannot run toy on '1'"):
+        lanes.parse_lane("e2e-toy", {**raw, "venvs": {"toy": ".venv-toy"}})
+    spec = parse_spec("toy-model", {"weights": {"source": "path", "path": str(tmp_path)},
+                                    "engines": ["toy"], "topologies": ["regular"]})
+    monkeypatch.setattr(model_specs, "get_spec", lambda name, registry=None: spec)
+    lane = lanes.parse_lane("e2e-toy", {**raw, "venvs": {"toy": ".venv-toy"}})
+    assert lane.engines == ("toy",) and lane.venvs == {"toy": ".venv-toy"}
