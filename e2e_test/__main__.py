@@ -54,7 +54,6 @@ def _common(p: argparse.ArgumentParser, topology: str | None = "1") -> None:
 def cmd_models(a) -> int:
     from .infra import model_specs, models
     if a.action == "tiny-moe":
-        from .infra.errors import ConfigError
         from .tools import tiny_models
         if not a.out:
             raise ConfigError("models tiny-moe needs --out DIR")
@@ -222,7 +221,6 @@ def cmd_report(a) -> int:
     from pathlib import Path
 
     from .infra import report
-    from .infra.errors import ConfigError
     dirs = [Path(d) for d in a.dirs]
     if a.html and a.trend:
         raise ConfigError("report: give --html (one run) or --trend (several), not both")
