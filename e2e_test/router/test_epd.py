@@ -1,9 +1,12 @@
 """EPD topologies (TokenSpeed behind smg's EPD mode): the encoder ran for every image request
 and its output reached prefill; text-only chat still answers."""
 
+import re
+
 import pytest
 
 from e2e_test.infra import comparisons, oracle, proof
+from e2e_test.infra.errors import HarnessError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("epd")]
 
@@ -14,6 +17,26 @@ def test_epd_encoder_proof(cluster, record):
     p = cluster.driver.epd_proof(cluster)          # engines/tokenspeed.epd_encoder_ran
     record["epd_proof"] = p.to_dict()
     print(f"EPD proof: {p.to_dict()}")
+
+
+@pytest.mark.epd
+@pytest.mark.engines("tokenspeed")
+@pytest.mark.topology_kinds("regular")
+def test_epd_proof_fails_where_nothing_moved(cluster, record):
+    """The engine's EPD proof read on the regular `1` (its one worker read as encode, prefill
+    and decode): the image requests are answered, but no encoder output moves between
+    workers, so the proof must fail for the reason the engine names (Engine.proof_misses)."""
+    if "multimodal" not in cluster.spec.features:
+        pytest.skip(f"{cluster.model_name} is not multimodal")
+    reason = cluster.driver.proof_misses.get("epd")
+    assert reason, f"engine {cluster.engine} declares no proof_misses['epd']"
+    roles = {r: cluster.workers for r in ("encode", "prefill", "decode")}
+    with pytest.raises(HarnessError) as ei:
+        cluster.driver.epd_proof(cluster, roles=roles)
+    msg = str(ei.value).splitlines()[0]
+    record["epd_proof_negative_control"] = msg
+    print(f"EPD proof read on {cluster.topology.name}: {msg}")
+    assert re.search(reason, msg), f"the proof failed, but not for moving nothing: {msg}"
 
 
 def test_epd_image_chat_streams(cluster, record):

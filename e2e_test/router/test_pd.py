@@ -6,6 +6,8 @@ the transferred KV), within the numerics budget of the control arm that test_ora
 on `1` in the same session. No tolerance is set by hand.
 """
 
+import re
+
 import pytest
 
 from e2e_test.infra import comparisons, oracle
@@ -35,6 +37,24 @@ def test_pd_kv_transfer_proof_negative_control(cluster, record):
     record["pd_proof_negative_control"] = msg
     print(f"PD proof asked of {decode.name} alone: {msg}")
     assert "decode received KV for 0 of" in msg and "decode recomputed" in msg, msg
+
+
+@pytest.mark.pd
+@pytest.mark.topology_kinds("regular")
+def test_pd_proof_fails_where_nothing_moved(cluster, record):
+    """The engine's PD proof, exactly as test_pd_kv_transfer_proof runs it, read on the
+    regular `1` (its one worker read as prefill and as decode): the prompts are answered but no
+    KV moves, so the proof must fail, and for the reason the engine names for "nothing moved"
+    (Engine.proof_misses). Runs in every lane that runs PD (marker pd) and selects `1`."""
+    reason = cluster.driver.proof_misses.get("pd")
+    assert reason, f"engine {cluster.engine} declares no proof_misses['pd']"
+    roles = {"prefill": cluster.workers, "decode": cluster.workers}
+    with pytest.raises(HarnessError) as ei:
+        cluster.driver.pd_proof(cluster, roles=roles)
+    msg = str(ei.value).splitlines()[0]
+    record["pd_proof_negative_control"] = msg
+    print(f"PD proof read on {cluster.topology.name}: {msg}")
+    assert re.search(reason, msg), f"the proof failed, but not for moving nothing: {msg}"
 
 
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])

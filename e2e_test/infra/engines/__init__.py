@@ -193,13 +193,21 @@ class Engine:
         an engine cannot answer). Pure."""
         return ()
 
-    def pd_proof(self, cluster):
+    # What each proof's failure must say when nothing moved: {"pd" | "epd" | "ffn": regex}.
+    # The proofs' negative controls (test_pd, test_epd) read a regular worker as every role
+    # of the proof, where nothing is transferred, and the proof must fail with this reason.
+    proof_misses: dict[str, str] = {}
+
+    def pd_proof(self, cluster, roles=None):
         """The proof that a PD topology's KV moved; returns a proof object (its to_dict() is
-        the record's `pd_proof`). Raises HarnessError when the numbers do not show it."""
+        the record's `pd_proof`). Raises HarnessError when the numbers do not show it.
+        `roles` ({"prefill": [...], "decode": [...]}): the workers to read as each role
+        (default: the topology's own)."""
         raise ConfigError(f"engine {self.name!r} has no PD transfer proof")
 
-    def epd_proof(self, cluster):
-        """The proof that an EPD topology's encoder ran for the requests (`epd_proof`)."""
+    def epd_proof(self, cluster, roles=None):
+        """The proof that an EPD topology's encoder ran for the requests (`epd_proof`);
+        `roles` as for pd_proof, with "encode"."""
         raise ConfigError(f"engine {self.name!r} has no EPD encoder proof")
 
     def ffn_proof(self, cluster):

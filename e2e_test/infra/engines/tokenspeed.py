@@ -298,8 +298,12 @@ def tokenspeed_transfer_problems(proof: TokenSpeedPDProof, n: int) -> list[str]:
     return problems
 
 
-def pd_transfer_tokenspeed(cluster, n: int = 4) -> TokenSpeedPDProof:
-    decode, prefill = cluster.role("decode"), cluster.role("prefill")
+def pd_transfer_tokenspeed(cluster, n: int = 4, roles: dict | None = None) -> TokenSpeedPDProof:
+    """`roles`: the workers read as {"prefill": [...], "decode": [...]} (default: the
+    topology's own; the negative control reads a regular worker as both)."""
+    roles = roles or {}
+    decode = roles.get("decode") or cluster.role("decode")
+    prefill = roles.get("prefill") or cluster.role("prefill")
     if not decode or not prefill:
         raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
     b_d, b_p, b_g = scrape_all(decode), scrape_all(prefill), cluster.gateway_metrics()
@@ -362,8 +366,12 @@ class EncoderProof:
         return asdict(self)
 
 
-def epd_encoder_ran(cluster, n: int = 3) -> EncoderProof:
-    enc, prefill, decode = cluster.role("encode"), cluster.role("prefill"), cluster.role("decode")
+def epd_encoder_ran(cluster, n: int = 3, roles: dict | None = None) -> EncoderProof:
+    """`roles`: the workers read as {"encode": [...], "prefill": [...], "decode": [...]}
+    (default: the topology's own; the negative control reads a regular worker as all three)."""
+    roles = roles or {}
+    enc, prefill, decode = (roles.get(r) or cluster.role(r) for r in ("encode", "prefill",
+                                                                       "decode"))
     if not enc or not prefill or not decode:
         raise HarnessError(f"topology {cluster.topology.name} has no encode/prefill/decode roles")
 
@@ -478,6 +486,9 @@ class TokenSpeedEngine(Engine):
     backends = ("cuda",)
     work_counters = WORK_COUNTERS
     lane_env = HOPPER_ENV
+    # nothing moved: the gateway dispatched nothing to a prefill/decode (or encode) worker
+    proof_misses = {"pd": r"the gateway picked prefill 0 and decode 0 times",
+                    "epd": r"the gateway sent 0 of \d+ image items to an encode worker"}
 
     def aux_ports(self, topology, entry, options):
         return aux_ports(topology, entry, options)
@@ -491,11 +502,11 @@ class TokenSpeedEngine(Engine):
     def gateway_args(self, topology) -> tuple[str, ...]:
         return EPD_GATEWAY_ARGS if topology.kind == "epd" else ()
 
-    def pd_proof(self, cluster):
-        return pd_transfer_tokenspeed(cluster)
+    def pd_proof(self, cluster, roles=None):
+        return pd_transfer_tokenspeed(cluster, roles=roles)
 
-    def epd_proof(self, cluster):
-        return epd_encoder_ran(cluster)
+    def epd_proof(self, cluster, roles=None):
+        return epd_encoder_ran(cluster, roles=roles)
 
     def proof_line(self, key, proof):
         return proof_line(key, proof)

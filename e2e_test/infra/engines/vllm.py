@@ -312,11 +312,16 @@ def vllm_transfer_problems(p: TransferProof) -> list[str]:
     return problems
 
 
-def pd_transfer(cluster, n: int = 4, via: str | None = None) -> TransferProof:
+def pd_transfer(cluster, n: int = 4, via: str | None = None,
+                roles: dict | None = None) -> TransferProof:
     """The vLLM PD proof over `n` fresh prompts through the gateway. `via`: send them
     straight to this URL instead (the proof's negative control: asked of the decode worker
-    itself, nothing is transferred, and the proof must fail)."""
-    decode, prefill = cluster.role("decode"), cluster.role("prefill")
+    itself, nothing is transferred, and the proof must fail). `roles`: the workers read as
+    {"prefill": [...], "decode": [...]} (default: the topology's own; the other negative
+    control reads a regular worker as both, where nothing moves)."""
+    roles = roles or {}
+    decode = roles.get("decode") or cluster.role("decode")
+    prefill = roles.get("prefill") or cluster.role("prefill")
     if not decode or not prefill:
         raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
     b_d, b_p = scrape_all(decode), scrape_all(prefill)
@@ -388,6 +393,8 @@ class VllmEngine(Engine):
     kinds = ("regular", "dp", "pd")
     multinode = True        # binds entry.host: workers may go on other nodes
     work_counters = WORK_COUNTERS
+    # nothing moved: the decode side counted no prompt token as transferred
+    proof_misses = {"pd": r"decode received KV for 0 of \d+"}
 
     def aux_ports(self, topology, entry, options):
         return aux_ports(topology, entry, options)
@@ -401,8 +408,8 @@ class VllmEngine(Engine):
     def build(self, spec, topology, entry, ports, model_path, options):
         return build(spec, topology, entry, ports, model_path, options)
 
-    def pd_proof(self, cluster):
-        return pd_transfer(cluster)
+    def pd_proof(self, cluster, roles=None):
+        return pd_transfer(cluster, roles=roles)
 
     def proof_line(self, key, proof):
         return proof_line(key, proof)
