@@ -96,6 +96,25 @@ def test_kv_views_gpu_layouts():
         kc.kv_views(torch.zeros(7, 3), 5)
 
 
+def test_kv_views_gpu_packed_layout_matches_flash_attn():
+    """vLLM 0.26 on a GPU registers [blocks, heads, block_size, 2 * head_size] (the H200:
+    (76247, 3, 16, 128) for SmolLM2), K and V packed in the last dim: flash_attn.py reads
+    `kv_cache.transpose(1, 2).split(head_size, dim=-1)`. The same shape on the CPU backend
+    means K rows then V rows: the device decides."""
+    t = cpu_cache()
+    k, v = kc.kv_views(t, 3, "cuda")
+    ref_k, ref_v = t.transpose(1, 2).split(3, dim=-1)      # what flash_attn.py does
+    assert torch.equal(k.transpose(1, 2), ref_k) and torch.equal(v.transpose(1, 2), ref_v)
+    k[1] = -1
+    assert (t[1, ..., :3] == -1).all() and (t[1, ..., 3:] >= 0).all() and (t[0] >= 0).all()
+    c = kc.Corruptor({"layers.0": t}, 3, device_type="cuda")
+    before = t.clone()
+    c.swap_kv([2], 0)
+    assert torch.equal(t[2, ..., :3], before[2, ..., 3:]) and torch.equal(t[2, ..., 3:],
+                                                                         before[2, ..., :3])
+    assert torch.equal(t[0], before[0])
+
+
 def test_corruptor_operations():
     base = cpu_cache(dtype=torch.bfloat16)
     caches = {f"layers.{i}": base.clone() for i in range(2)}

@@ -219,22 +219,31 @@ def counts_delta(before: dict, after: dict) -> dict:
 
 # -- views of a layer's KV cache ----------------------------------------------------------------
 
-def kv_views(t, num_blocks: int):
+def kv_views(t, num_blocks: int, device_type: str | None = None):
     """(K, V) views of one layer's cache, each indexed by block on dim 0, for the layouts vLLM
-    registers: (2, blocks, ...) (FlashAttention and most GPU backends; a stride permutation
-    leaves the logical shape), (blocks, 2, ...) (FlashInfer), and the CPU backend's
-    [blocks, heads, block_size, 2 * head_size], whose memory per block and head is
-    block_size K rows then block_size V rows (cpu_attn.py views it as
-    [blocks, heads, 2 * block_size, head_size] and chunks dim 2)."""
+    registers:
+    - (2, blocks, ...): FlashAttention and most GPU backends of older releases (a stride
+      permutation leaves the logical shape);
+    - [blocks, heads, block_size, 2 * head_size] on a GPU (vLLM 0.26's FlashAttention,
+      FlashInfer, Triton and FlexAttention): K and V packed in the last dim, K the first
+      head_size channels (flash_attn.py: `kv_cache.transpose(1, 2).split(head_size, -1)`);
+      seen on the H200 as (76247, 3, 16, 128) for SmolLM2;
+    - the same shape on the CPU backend, whose memory per block and head is block_size K
+      rows then block_size V rows (cpu_attn.py views it as [blocks, heads, 2 * block_size,
+      head_size] and chunks dim 2);
+    - (blocks, 2, ...) with 5 dims: FlashInfer of older releases.
+    `device_type`: the cache's device type (default: the tensor's; tests pass "cuda")."""
     s = tuple(t.shape)
+    dev = device_type or t.device.type
     if len(s) >= 3 and s[0] == 2 and s[1] == num_blocks:
         return t[0], t[1]
-    if t.device.type == "cpu" and len(s) == 4 and s[0] == num_blocks and s[3] % 2 == 0:
-        # (checked before FlashInfer's: a CPU cache with 2 KV heads has s[1] == 2 too)
+    if len(s) == 4 and s[0] == num_blocks and s[3] % 2 == 0:
         nb, h, bs, c = s
-        v = t.view(nb, h, 2 * bs, c // 2).view(nb, h, 2, bs, c // 2)
-        return v[:, :, 0], v[:, :, 1]
-    if len(s) >= 3 and s[0] == num_blocks and s[1] == 2:
+        if dev == "cpu":
+            v = t.view(nb, h, 2 * bs, c // 2).view(nb, h, 2, bs, c // 2)
+            return v[:, :, 0], v[:, :, 1]
+        return t[..., : c // 2], t[..., c // 2:]
+    if len(s) >= 5 and s[0] == num_blocks and s[1] == 2:
         return t[:, 0], t[:, 1]
     raise ValueError(f"unknown KV cache layout {s} (num_blocks {num_blocks})")
 
@@ -260,38 +269,42 @@ def flip_bits(x, rng: random.Random) -> None:
 class Corruptor:
     """Applies a Kind to a worker's registered caches (layer name -> tensor)."""
 
-    def __init__(self, caches: dict, num_blocks: int, seed: int = 0):
+    def __init__(self, caches: dict, num_blocks: int, seed: int = 0,
+                 device_type: str | None = None):
         self.caches = caches
         self.num_blocks = num_blocks
         self.rng = random.Random(seed)
+        self.device_type = device_type      # None: each tensor's own (tests pass "cuda")
+
+    def _idx(self, blocks):
+        """Block ids as an index tensor on the caches' device."""
+        import torch
+        dev = next(iter(self.caches.values())).device
+        return torch.tensor(blocks, dtype=torch.long, device=dev)
 
     def views(self, name):
-        return kv_views(self.caches[name], self.num_blocks)
+        return kv_views(self.caches[name], self.num_blocks, self.device_type)
 
     def halves(self):
         for name in layer_order(self.caches):
             yield from self.views(name)
 
     def snapshot(self, blocks: list[int]) -> list:
-        import torch
-        idx = torch.tensor(blocks, dtype=torch.long)
+        idx = self._idx(blocks)
         return [h[idx].clone() for h in self.halves()]
 
     def restore(self, blocks: list[int], snap: list) -> None:
-        import torch
-        idx = torch.tensor(blocks, dtype=torch.long)
+        idx = self._idx(blocks)
         for h, s in zip(self.halves(), snap):
             h[idx] = s
 
     def zero(self, blocks: list[int], layer: int) -> None:
-        import torch
-        idx = torch.tensor(blocks, dtype=torch.long)
+        idx = self._idx(blocks)
         for h in self.views(pick_layer(self.caches, layer)):
             h[idx] = 0
 
     def swap_kv(self, blocks: list[int], layer: int) -> None:
-        import torch
-        idx = torch.tensor(blocks, dtype=torch.long)
+        idx = self._idx(blocks)
         k, v = self.views(pick_layer(self.caches, layer))
         tmp = k[idx].clone()
         k[idx] = v[idx]
@@ -303,12 +316,11 @@ class Corruptor:
                 flip_bits(h[b], self.rng)
 
     def exchange(self, a: list[int], b: list[int]) -> int:
-        import torch
         n = min(len(a), len(b))
         if n == 0:
             return 0
-        ia = torch.tensor(a[:n], dtype=torch.long)
-        ib = torch.tensor(b[:n], dtype=torch.long)
+        ia = self._idx(a[:n])
+        ib = self._idx(b[:n])
         for h in self.halves():
             tmp = h[ia].clone()
             h[ia] = h[ib]
@@ -496,8 +508,7 @@ def _make_class():
                     how = "restored its pre-transfer content"
                 else:
                     for h in c.halves():
-                        import torch
-                        h[torch.tensor(chosen, dtype=torch.long)] = 0
+                        h[c._idx(chosen)] = 0
                     how = "zeroed (no pre-transfer snapshot)"
                 detail = f"block {chosen[0]} of {len(blocks)} {how}"
             elif kind.name == "zero_layer":
