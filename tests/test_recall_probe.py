@@ -45,3 +45,34 @@ def test_baseline_without_copied_codes_is_an_error_not_a_pass():
 def test_reproduced():
     assert recall.reproduced(1, f" {recall.code(1)}.")
     assert not recall.reproduced(1, " 0-0-0")
+
+
+def test_only_codes_that_1_copies_in_every_pass_are_required():
+    """The H200 case (vLLM 0.26, 2026-12-02): `1` copied item 1's code in its baseline, its
+    control pass began at the near-tie ' a' and lost it, and so did 1p1d. Required of 1p1d
+    are the codes copied in the baseline and in every control pass; item 1 is named as
+    unstable, not required. A code lost by 1p1d that `1` copied every time still fails."""
+    c = {i: f" {recall.code(i)}. The pass code" for i in range(8)}
+    baseline = {i: c[i] for i in (0, 1, 2, 4, 6)} | {3: " a", 5: " a", 7: " a"}
+    control = [baseline | {1: " a sequence of 0s and 1s that is used to create a"},
+               dict(baseline)]
+    stable, unstable = recall.stable_codes(baseline, control)
+    assert stable == [0, 2, 4, 6] and unstable == [1]
+    pd_copied = [0, 2, 4, 6]
+    assert recall.recall_problems(stable, pd_copied, 8, "1p1d") == []
+    # a stable code lost is still a failure (the tail code 4 of a stale last block, say)
+    assert recall.recall_problems(stable, [0, 2, 6], 8, "1p1d")
+    # a control pass that did not answer an item leaves that item unproven: not required
+    stable, unstable = recall.stable_codes(baseline, [{k: v for k, v in baseline.items()
+                                                        if k != 2}])
+    assert 2 not in stable and 2 in unstable
+    # no control pass at all: the baseline alone decides (nothing to measure it against)
+    assert recall.stable_codes(baseline, []) == ([0, 1, 2, 4, 6], [])
+
+
+def test_codes_copied_only_sometimes_leave_nothing_required_is_an_error():
+    baseline = {1: f" {recall.code(1)}."}
+    stable, unstable = recall.stable_codes(baseline, [{1: " a"}])
+    assert stable == [] and unstable == [1]
+    with pytest.raises(NoEvidenceError):
+        recall.recall_problems(stable, [], 8, "1p1d")

@@ -105,22 +105,31 @@ def eval_pass(base_url: str, model: str, name: str, n: int, *, concurrency: int 
 def control_arm(base_url: str, model: str, name: str, baseline: dict, label: str, n: int,
                 *, concurrency: int = 16, max_prompt_tokens: int | None = None,
                 watchdog: load.Watchdog | None = None,
-                logprobs: int = oracle.TOP_K, api: str = "completions") -> oracle.ControlArm:
+                logprobs: int = oracle.TOP_K, api: str = "completions",
+                texts: list | None = None) -> oracle.ControlArm:
     """The baseline (`baseline`, its scored pass) against a second pass at the same
-    concurrency and against a serial pass, on the same server, capped at the window."""
+    concurrency and against a serial pass, on the same server, capped at the window.
+    `texts`, when given, receives each pass's index -> output text (one dict per pass)."""
     reqs = requests(name, model, n, max_tokens=oracle.WINDOW,
                     max_prompt_tokens=max_prompt_tokens, logprobs=logprobs, api=api)
-    return control_arm_of(base_url, reqs, baseline, label, name, concurrency, watchdog)
+    return control_arm_of(base_url, reqs, baseline, label, name, concurrency, watchdog,
+                          texts=texts)
 
 
 def control_arm_of(base_url: str, reqs: list[load.Request], baseline: dict, label: str,
                    name: str, concurrency: int,
-                   watchdog: load.Watchdog | None = None) -> oracle.ControlArm:
+                   watchdog: load.Watchdog | None = None,
+                   texts: list | None = None) -> oracle.ControlArm:
     """`reqs` again, at `concurrency` and serially, each pass against `baseline`."""
-    return oracle.ControlArm([
-        oracle.compare(name, label, f"{label} {tag}", baseline,
-                       run_pass(base_url, reqs, conc, watchdog))
-        for tag, conc in (("second pass", concurrency), ("serial", 1))])
+    comparisons = []
+    for tag, conc in (("second pass", concurrency), ("serial", 1)):
+        got: dict = {}
+        comparisons.append(oracle.compare(name, label, f"{label} {tag}", baseline,
+                                          run_pass(base_url, reqs, conc, watchdog,
+                                                   texts=got)))
+        if texts is not None:
+            texts.append(got)
+    return oracle.ControlArm(comparisons)
 
 
 def against_one_worker(cluster, worker, sizes: dict, concurrency: int = 16) -> dict:

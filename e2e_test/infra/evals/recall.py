@@ -75,6 +75,21 @@ def recall_problems(baseline_copied: list, copied: list, n: int, topology: str) 
     return [f"pass codes that `1` copied and {topology} did not: items {lost} ({kinds})"]
 
 
+def stable_codes(baseline: dict, control_passes: list) -> tuple[list, list]:
+    """(stable, unstable): the pass codes `1` copied in its baseline pass (index -> text)
+    and also in every pass of its control arm (the same prompts again on the same server),
+    and those it copied in the baseline only. A code `1` itself does not copy every time is
+    not a KV test: on the H200 (vLLM 0.26, 2026-12-02) recall item 1 began at a near-tie
+    (' ' or ' a', 0.125 nats apart) and its control pass lost the code exactly as 1p1d did.
+    Only stable codes are required of a disaggregated topology; the oracle still compares
+    every item token by token. Pure."""
+    copied = sorted(i for i, t in baseline.items() if reproduced(i, t))
+    stable = [i for i in copied
+              if all(reproduced(i, p[i]) for p in control_passes if i in p)
+              and all(i in p for p in control_passes)]
+    return stable, sorted(set(copied) - set(stable))
+
+
 def untested_kinds(baseline_copied: list) -> list[str]:
     """The code positions `1` copied none of (their copying is not checked): seen on the
     H200 with TokenSpeed's chat-shaped passes, where SmolLM2 copied 3 tail codes and no
