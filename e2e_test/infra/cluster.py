@@ -33,15 +33,17 @@ import httpx
 
 from . import engines, metrics, ports, progress, reaper, settings, startup, teardown
 from . import gateway as gw
+from . import plan as planner
+from . import topology as topologies
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 from .errors import ConfigError, StartupError, UpstreamBug, WorkerDied
 from .launcher import Baseline, Handle, Launcher, make_launcher
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
 from .models import cache_dir, weights_path
-from .plan import Plan, PlanEntry, place
+from .plan import Plan, PlanEntry
 from .process import StopReport, classify_log
 from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step
-from .topology import Topology, parse
+from .topology import Topology
 
 PORT_RETRIES = 2
 STOP_GRACE_S = 15.0
@@ -120,10 +122,10 @@ class Cluster:
                  admission: gw.Admission | None = None, policy: str = "round_robin",
                  startup_timeout: float | None = None, results_dir: Path | str | None = None,
                  name: str | None = None, gateway_args: tuple[str, ...] = (),
-                 launcher: Launcher | None = None):
+                 launcher: Launcher | None = None, plan: Plan | None = None):
         self.spec: ModelSpec = model if isinstance(model, ModelSpec) else get_spec(model)
         self.engine = engine
-        self.topology = parse(topology)
+        self.topology = topologies.parse(topology)     # a Topology is taken as it is
         self.driver: Engine = engines.for_topology(engine, self.topology)
         self.spec.require(engine, self.topology.kind)
         self.backend = startup.resolve_backend(backend, source="backend")
@@ -137,8 +139,15 @@ class Cluster:
             startup.check_devices(devices, self.backend, "devices")
         self.model_path = weights_path(self.spec)
         self.launcher: Launcher = launcher or make_launcher()
-        self.plan: Plan = place(self.topology, self.spec, self.backend, devices, self.driver,
-                                nodes=self.launcher.nodes())
+        # `plan`: placed already by the caller (the pytest plugin's check at collection, with
+        # the same model, backend, devices, engine and this launcher's nodes): not placed again.
+        if plan is not None and (plan.topology != self.topology.name
+                                 or plan.backend != self.backend):
+            raise ConfigError(f"plan {plan.topology!r} on {plan.backend} given for topology "
+                              f"{self.topology.name!r} on {self.backend}")
+        self.plan: Plan = plan if plan is not None else planner.place(
+            self.topology, self.spec, self.backend, devices, self.driver,
+            nodes=self.launcher.nodes())
         self.admission = admission
         self.policy = policy
         self.gateway_args = tuple(gateway_args)
