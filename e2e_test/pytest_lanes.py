@@ -39,7 +39,9 @@ def _placed(model: str, topo: Topology, backend: str, devices: str | None,
     pins = [g.node for g in topo.roles if g.node is not None]
     nodes = tuple(Node(k, "127.0.0.1") for k in range(max(pins) + 1)) if pins else LOCAL_NODES
     try:
-        return planner.place(topo, get_spec(model), backend, devices, driver, nodes=nodes)
+        return planner.place(topo, get_spec(model), backend,
+                             startup.machine_devices(topo, backend, devices), driver,
+                             nodes=nodes)
     except TooFewDevices as e:
         return e.summary
 

@@ -434,7 +434,7 @@ def pytest_sessionfinish(session, exitstatus):
     bad = [f"{n}: {c.teardown_report.verdict()}" for n, c in st.clusters.items()
            if c.teardown_report is not None and not c.teardown_report.ok]
     st.teardown_violations = bad
-    if bad and os.environ.get("CI", "").lower() in settings.TRUE:
+    if bad and settings.ci():
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not st.records and not st.clusters:
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write

@@ -5,13 +5,12 @@ import pytest
 from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.model_specs import get_spec, parse_spec
 from e2e_test.infra.plan import (
-    cpu_cores,
     make_plan,
     parse_device_list,
     plan_cpu,
     plan_gpu,
-    resolve_devices,
 )
+from e2e_test.infra.startup import cpu_cores, resolve_devices
 from e2e_test.infra.topology import parse
 
 SMALL = get_spec("SmolLM2-135M-Instruct")        # gpu_memory_fraction 0.2

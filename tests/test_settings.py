@@ -338,3 +338,23 @@ def test_settings_prints_values_as_typed(tmp_path):
     assert lines["E2E_RESULTS_DIR"].startswith(str(tmp_path / "results"))
     assert lines["E2E_ENFORCE_EAGER"] == "false" and lines["E2E_GSM8K_N"] == "unset"
     assert "PosixPath" not in r.stdout and "('" not in r.stdout and "None" not in r.stdout
+
+
+@pytest.mark.parametrize("value,expected", [("true", True), ("1", True), ("YES", True),
+                                            (" True ", True), ("false", False), ("0", False),
+                                            ("", False), (None, False), ("maybe", False)])
+def test_ci_is_one_truth_set(value, expected, monkeypatch):
+    """`CI` is read once (settings.ci), by the teardown verdict and the plugin's session end."""
+    from e2e_test.infra import teardown
+    assert settings.ci({} if value is None else {"CI": value}) is expected
+    if value is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", value)
+    report = teardown.TeardownReport(survivors=["pid 1"])
+    if expected:
+        with pytest.raises(teardown.TeardownError):
+            teardown.enforce(report, "x")
+    else:
+        with pytest.warns(RuntimeWarning):
+            teardown.enforce(report, "x")

@@ -146,7 +146,8 @@ class Cluster:
             raise ConfigError(f"plan {plan.topology!r} on {plan.backend} given for topology "
                               f"{self.topology.name!r} on {self.backend}")
         self.plan: Plan = plan if plan is not None else planner.place(
-            self.topology, self.spec, self.backend, devices, self.driver,
+            self.topology, self.spec, self.backend,
+            startup.machine_devices(self.topology, self.backend, devices), self.driver,
             nodes=self.launcher.nodes())
         self.admission = admission
         self.policy = policy

@@ -299,6 +299,13 @@ def value(name: str, text: str | None, source: str) -> Any:
     return SETTINGS[name].parse(text, source=source)
 
 
+def ci(environ=None) -> bool:
+    """Whether this runs under CI: `CI` set to a true value (1, true, yes: the TRUE set of
+    Bool(), any case). A teardown violation then fails the session instead of warning."""
+    env = os.environ if environ is None else environ
+    return (env.get("CI") or "").strip().lower() in TRUE
+
+
 def results_dir(environ=None) -> Path:
     """This run's results folder. E2E_RESULTS_DIR when set; unset, a folder of its own under
     `results/` (`<E2E_LANE or run>-<date>-<time>-<pid>`), written back into the environment so

@@ -7,6 +7,7 @@ config.json), the options that stand for variables, and device ids against this 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from . import devices as dev
@@ -15,6 +16,7 @@ from .engines import afd, kind_engines
 from .errors import ConfigError, SettingError
 from .model_specs import get_spec
 from .models import check_config_json
+from .topology import Topology
 from .topology import parse as parse_topology
 
 
@@ -110,6 +112,52 @@ def check_devices(text: str | None, backend: str, source: str = "--devices",
         else:
             dev.check_cpu_ids(devs, source, text, present=cpu_present)
     return devs
+
+
+def resolve_devices(topology: Topology, explicit: str | None = None,
+                    environ: dict | None = None, inventory=None) -> tuple[int, ...]:
+    """The ordered GPU list; a list given by --devices, E2E_DEVICES or AFD_E2E_DEVICES must name
+    GPUs NVML lists (devices.check_gpu_ids: where NVML lists none, a given list is an error)."""
+    inventory = inventory or dev.nvml_inventory
+    env = os.environ if environ is None else environ
+    given = None
+    if explicit:
+        given = (explicit, "--devices")
+    elif settings.raw("E2E_DEVICES", env):
+        given = (settings.raw("E2E_DEVICES", env), "E2E_DEVICES")
+    elif topology.kind == "afd" and settings.raw("AFD_E2E_DEVICES", env):
+        given = (settings.raw("AFD_E2E_DEVICES", env), "AFD_E2E_DEVICES")
+    if given:
+        devs = settings.value("E2E_DEVICES", given[0], given[1])
+        dev.check_gpu_ids(devs, given[1], given[0], present=inventory)
+    elif env.get("CUDA_VISIBLE_DEVICES"):
+        devs = dev.parse_device_list(env["CUDA_VISIBLE_DEVICES"], "CUDA_VISIBLE_DEVICES")
+    else:
+        devs = tuple(inventory())
+    return dev.xdist_share(devs, env) if devs else devs
+
+
+def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
+    """This process's cores for CPU workers: E2E_CPU_CORES (checked against the affinity mask)
+    or the affinity mask, this xdist worker's share."""
+    env = os.environ if environ is None else environ
+    cores = settings.get("E2E_CPU_CORES", env)
+    if cores:
+        dev.check_cpu_ids(cores, "E2E_CPU_CORES", settings.raw("E2E_CPU_CORES", env))
+    else:
+        cores = dev.affinity()
+    return dev.xdist_share(cores, env)
+
+
+def machine_devices(topology: Topology, backend: str,
+                    explicit: str | None = None) -> tuple[int, ...]:
+    """What plan.place takes as data: on cuda the ordered GPU list (resolve_devices), on cpu
+    the cores (`explicit`, a --devices text, else cpu_cores())."""
+    if backend == "cuda":
+        return resolve_devices(topology, explicit)
+    if backend == "cpu":
+        return dev.parse_device_list(explicit, "--devices") if explicit else cpu_cores()
+    raise ConfigError(f"unknown backend {backend!r} (cpu or cuda)")
 
 
 def resolve_backend(text: str | None, source: str = "--backend") -> str:

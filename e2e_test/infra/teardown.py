@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from . import settings
 from .devices import nvml
 from .errors import TeardownError
 
@@ -192,7 +193,7 @@ def enforce(report: TeardownReport, what: str, strict: bool | None = None) -> No
     if report.ok:
         return
     if strict is None:
-        strict = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+        strict = settings.ci()
     msg = f"teardown of {what}: {report.verdict()}"
     if strict:
         raise TeardownError(msg)
