@@ -111,11 +111,10 @@ def _cluster(a, **kw):
     """The Cluster a command asked for: its options over the variables (E2E_ENGINE_ARGS,
     E2E_MOONCAKE_TRANSPORT and E2E_ENFORCE_EAGER included, as pytest would run it)."""
     from .infra.cluster import Cluster
-    from .infra.engines import options_from_env
     over = {"enforce_eager": True} if a.enforce_eager else {}
     return Cluster(model=a.model, engine=a.engine, topology=getattr(a, "topology", "1"),
                    backend=a.backend, devices=a.devices or settings.raw("E2E_DEVICES"),
-                   options=options_from_env(**over), **kw)
+                   options=settings.options_from_env(**over), **kw)
 
 
 def cmd_plan(a) -> int:

@@ -24,10 +24,10 @@ from .infra.engines import (
     EngineOptions,
     engine_names,
     kind_engines,
-    options_from_env,
 )
 from .infra.errors import HarnessError
 from .infra.model_specs import DEFAULT_MODEL, get_spec
+from .infra.settings import options_from_env
 from .infra.topology import Topology
 from .pytest_lanes import device_shortfall, require_devices, reusable_plan  # noqa: F401  (public helpers)
 from .pytest_state import OUTCOME, RECORDED, state
@@ -223,7 +223,7 @@ PROFILES = {p.name: p for p in [
         "kv_corrupt", "the decode worker's KV connector corrupts what it received, the kind "
         "switched at run time by the test (engines/kv_corrupt.py): the negative controls of "
         "the PD verdicts (test_kv_corrupt.py); otherwise booted as the plain topology",
-        lambda: options_from_env(kv_corrupt="runtime")),
+        lambda: options_from_env(engine_opts={"kv_corrupt": "runtime"})),
 ]}
 
 

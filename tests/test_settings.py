@@ -259,9 +259,9 @@ def test_plan_honours_engine_args_and_eager(tmp_path):
 
 
 def test_options_from_env_reads_mooncake_transport():
-    from e2e_test.infra.engines import options_from_env
+    from e2e_test.infra.settings import options_from_env
     o = options_from_env({"E2E_MOONCAKE_TRANSPORT": "tcp", "E2E_ENGINE_ARGS": "--x 1"})
-    assert (o.mooncake_transport, o.extra_args) == ("tcp", ("--x", "1"))
+    assert (o.opt("mooncake_transport"), o.extra_args) == ("tcp", ("--x", "1"))
 
 
 # -- README ---------------------------------------------------------------------------------------

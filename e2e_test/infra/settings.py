@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import devices
-from .engines import engine_names
+from .engines import EngineOptions, all_engines, engine_names
 from .errors import ConfigError, SettingError
 
 # -- kinds: how a raw string becomes a value, and what is accepted -------------------------------
@@ -297,6 +297,17 @@ def value(name: str, text: str | None, source: str) -> Any:
     """Parse an option that stands for a variable (`--backend` for E2E_BACKEND): the error
     names the option."""
     return SETTINGS[name].parse(text, source=source)
+
+
+def options_from_env(environ=None, engine_opts: dict | None = None,
+                     **overrides) -> EngineOptions:
+    """EngineOptions from the harness's env (E2E_ENFORCE_EAGER, E2E_ENGINE_ARGS: extra worker
+    flags, shell-quoted; and each engine's own options it reads from a variable, its
+    `Engine.env_options`), with explicit overrides on top (`engine_opts`: engine options)."""
+    base = {"enforce_eager": get("E2E_ENFORCE_EAGER", environ),
+            "extra_args": get("E2E_ENGINE_ARGS", environ)}
+    own = {name: get(var, environ) for e in all_engines() for name, var in e.env_options.items()}
+    return EngineOptions(**{**base, **overrides}, engine_opts={**own, **(engine_opts or {})})
 
 
 def ci(environ=None) -> bool:

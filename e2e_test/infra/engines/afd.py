@@ -79,7 +79,7 @@ IDLE_SKIP_ROLES = ("ffn",)
 def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
     """The FFN entry owns the connector's rendezvous port ("afd"); it also binds the next
     num_ffn_ranks ports (one per FFN subgroup). Attention takes the same value from
-    EngineOptions.afd_port, which the cluster fills."""
+    EngineOptions.engine_opts["afd_port"], which the cluster fills."""
     if topology.kind == "afd" and not topology.native_baseline and entry.role == "ffn":
         return ["afd"]
     return []
@@ -105,11 +105,11 @@ def _ranks(spec: ModelSpec, topology: Topology, role: str, entry: PlanEntry) -> 
 
 def _afd_port(entry: PlanEntry, ports: Ports, options: EngineOptions) -> int:
     own = ports.aux.get("afd")
-    if options.afd_port is not None:
-        if own is not None and own != options.afd_port:
+    if options.opt("afd_port") is not None:
+        if own is not None and own != options.opt("afd_port"):
             raise ConfigError(f"{entry.name}: aux afd port {own} differs from "
-                              f"EngineOptions.afd_port {options.afd_port}")
-        return options.afd_port
+                              f"EngineOptions.afd_port {options.opt('afd_port')}")
+        return options.opt("afd_port")
     if own is None:
         raise ConfigError(f"{entry.name}: no AFD connector port; the cluster must set "
                           "EngineOptions.afd_port to the FFN entry's aux 'afd' port")
@@ -343,12 +343,15 @@ class AfdEngine(Engine):
     backends = ("cuda",)
     packable = False
     work_counters = VLLM_WORK_COUNTERS
+    # The connector base port (P2pNcclAFDConnector rendezvous): `prepare` sets it, the FFN binds
+    # it and attention connects to it (EngineOptions.engine_opts["afd_port"]).
+    option_defaults = {"afd_port": None}  # noqa: RUF012
 
     def aux_ports(self, topology, entry, options):
         return aux_ports(topology, entry, options)
 
     def fixed_ports(self, options):
-        return {"afd": options.afd_port} if options.afd_port else {}
+        return {"afd": options.opt("afd_port")} if options.opt("afd_port") else {}
 
     def prepare(self, topology, spec, options, run_dir, allocate_block):
         if topology.native_baseline:
@@ -356,7 +359,7 @@ class AfdEngine(Engine):
         # The FFN binds the connector port and the next num_ffn_ranks ports; attention
         # connects to the same base port.
         ffn = topology.group("ffn")
-        return replace(options, afd_port=allocate_block(ffn.dp * ffn.tp * spec.tp + 1))
+        return options.with_opts(afd_port=allocate_block(ffn.dp * ffn.tp * spec.tp + 1))
 
     def build(self, spec, topology, entry, ports, model_path, options):
         return build(spec, topology, entry, ports, model_path, options)
