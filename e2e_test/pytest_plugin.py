@@ -16,7 +16,7 @@ import pytest
 
 pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
-from .infra import lifecycle, progress, results, settings, startup
+from .infra import datasets, lifecycle, progress, results, settings, startup, time_report
 from .infra import topology as topologies
 from .infra.cluster import Cluster
 from .infra.engines import (
@@ -26,6 +26,7 @@ from .infra.engines import (
     kind_engines,
 )
 from .infra.errors import HarnessError
+from .infra.idle import IdleError
 from .infra.model_specs import DEFAULT_MODEL, get_spec
 from .infra.settings import options_from_env
 from .infra.topology import Topology
@@ -116,7 +117,6 @@ def pytest_configure(config):
             os.environ["E2E_LAUNCHER"] = settings.value(
                 "E2E_LAUNCHER", config.getoption("--launcher"), "--launcher")
         if settings.get("E2E_DATASET_DIR"):
-            from .infra import datasets
             for name in ("gsm8k", "mmlu"):
                 datasets.dataset_dir(name)
     except HarnessError as e:
@@ -333,7 +333,6 @@ def _e2e_idle_after(request):
         return              # the topology did not start (or was skipped): nothing to check
     if c is None or c._stopped or c.gateway is None:
         return
-    from .infra.idle import IdleError
     try:
         rep = c.wait_idle()
     except IdleError as e:
@@ -365,7 +364,6 @@ def own_cluster(request, e2e_backend, cluster_pool):
 @pytest.fixture(scope="session")
 def eval_data():
     """The GSM8K/MMLU folders, checked before any topology is started for an eval."""
-    from .infra import datasets
     try:
         return {name: datasets.dataset_dir(name) for name in ("gsm8k", "mmlu")}
     except HarnessError as e:
@@ -440,7 +438,6 @@ def pytest_sessionfinish(session, exitstatus):
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write
     st.summary = results.write_session(st.records, st.clusters,
                                        wall_s=time.monotonic() - st.t0)
-    from .infra import time_report
     st.time_report = time_report.compute([time_report.cluster_entry(c)
                                           for c in st.clusters.values()],
                                          st.calls, st.t0_epoch, time.time())
@@ -457,5 +454,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(out["table"])
         terminalreporter.write_line(f"results: {out['dir']}")
     if st.time_report:
-        from .infra import time_report
         terminalreporter.write_line(f"time: {time_report.headline(st.time_report)}", bold=True)

@@ -31,17 +31,20 @@ from pathlib import Path
 
 import httpx
 
-from . import engines, metrics, ports, progress, reaper, settings, startup, teardown
+from . import engines, idle, metrics, ports, progress, reaper, settings, startup, teardown
 from . import gateway as gw
 from . import plan as planner
 from . import topology as topologies
+from .diagnostics import diagnose_stall
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 from .errors import ConfigError, StartupError, UpstreamBug, WorkerDied
-from .launcher import Baseline, Handle, Launcher, make_launcher
+from .launcher import Baseline, Handle, Launcher, LocalLauncher
+from .load import Watchdog
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
 from .models import cache_dir, weights_path
 from .plan import Plan, PlanEntry
 from .process import StopReport, classify_log
+from .ray_launcher import RayLauncher
 from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step
 from .topology import Topology
 
@@ -54,6 +57,15 @@ _ids = itertools.count(1)
 def results_root() -> Path:
     """This run's results folder (settings.results_dir: E2E_RESULTS_DIR, or one of its own)."""
     return settings.results_dir()
+
+
+def make_launcher(name: str | None = None, address: str | None = None) -> Launcher:
+    """The launcher E2E_LAUNCHER (or `--launcher`) names: local, or ray on the cluster at
+    E2E_RAY_ADDRESS."""
+    name = name or settings.get("E2E_LAUNCHER")
+    if name == "ray":
+        return RayLauncher(address or settings.get("E2E_RAY_ADDRESS"))
+    return LocalLauncher()
 
 
 def default_backend() -> str:
@@ -481,8 +493,6 @@ class Cluster:
     def watchdog(self, what: str, window_s: float | None = None):
         """A load.Watchdog that fails on a dead worker within a second and on a stall after
         the window (E2E_WATCHDOG_S, default 60 s), attaching queues and stack dumps."""
-        from .diagnostics import diagnose_stall
-        from .load import Watchdog
         window = window_s if window_s is not None else settings.get("E2E_WATCHDOG_S")
         return Watchdog(window_s=window, what=f"{what} on {self.topology.name}",
                         diagnose=lambda: diagnose_stall(self), check=self.dead_processes,
@@ -511,7 +521,6 @@ class Cluster:
     def wait_idle(self, timeout: float | None = None, **kw):
         """Every role back to no running / waiting requests and ~0 KV-cache usage (and no
         request in flight at the gateway); IdleError naming the role and the numbers."""
-        from . import idle
         return idle.wait_idle(self, idle.DEFAULT_TIMEOUT_S if timeout is None else timeout, **kw)
 
     def worker(self, name: str) -> Worker:

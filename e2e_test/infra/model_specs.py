@@ -12,8 +12,10 @@ from typing import Any
 
 import yaml
 
+from .engines import engine_names
 from .errors import ConfigError
 from .schema import check_type, mapping, str_list
+from .stats import derived_floor
 
 TOPOLOGY_KINDS = ("regular", "dp", "pd", "epd", "afd")
 FEATURES = ("chat", "moe", "reasoning", "multimodal")
@@ -91,8 +93,7 @@ class ModelSpec:
 
 
 def known_engines() -> tuple[str, ...]:
-    """The engine names of the registry in engines/ (imported late: engines import this)."""
-    from .engines import engine_names
+    """The engine names of the registry in engines/."""
     return engine_names()
 
 
@@ -192,7 +193,6 @@ def _floor_of(w: str, v: dict, n: int) -> tuple[float | None, tuple[int, int] | 
             raise ConfigError(f"{w}.floor: must be in (0, 1] (a floor of 0 cannot fail), "
                               f"got {v['floor']!r}")
         return float(v["floor"]), None
-    from .stats import derived_floor
     k, N = _parse_measured(f"{w}.measured", v["measured"])
     f = derived_floor(k, N, n)
     return (f or None), (k, N)

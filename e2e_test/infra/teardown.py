@@ -21,6 +21,7 @@ import psutil
 from . import settings
 from .devices import nvml
 from .errors import TeardownError
+from .reaper import gpu_holders
 
 SHM = Path("/dev/shm")
 GPU_TOLERANCE_MIB = 64
@@ -184,7 +185,6 @@ def check_gpu(report: TeardownReport, baseline: dict[int, float], timeout: float
             break
         time.sleep(poll)
     report.gpu_leaks = leaks
-    from .reaper import gpu_holders
     holders = gpu_holders(list(leaks)) or []
     report.gpu_holders = {d: [str(h) for h in holders if h.device == d] for d in leaks}
 

@@ -3,7 +3,7 @@ and its output reached prefill; text-only chat still answers."""
 
 import pytest
 
-from e2e_test.infra import comparisons, oracle, proof
+from e2e_test.infra import comparisons, load, oracle, proof
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("epd")]
 
@@ -19,7 +19,6 @@ def test_epd_encoder_proof(cluster, record):
 def test_epd_image_chat_streams(cluster, record):
     if "multimodal" not in cluster.spec.features:
         pytest.skip(f"{cluster.model_name} is not multimodal")
-    from e2e_test.infra import load
     body = proof.image_chat_body(cluster.model_name, "What is in this picture?",
                                  proof.random_png_data_uri(7), max_tokens=16)
     rep = load.run(cluster.gateway_url, [load.Request("/v1/chat/completions", body)],
@@ -35,7 +34,6 @@ IMAGE_MAX_TOKENS = 16
 
 
 def _image_requests(cluster) -> list:
-    from e2e_test.infra import load
     reqs = []
     for seed in IMAGE_SEEDS:
         body = proof.image_chat_body(cluster.model_name, "Describe this picture.",

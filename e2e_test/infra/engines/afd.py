@@ -50,6 +50,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .. import settings
 from ..errors import ConfigError, HarnessError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
@@ -87,7 +88,6 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
 
 def serve_prefix(environ: dict | None = None) -> list[str]:
     """`$AFD_GPU_E2E_VLLM_BIN serve` when set, else this interpreter's vLLM CLI."""
-    from .. import settings
     vllm_bin = settings.raw(VLLM_BIN_ENV, environ)
     if vllm_bin:
         return [vllm_bin, "serve"]
@@ -186,7 +186,6 @@ _TRACE_GLOB = "*.pt.trace.json*"
 
 
 def ffn_step_trace_enabled(environ: dict | None = None) -> bool:
-    from .. import settings
     return bool(settings.get(FFN_STEP_TRACE_ENV, environ))
 
 
@@ -404,7 +403,6 @@ class AfdProfile:
 def profile_from_env(environ: dict | None = None) -> AfdProfile:
     """The variables as given (settings.py declares and validates them; this keeps the raw
     text so check_profile can name what it got)."""
-    from .. import settings
     env = os.environ if environ is None else environ
     raw = settings.raw("AFD_E2E_DEVICES", env)
     devices = tuple(d.strip() for d in raw.split(",") if d.strip()) if raw else ()
