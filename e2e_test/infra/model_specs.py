@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from .engines import engine_names
+from .engines import DEFAULT_ENGINE, engine_names
 from .errors import ConfigError
 from .schema import check_type, mapping, str_list
 from .stats import derived_floor
@@ -55,7 +55,7 @@ class ModelSpec:
     weights: Weights
     tp: int = 1
     features: tuple[str, ...] = ("chat",)
-    engines: tuple[str, ...] = ("vllm",)
+    engines: tuple[str, ...] = (DEFAULT_ENGINE,)
     topologies: tuple[str, ...] = ("regular",)
     max_model_len: int | None = None
     startup_timeout_s: float = 600.0

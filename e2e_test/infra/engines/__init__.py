@@ -216,6 +216,25 @@ class Engine:
     # Its options read from the harness's variables (settings.options_from_env):
     # {option name: variable name}.
     env_options: dict = {}              # noqa: RUF012 (read only)
+    # A variable holding its own ordered GPU list, read for the topologies it builds after
+    # --devices and E2E_DEVICES (startup.resolve_devices); "": none.
+    devices_env: str = ""
+    # A boolean variable that admits the registry's opt-in models (its opt-in profile,
+    # startup.py); "": it has none.
+    opt_in_flag: str = ""
+    # Python distributions whose installed versions a run records (results.versions).
+    packages: tuple[str, ...] = ()
+
+    def settings_problems(self, values: dict, environ) -> list[str]:
+        """Its own variables checked at start-up against this machine (`values`: every
+        variable parsed, settings.collect): one line per problem. Runs on every start-up."""
+        return []
+
+    def profile_problems(self, values: dict, environ, skip=()) -> list[str]:
+        """The missing prerequisites of its opt-in profile when that is switched on (its
+        `opt_in_flag`), one line each; a variable already named in `skip` is not named
+        again."""
+        return []
 
     def compile_cache_status(self, log_text: str, options: EngineOptions) -> str:
         """Whether a worker's boot reused a compile cache, read from its log (the lane's time

@@ -51,7 +51,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .. import settings
-from ..errors import ConfigError, HarnessError
+from ..devices import check_gpu_ids
+from ..errors import ConfigError, HarnessError, SettingError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
 from ..proof import long_unique_prompt, post_all, scrape_all, sum_delta
@@ -342,6 +343,27 @@ class AfdEngine(Engine):
     backends = ("cuda",)
     packable = False
     work_counters = VLLM_WORK_COUNTERS
+    devices_env = "AFD_E2E_DEVICES"
+    opt_in_flag = "AFD_E2E_LARGE_MODEL"
+
+    def settings_problems(self, values, environ):
+        devs = values.get("AFD_E2E_DEVICES")
+        if not devs:
+            return []
+        try:
+            check_gpu_ids(devs, "AFD_E2E_DEVICES", settings.raw("AFD_E2E_DEVICES", environ))
+        except SettingError as e:
+            return [e.summary]
+        return []
+
+    def profile_problems(self, values, environ, skip=()):
+        if not values.get("AFD_E2E_LARGE_MODEL"):
+            return []
+        named = {e.split("=", 1)[0] for e in skip}
+        problems = check_profile(profile_from_env(environ), need_devices=8, large_model=True)
+        return [f"opt-in AFD large-model profile (AFD_E2E_LARGE_MODEL=1): {p}" for p in problems
+                if p.split("=", 1)[0].split(" ", 1)[0] not in named]
+
     # The connector base port (P2pNcclAFDConnector rendezvous): `prepare` sets it, the FFN binds
     # it and attention connects to it (EngineOptions.engine_opts["afd_port"]).
     option_defaults = {"afd_port": None}  # noqa: RUF012

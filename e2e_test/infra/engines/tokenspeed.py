@@ -467,6 +467,7 @@ class TokenSpeedEngine(Engine):
     idle_gauges = IDLE_GAUGES
     option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT}  # noqa: RUF012
     env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT"}  # noqa: RUF012
+    packages = ("tokenspeed",)
     # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num
     # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
     # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled

