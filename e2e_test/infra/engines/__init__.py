@@ -222,8 +222,14 @@ class Engine:
     # A boolean variable that admits the registry's opt-in models (its opt-in profile,
     # startup.py); "": it has none.
     opt_in_flag: str = ""
+    # The variable that holds an opt-in model's weights folder (its profile's model;
+    # models.weights_path); "": none.
+    opt_in_weights_env: str = ""
     # Python distributions whose installed versions a run records (results.versions).
     packages: tuple[str, ...] = ()
+    # Its own variables, settings.Setting rows: settings.SETTINGS lists them after the
+    # harness's (the README table, `python -m e2e_test settings`, the start-up check).
+    settings_rows: tuple = ()
 
     def settings_problems(self, values: dict, environ) -> list[str]:
         """Its own variables checked at start-up against this machine (`values`: every

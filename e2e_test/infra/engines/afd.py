@@ -57,6 +57,7 @@ from ..model_specs import ModelSpec
 from ..plan import PlanEntry
 from ..proof import long_unique_prompt, post_all, scrape_all, sum_delta
 from ..readiness import Alive, HttpGet, PortBound
+from ..settings import Bool, Choice, DeviceList, Executable, Int, PathKind, Setting
 from ..topology import Topology
 from . import Engine, EngineOptions, Ports, WorkerCommand, vllm
 from .vllm import WORK_COUNTERS as VLLM_WORK_COUNTERS
@@ -345,6 +346,17 @@ class AfdEngine(Engine):
     work_counters = VLLM_WORK_COUNTERS
     devices_env = "AFD_E2E_DEVICES"
     opt_in_flag = "AFD_E2E_LARGE_MODEL"
+    opt_in_weights_env = "AFD_GPU_E2E_MODEL"
+    settings_rows = (
+        Setting("E2E_AFD_GSM8K_N", Int(1), 8, "GSM8K questions of the AFD suite"),
+        Setting("E2E_AFD_GSM8K_MAX_TOKENS", Int(1), 128, "max tokens per GSM8K answer in the AFD suite"),
+        Setting("E2E_AFD_FFN_STEP_TRACE", Bool(), True, "the afd-plugin per-step FFN trace on every FFN server (the FFN proof)"),
+        Setting("AFD_E2E_BACKEND", Choice("gpu"), None, "AFD plugin backend; this harness runs the CUDA path only"),
+        Setting("AFD_E2E_DEVICES", DeviceList(), None, "ordered GPU ids for AFD topologies (role order)"),
+        Setting("AFD_E2E_LARGE_MODEL", Bool(), False, "the opt-in AFD large-model profile (an opt-in registry model needs it)"),
+        Setting("AFD_GPU_E2E_MODEL", PathKind(must_be_dir=True), None, "weights folder of the AFD large model (used as its weights path)"),
+        Setting("AFD_GPU_E2E_VLLM_BIN", Executable(), None, "`vllm` executable for AFD workers; unset: this interpreter's vLLM"),
+    )
 
     def settings_problems(self, values, environ):
         devs = values.get("AFD_E2E_DEVICES")

@@ -54,6 +54,7 @@ from ..proof import (
     verdict,
 )
 from ..readiness import GrpcHealth
+from ..settings import Choice, Setting
 from ..topology import Topology
 from . import Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 
@@ -468,6 +469,8 @@ class TokenSpeedEngine(Engine):
     option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT}  # noqa: RUF012
     env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT"}  # noqa: RUF012
     packages = ("tokenspeed",)
+    settings_rows = (Setting("E2E_MOONCAKE_TRANSPORT", Choice("nvlink", "tcp"), DEFAULT_TRANSPORT,
+                             "TokenSpeed PD/EPD Mooncake transport on one host"),)
     # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num
     # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
     # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled
