@@ -196,6 +196,21 @@ class Engine:
         (`afd_ffn_proof`)."""
         raise ConfigError(f"engine {self.name!r} has no FFN proof")
 
+    def disagg_proof(self, cluster) -> dict:
+        """The proof that fits the topology kind (PD: the KV moved, pd_proof; EPD: the encoder
+        ran, epd_proof; AFD: the FFN served, ffn_proof; none on AFD's native baseline or a
+        regular topology), as {record key (PROOF_KEYS): proof dict}."""
+        kind, topo = cluster.topology.kind, cluster.topology
+        if kind == "pd":
+            p = self.pd_proof(cluster)
+        elif kind == "epd":
+            p = self.epd_proof(cluster)
+        elif kind == "afd" and not topo.name.startswith("native"):
+            p = self.ffn_proof(cluster)
+        else:
+            return {}
+        return {PROOF_KEYS[kind]: p.to_dict()}
+
     def proof_line(self, key: str, proof: dict) -> str | None:
         """One line for a report of a recorded proof (`key`: pd_proof, epd_proof,
         afd_ffn_proof; `proof`: its to_dict()), or None when the proof is not this engine's.
@@ -250,6 +265,9 @@ class Engine:
 
 
 DEFAULT_ENGINE = "vllm"
+# The record key of each topology kind's proof (Engine.disagg_proof): the pytest records, the
+# CLI's summary and the reports use the same keys.
+PROOF_KEYS = {"pd": "pd_proof", "epd": "epd_proof", "afd": "afd_ffn_proof"}
 # name -> module defining ENGINE. Adding an engine = one module + one line here.
 REGISTRY: dict[str, str] = {
     "vllm": "e2e_test.infra.engines.vllm",
