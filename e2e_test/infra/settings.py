@@ -283,7 +283,7 @@ _add("E2E_LAUNCHER", Choice("local", "ray"), "local", "how workers start: proces
 _add("E2E_RAY_ADDRESS", Text(), "auto", "the Ray cluster of `--launcher ray`: auto (this node's), HOST:PORT, or ray://HOST:PORT (Ray Client, from a machine that is no node)")
 _add("E2E_REQUIRE_MULTINODE", Bool(), False, "the simulated multi-node test (test_pd_multinode.py) fails instead of skipping where namespaces or Ray are missing (.ci/run sets it)")
 # Workers
-_add("E2E_ENFORCE_EAGER", Bool(), False, "pass --enforce-eager to vLLM workers (`--enforce-eager`)")
+_add("E2E_ENFORCE_EAGER", Bool(), False, "start the workers eager: no compile, no graph capture (their `--enforce-eager`)")
 _add("E2E_ENGINE_ARGS", ShellWords(), (), "extra flags for every worker, shell-quoted")
 _add("E2E_COMPILE_CACHE", Choice("shared", "engine"), "shared", "compile cache of the workers: one shared under E2E_CACHE_DIR/compile, reused across topologies and runs (shared), or each engine's own default (engine)")
 # Suites
