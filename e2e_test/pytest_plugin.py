@@ -16,15 +16,21 @@ import pytest
 
 pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
-from .infra import lifecycle, progress, results, settings, startup
+from .infra import datasets, lifecycle, progress, results, settings, startup, time_report
+from .infra import topology as topologies
 from .infra.cluster import Cluster
-from .infra.engines import (DEFAULT_ENGINE, EngineOptions, engine_names, kind_engines,
-                            options_from_env)
+from .infra.engines import (
+    DEFAULT_ENGINE,
+    EngineOptions,
+    engine_names,
+    kind_engines,
+)
 from .infra.errors import HarnessError
+from .infra.idle import IdleError
 from .infra.model_specs import DEFAULT_MODEL, get_spec
-from .infra.topology import parse as parse_topology
-from .infra.topology import split_list
-from .pytest_lanes import device_shortfall, require_devices  # noqa: F401  (public helpers)
+from .infra.settings import options_from_env
+from .infra.topology import Topology
+from .pytest_lanes import device_shortfall, require_devices, reusable_plan  # noqa: F401  (public helpers)
 from .pytest_state import OUTCOME, RECORDED, state
 
 pytest_plugins = ["e2e_test.pytest_lanes"]
@@ -55,9 +61,14 @@ def _csv(v: str) -> list[str]:
     return [x.strip() for x in (v or "").split(",") if x.strip()]
 
 
-def _topologies(config) -> list[str]:
-    """--topology as topology names (options stay with their topology: topology.split_list)."""
-    return [parse_topology(t).name for t in split_list(config.getoption("--topology"))]
+def _topologies(config) -> list[Topology]:
+    """--topology as Topologies, parsed once per session (options stay with their topology:
+    topology.split_list); these objects travel in the cluster keys to the Cluster."""
+    st = state(config)
+    if st.topologies is None:
+        st.topologies = [topologies.parse(t)
+                         for t in topologies.split_list(config.getoption("--topology"))]
+    return st.topologies
 
 
 def _given(config, option: str, var: str) -> str | None:
@@ -106,7 +117,6 @@ def pytest_configure(config):
             os.environ["E2E_LAUNCHER"] = settings.value(
                 "E2E_LAUNCHER", config.getoption("--launcher"), "--launcher")
         if settings.get("E2E_DATASET_DIR"):
-            from .infra import datasets
             for name in ("gsm8k", "mmlu"):
                 datasets.dataset_dir(name)
     except HarnessError as e:
@@ -125,7 +135,7 @@ def pytest_generate_tests(metafunc):
     if "cluster_key" not in metafunc.fixturenames:
         return
     engines = _csv(metafunc.config.getoption("--engine"))
-    topologies = [parse_topology(t) for t in _topologies(metafunc.config)]
+    selected = _topologies(metafunc.config)
     m_kinds = metafunc.definition.get_closest_marker("topology_kinds")
     m_engines = metafunc.definition.get_closest_marker("engines")
     m_profile = metafunc.definition.get_closest_marker("cluster_profile")
@@ -136,7 +146,7 @@ def pytest_generate_tests(metafunc):
     for engine in engines:
         if m_engines and engine not in m_engines.args:
             continue
-        for topo in topologies:
+        for topo in selected:
             if m_kinds and topo.kind not in m_kinds.args:
                 continue
             if m_no_native and topo.native_baseline:
@@ -148,7 +158,7 @@ def pytest_generate_tests(metafunc):
             marks = [getattr(pytest.mark, engine)]
             if topo.kind != "regular":
                 marks.append(getattr(pytest.mark, topo.kind))
-            key = (engine, topo.name) + ((profile,) if profile else ())
+            key = (engine, topo) + ((profile,) if profile else ())
             params.append(pytest.param(key, id=f"{engine}-{topo.name}", marks=marks))
     if not params:
         params = [pytest.param(None, id="no-topology", marks=pytest.mark.skip(
@@ -167,7 +177,7 @@ def pytest_collection_modifyitems(session, config, items):
     key boots once; within a group, tests marked `breaks_cluster` run last (after them the
     topology is stopped). Tests that bring up their own topology (own_cluster) run after
     every shared one, so a private topology never overlaps with a shared one."""
-    topologies = _topologies(config)
+    selected = _topologies(config)
     engines = _csv(config.getoption("--engine"))
     pos = {id(i): n for n, i in enumerate(items)}
     # pytest's fixture reordering may move a whole module ahead within a group; file order
@@ -187,7 +197,7 @@ def pytest_collection_modifyitems(session, config, items):
         # file order with the tests that break it at its end.
         breaks = 1 if item.get_closest_marker("breaks_cluster") else 0
         return (1, engines.index(engine) if engine in engines else 99,
-                topologies.index(topo) if topo in topologies else 99,
+                selected.index(topo) if topo in selected else 99,
                 profile[0] if profile else "", breaks, mod[id(item)], pos[id(item)])
 
     items.sort(key=key)
@@ -213,7 +223,7 @@ PROFILES = {p.name: p for p in [
         "kv_corrupt", "the decode worker's KV connector corrupts what it received, the kind "
         "switched at run time by the test (engines/kv_corrupt.py): the negative controls of "
         "the PD verdicts (test_kv_corrupt.py); otherwise booted as the plain topology",
-        lambda: options_from_env(kv_corrupt="runtime")),
+        lambda: options_from_env(engine_opts={"kv_corrupt": "runtime"})),
 ]}
 
 
@@ -280,8 +290,14 @@ def cluster_pool(request):
     pool.release()
 
 
-def make_cluster(config, engine: str, topology: str, backend: str, **kw) -> Cluster:
+def make_cluster(config, engine: str, topology: Topology | str, backend: str,
+                 **kw) -> Cluster:
+    """A Cluster of the session's model and devices; on the local launcher it takes the plan
+    the session placed already (pytest_lanes.session_plan) instead of placing again."""
     opts = kw.pop("options", None) or options_from_env()
+    topology = topologies.parse(topology)
+    if "launcher" not in kw and settings.get("E2E_LAUNCHER") == "local":
+        kw.setdefault("plan", reusable_plan(config, topology, backend, engine))
     return Cluster(model=config.getoption("--model"), engine=engine, topology=topology,
                    backend=backend, devices=config.getoption("--devices"), options=opts, **kw)
 
@@ -317,7 +333,6 @@ def _e2e_idle_after(request):
         return              # the topology did not start (or was skipped): nothing to check
     if c is None or c._stopped or c.gateway is None:
         return
-    from .infra.idle import IdleError
     try:
         rep = c.wait_idle()
     except IdleError as e:
@@ -334,6 +349,7 @@ def own_cluster(request, e2e_backend, cluster_pool):
     made: list[Cluster] = []
 
     def factory(topology: str, engine: str = DEFAULT_ENGINE, **kw) -> Cluster:
+        topology = topologies.parse(topology)
         require_devices(request.config, topology, e2e_backend, engine)
         c = make_cluster(request.config, engine, topology, e2e_backend, **kw)
         state(request.config).clusters[c.name] = c
@@ -348,7 +364,6 @@ def own_cluster(request, e2e_backend, cluster_pool):
 @pytest.fixture(scope="session")
 def eval_data():
     """The GSM8K/MMLU folders, checked before any topology is started for an eval."""
-    from .infra import datasets
     try:
         return {name: datasets.dataset_dir(name) for name in ("gsm8k", "mmlu")}
     except HarnessError as e:
@@ -401,7 +416,7 @@ def pytest_runtest_makereport(item, call):
         ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key") or ()
         state(item.config).records.append({
             "test": item.nodeid, "outcome": "error", "started": time.time(),
-            **({"engine": ck[0], "topology": ck[1]} if len(ck) == 2 else {}),
+            **({"engine": ck[0], "topology": str(ck[1])} if len(ck) == 2 else {}),
             "error": _error_line(rep)})
 
 
@@ -417,13 +432,12 @@ def pytest_sessionfinish(session, exitstatus):
     bad = [f"{n}: {c.teardown_report.verdict()}" for n, c in st.clusters.items()
            if c.teardown_report is not None and not c.teardown_report.ok]
     st.teardown_violations = bad
-    if bad and os.environ.get("CI", "").lower() in settings.TRUE:
+    if bad and settings.ci():
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not st.records and not st.clusters:
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write
     st.summary = results.write_session(st.records, st.clusters,
                                        wall_s=time.monotonic() - st.t0)
-    from .infra import time_report
     st.time_report = time_report.compute([time_report.cluster_entry(c)
                                           for c in st.clusters.values()],
                                          st.calls, st.t0_epoch, time.time())
@@ -440,5 +454,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(out["table"])
         terminalreporter.write_line(f"results: {out['dir']}")
     if st.time_report:
-        from .infra import time_report
         terminalreporter.write_line(f"time: {time_report.headline(st.time_report)}", bold=True)

@@ -19,7 +19,8 @@ class SessionState:
     clusters: dict = field(default_factory=dict)           # name -> Cluster started here
     teardown_violations: list = field(default_factory=list)
     summary: dict | None = None                            # results.write_session's answer
-    shortfall: dict = field(default_factory=dict)          # placement key -> skip line | None
+    topologies: list | None = None                         # --topology, parsed once
+    plans: dict = field(default_factory=dict)              # placement key -> Plan | skip line | None
     deselected: dict = field(default_factory=dict)         # reason -> [items]
     collect_skips: list = field(default_factory=list)      # "nodeid: reason"
     min_tests_line: str | None = None                      # --e2e-min-tests: too few ran

@@ -63,7 +63,7 @@ def test_attention():
     t, e = entries("2a1f")
     a = e["attention"]
     assert afd.aux_ports(t, a, CUDA) == []
-    opts = EngineOptions(backend="cuda", afd_port=21100, max_num_seqs=8)
+    opts = EngineOptions(backend="cuda", max_num_seqs=8, engine_opts={"afd_port": 21100})
     cmd = afd.build(SPEC, t, a, Ports(api=21000), "/models/ds", opts)
     assert cmd.argv == SERVE + [
         "/models/ds", "--served-model-name", "deepseek-ai/DeepSeek-V2-Lite",
@@ -80,7 +80,7 @@ def test_attention():
 
 def test_2a2f_rank_counts_and_shared_port():
     t, e = entries("2a2f")
-    opts = EngineOptions(backend="cuda", afd_port=25000)
+    opts = EngineOptions(backend="cuda", engine_opts={"afd_port": 25000})
     f = afd.build(SPEC, t, e["ffn"], Ports(api=1, aux={"afd": 25000}), "/m", opts)
     a = afd.build(SPEC, t, e["attention"], Ports(api=2), "/m", opts)
     for cmd, role in ((f, "ffn"), (a, "attention")):
@@ -98,7 +98,7 @@ def test_attention_without_port_is_an_error():
         afd.build(SPEC, t, e["attention"], Ports(api=1), "/m", CUDA)
     with pytest.raises(ConfigError, match="differs"):
         afd.build(SPEC, t, e["ffn"], Ports(api=1, aux={"afd": 5}), "/m",
-                  EngineOptions(backend="cuda", afd_port=6))
+                  EngineOptions(backend="cuda", engine_opts={"afd_port": 6}))
 
 
 def test_native_baseline(monkeypatch):

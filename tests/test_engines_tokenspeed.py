@@ -162,7 +162,7 @@ def test_refuses_cpu_and_afd():
 def test_metrics_dir_and_tcp_transport():
     # The servicer has no /metrics: --enable-metrics plus a multiprocess folder per worker.
     t, e = entries("1p1d")
-    opts = EngineOptions(backend="cuda", state_dir="/r/state", mooncake_transport="tcp")
+    opts = EngineOptions(backend="cuda", state_dir="/r/state", engine_opts={"mooncake_transport": "tcp"})
     cmd = tokenspeed.build(SPEC, t, e["decode"], Ports(api=32000, aux={"dist_init": 32001}),
                            "/models/q", opts)
     assert cmd.argv[:len(head(32000)) + 1] == head(32000)[:-2] + [
@@ -173,7 +173,7 @@ def test_metrics_dir_and_tcp_transport():
     assert cmd.metrics_dir == "/r/state/prometheus/decode-0"
     with pytest.raises(ConfigError, match="mooncake transport 'rdma'"):
         tokenspeed.build(SPEC, t, e["decode"], Ports(api=1, aux={"dist_init": 2}), "/m",
-                         EngineOptions(backend="cuda", mooncake_transport="rdma"))
+                         EngineOptions(backend="cuda", engine_opts={"mooncake_transport": "rdma"}))
 
 
 def test_packed_schedule_is_cumulative_and_sequential():
@@ -237,11 +237,11 @@ def test_packed_schedule_refuses_overcommit():
 
 
 def test_options_from_env():
-    from e2e_test.infra.engines import options_from_env
+    from e2e_test.infra.settings import options_from_env
     o = options_from_env({"E2E_ENFORCE_EAGER": "1", "E2E_MOONCAKE_TRANSPORT": "tcp",
                           "E2E_ENGINE_ARGS": "--sampling-backend triton --x 'a b'"},
                          max_num_seqs=2)
-    assert (o.enforce_eager, o.mooncake_transport, o.max_num_seqs) == (True, "tcp", 2)
+    assert (o.enforce_eager, o.opt("mooncake_transport"), o.max_num_seqs) == (True, "tcp", 2)
     assert o.extra_args == ("--sampling-backend", "triton", "--x", "a b")
     d = options_from_env({})
-    assert (d.enforce_eager, d.mooncake_transport, d.extra_args) == (False, "nvlink", ())
+    assert (d.enforce_eager, d.opt("mooncake_transport"), d.extra_args) == (False, "nvlink", ())

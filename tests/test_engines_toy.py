@@ -1,10 +1,13 @@
 """A third engine defined only here (one class, engines.register(), nothing edited elsewhere):
-the registry, the planner, its argv, the settings table and the lane validation all take it."""
+the registry, the planner (plan.place, the one placement check), its argv, the settings table,
+the `settings` and `lanes` commands' output and the lane validation all take it."""
 
 import sys
 
 import pytest
+import yaml
 
+from e2e_test import __main__ as cli
 from e2e_test import lanes
 from e2e_test.infra import engines, model_specs, plan, settings
 from e2e_test.infra.engines import Engine, Ports, WorkerCommand
@@ -70,3 +73,51 @@ def test_toy_engine_in_lane_validation(toy, monkeypatch, tmp_path):
     monkeypatch.setattr(model_specs, "get_spec", lambda name, registry=None: spec)
     lane = lanes.parse_lane("e2e-toy", {**raw, "venvs": {"toy": ".venv-toy"}})
     assert lane.engines == ("toy",) and lane.venvs == {"toy": ".venv-toy"}
+
+
+def test_toy_engine_is_placed_and_builds_its_command(toy, tmp_path):
+    """plan.place (as the Cluster and the plugin call it) and worker_command (what the Cluster
+    launches): nothing outside this file names the engine."""
+    spec = parse_spec("toy-model", {"weights": {"source": "path", "path": str(tmp_path)},
+                                    "engines": ["toy"], "topologies": ["regular", "dp"]})
+    topo = parse("dp2")
+    driver = engines.for_topology("toy", topo)
+    p = plan.place(topo, spec, "cpu", (0, 1, 2, 3), driver)
+    assert [(e.name, e.cores) for e in p.entries] == [("worker-0", (0, 1)), ("worker-1", (2, 3))]
+    cmds = [driver.worker_command(spec, topo, e, Ports(9000 + i), str(tmp_path),
+                                  engines.EngineOptions(), tmp_path)
+            for i, e in enumerate(p.entries)]
+    assert cmds[1].argv[1:] == ["-m", "toy.serve", "--port", "9001", "--model", str(tmp_path),
+                                "--cores", "2-3"]
+    assert cmds[0].health_path == "/health"
+
+
+def test_toy_engine_in_the_settings_command(toy, capsys, monkeypatch):
+    monkeypatch.delenv("E2E_ENGINES", raising=False)
+    assert cli.main(["settings"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("E2E_ENGINES "))
+    assert "toy" in line.split()[1].split(","), line          # the default: every engine
+    monkeypatch.setenv("E2E_ENGINES", "toy")
+    assert cli.main(["settings"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("E2E_ENGINES "))
+    assert line.split()[1] == "toy", line
+
+
+def test_toy_engine_in_the_lanes_command(toy, capsys, monkeypatch, tmp_path):
+    """A lanes table (here a file of this test's own) with a lane of the toy engine: the
+    `lanes` command lists it with its engine."""
+    spec = parse_spec("toy-model", {"weights": {"source": "path", "path": str(tmp_path)},
+                                    "engines": ["toy"], "topologies": ["regular"]})
+    monkeypatch.setattr(model_specs, "get_spec", lambda name, registry=None: spec)
+    monkeypatch.setitem(lanes.VENVS, ".venv-toy", lanes.Venv(".venv-toy", "cpu", ("toy",)))
+    table = tmp_path / "lanes.yaml"
+    table.write_text(yaml.safe_dump({"e2e-toy": {
+        "description": "the toy engine", "runner": {"gpus": 0, "runs_on": ["ubuntu-latest"]},
+        "engines": ["toy"], "topologies": ["1"], "pytest": {"paths": ["tests"],
+                                                             "markers": "not e2e"},
+        "timeout_minutes": 5, "min_tests": 1, "trigger": ["push"],
+        "venvs": {"toy": ".venv-toy"}, "passed_once": True, "opt_in": False}}))
+    monkeypatch.setattr(lanes, "LANES_FILE", table)
+    assert cli.main(["lanes"]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("e2e-toy "))
+    assert row.split()[3] == "toy", row

@@ -58,7 +58,7 @@ def test_regular_cpu_worker():
 
 def test_dp2_cpu_workers_get_their_own_cores():
     t, e = cpu_entries("dp2", cores=(0, 1, 2, 3))
-    opts = EngineOptions(cpu_kv_cache_gib=4)
+    opts = EngineOptions(engine_opts={"cpu_kv_cache_gib": 4})
     c0 = vllm.build(SMOL, t, e["worker-0"], Ports(api=20100), "/m", opts)
     c1 = vllm.build(SMOL, t, e["worker-1"], Ports(api=20101), "/m", opts)
     assert c0.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
@@ -144,7 +144,7 @@ def test_pd_nixl_gpu_has_no_kv_buffer_device_and_no_ucx():
 
 def test_pd_example_connector_producer_consumer():
     t, e = cpu_entries("1p1d", cores=(0, 1))
-    opts = EngineOptions(kv_connector="example", kv_shared_path="/tmp/kv")
+    opts = EngineOptions(engine_opts={"kv_connector": "example", "kv_shared_path": "/tmp/kv"})
     assert vllm.aux_ports(t, e["prefill-0"], opts) == []
     pc = vllm.build(SMOL, t, e["prefill-0"], Ports(api=23000), "/models/smol", opts)
     dc = vllm.build(SMOL, t, e["decode-0"], Ports(api=23001), "/models/smol", opts)
@@ -168,12 +168,12 @@ def test_pd_example_connector_needs_a_folder():
     t, e = cpu_entries("1p1d", cores=(0, 1))
     with pytest.raises(ConfigError, match="kv_shared_path"):
         vllm.build(SMOL, t, e["prefill-0"], Ports(api=1), "/m",
-                   EngineOptions(kv_connector="example"))
+                   EngineOptions(engine_opts={"kv_connector": "example"}))
 
 
 def test_pd_mooncake():
     t, e = gpu_entries("1p1d", LLAMA)
-    opts = EngineOptions(backend="cuda", kv_connector="mooncake")
+    opts = EngineOptions(backend="cuda", engine_opts={"kv_connector": "mooncake"})
     assert vllm.aux_ports(t, e["decode-0"], opts) == []
     dc = vllm.build(LLAMA, t, e["decode-0"], Ports(api=1), "/m", opts)
     assert kv_config(dc) == {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}
@@ -182,7 +182,7 @@ def test_pd_mooncake():
 
 def test_unknown_connector():
     t, e = cpu_entries("1p1d", cores=(0, 1))
-    opts = EngineOptions(kv_connector="lmcache")
+    opts = EngineOptions(engine_opts={"kv_connector": "lmcache"})
     assert vllm.aux_ports(t, e["prefill-0"], opts) == []
     with pytest.raises(ConfigError) as ei:
         vllm.build(SMOL, t, e["prefill-0"], Ports(api=1), "/m", opts)
@@ -192,7 +192,7 @@ def test_unknown_connector():
 def test_regular_ignores_kv_connector():
     t, e = cpu_entries("1", cores=(0,))
     cmd = vllm.build(SMOL, t, e["worker-0"], Ports(api=1), "/m",
-                     EngineOptions(kv_connector="lmcache"))
+                     EngineOptions(engine_opts={"kv_connector": "lmcache"}))
     assert "--kv-transfer-config" not in cmd.argv and cmd.kv_connector is None
 
 

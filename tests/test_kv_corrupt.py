@@ -174,7 +174,7 @@ def test_off_by_default():
 
 
 def test_on_the_decode_only():
-    cmds = pd_commands(EngineOptions(state_dir="/s", kv_corrupt="runtime"))
+    cmds = pd_commands(EngineOptions(state_dir="/s", engine_opts={"kv_corrupt": "runtime"}))
     assert kv(cmds["prefill-0"])["kv_connector"] == "NixlConnector"
     d = kv(cmds["decode-0"])
     assert d == {"kv_connector": "E2ECorruptingNixlConnector", "kv_role": "kv_both",
@@ -185,6 +185,6 @@ def test_on_the_decode_only():
     assert cmds["decode-0"].env["PYTHONPATH"].split(":")[0] == vllm.HARNESS_ROOT
     assert cmds["decode-0"].kv_connector == "NixlConnector"     # what smg is told
     with pytest.raises(ConfigError):
-        pd_commands(EngineOptions(state_dir="/s", kv_corrupt="zap"))
+        pd_commands(EngineOptions(state_dir="/s", engine_opts={"kv_corrupt": "zap"}))
     with pytest.raises(ConfigError):
-        pd_commands(EngineOptions(kv_corrupt="zero_layer"))      # no state folder
+        pd_commands(EngineOptions(engine_opts={"kv_corrupt": "zero_layer"}))      # no state folder

@@ -499,8 +499,8 @@ def test_device_shortfall_keeps_real_config_errors(monkeypatch):
     with pytest.raises(ConfigError):
         device_shortfall("SmolLM2-135M-Instruct", "1", "cuda", "0,x")
     # backend cuda with no GPU at all is a broken machine, not a short one
-    from e2e_test.infra import plan
-    monkeypatch.setattr(plan, "resolve_devices", lambda topo, explicit=None: ())
+    from e2e_test.infra import startup
+    monkeypatch.setattr(startup, "resolve_devices", lambda topo, explicit=None: ())
     with pytest.raises(ConfigError, match="none were found"):
         device_shortfall("SmolLM2-135M-Instruct", "1", "cuda", None)
 

@@ -259,9 +259,9 @@ def test_plan_honours_engine_args_and_eager(tmp_path):
 
 
 def test_options_from_env_reads_mooncake_transport():
-    from e2e_test.infra.engines import options_from_env
+    from e2e_test.infra.settings import options_from_env
     o = options_from_env({"E2E_MOONCAKE_TRANSPORT": "tcp", "E2E_ENGINE_ARGS": "--x 1"})
-    assert (o.mooncake_transport, o.extra_args) == ("tcp", ("--x", "1"))
+    assert (o.opt("mooncake_transport"), o.extra_args) == ("tcp", ("--x", "1"))
 
 
 # -- README ---------------------------------------------------------------------------------------
@@ -338,3 +338,23 @@ def test_settings_prints_values_as_typed(tmp_path):
     assert lines["E2E_RESULTS_DIR"].startswith(str(tmp_path / "results"))
     assert lines["E2E_ENFORCE_EAGER"] == "false" and lines["E2E_GSM8K_N"] == "unset"
     assert "PosixPath" not in r.stdout and "('" not in r.stdout and "None" not in r.stdout
+
+
+@pytest.mark.parametrize("value,expected", [("true", True), ("1", True), ("YES", True),
+                                            (" True ", True), ("false", False), ("0", False),
+                                            ("", False), (None, False), ("maybe", False)])
+def test_ci_is_one_truth_set(value, expected, monkeypatch):
+    """`CI` is read once (settings.ci), by the teardown verdict and the plugin's session end."""
+    from e2e_test.infra import teardown
+    assert settings.ci({} if value is None else {"CI": value}) is expected
+    if value is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", value)
+    report = teardown.TeardownReport(survivors=["pid 1"])
+    if expected:
+        with pytest.raises(teardown.TeardownError):
+            teardown.enforce(report, "x")
+    else:
+        with pytest.warns(RuntimeWarning):
+            teardown.enforce(report, "x")

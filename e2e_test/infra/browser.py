@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import settings
 from .errors import HarnessError
 
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
 def find_chromium() -> str | None:
-    from . import settings
     env = settings.get("E2E_CHROMIUM")
     if env:
         return env if shutil.which(env) or Path(env).is_file() else None

@@ -31,17 +31,22 @@ from pathlib import Path
 
 import httpx
 
-from . import engines, metrics, ports, progress, reaper, settings, startup, teardown
+from . import engines, idle, metrics, ports, progress, reaper, settings, startup, teardown
 from . import gateway as gw
+from . import plan as planner
+from . import topology as topologies
+from .diagnostics import diagnose_stall
 from .engines import DEFAULT_ENGINE, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 from .errors import ConfigError, StartupError, UpstreamBug, WorkerDied
-from .launcher import Baseline, Handle, Launcher, make_launcher
+from .launcher import Baseline, Handle, Launcher, LocalLauncher
+from .load import Watchdog
 from .model_specs import DEFAULT_MODEL, ModelSpec, get_spec
 from .models import cache_dir, weights_path
-from .plan import Plan, PlanEntry, place
+from .plan import Plan, PlanEntry
 from .process import StopReport, classify_log
+from .ray_launcher import RayLauncher
 from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step
-from .topology import Topology, parse
+from .topology import Topology
 
 PORT_RETRIES = 2
 STOP_GRACE_S = 15.0
@@ -52,6 +57,15 @@ _ids = itertools.count(1)
 def results_root() -> Path:
     """This run's results folder (settings.results_dir: E2E_RESULTS_DIR, or one of its own)."""
     return settings.results_dir()
+
+
+def make_launcher(name: str | None = None, address: str | None = None) -> Launcher:
+    """The launcher E2E_LAUNCHER (or `--launcher`) names: local, or ray on the cluster at
+    E2E_RAY_ADDRESS."""
+    name = name or settings.get("E2E_LAUNCHER")
+    if name == "ray":
+        return RayLauncher(address or settings.get("E2E_RAY_ADDRESS"))
+    return LocalLauncher()
 
 
 def default_backend() -> str:
@@ -120,10 +134,10 @@ class Cluster:
                  admission: gw.Admission | None = None, policy: str = "round_robin",
                  startup_timeout: float | None = None, results_dir: Path | str | None = None,
                  name: str | None = None, gateway_args: tuple[str, ...] = (),
-                 launcher: Launcher | None = None):
+                 launcher: Launcher | None = None, plan: Plan | None = None):
         self.spec: ModelSpec = model if isinstance(model, ModelSpec) else get_spec(model)
         self.engine = engine
-        self.topology = parse(topology)
+        self.topology = topologies.parse(topology)     # a Topology is taken as it is
         self.driver: Engine = engines.for_topology(engine, self.topology)
         self.spec.require(engine, self.topology.kind)
         self.backend = startup.resolve_backend(backend, source="backend")
@@ -137,8 +151,16 @@ class Cluster:
             startup.check_devices(devices, self.backend, "devices")
         self.model_path = weights_path(self.spec)
         self.launcher: Launcher = launcher or make_launcher()
-        self.plan: Plan = place(self.topology, self.spec, self.backend, devices, self.driver,
-                                nodes=self.launcher.nodes())
+        # `plan`: placed already by the caller (the pytest plugin's check at collection, with
+        # the same model, backend, devices, engine and this launcher's nodes): not placed again.
+        if plan is not None and (plan.topology != self.topology.name
+                                 or plan.backend != self.backend):
+            raise ConfigError(f"plan {plan.topology!r} on {plan.backend} given for topology "
+                              f"{self.topology.name!r} on {self.backend}")
+        self.plan: Plan = plan if plan is not None else planner.place(
+            self.topology, self.spec, self.backend,
+            startup.machine_devices(self.topology, self.backend, devices), self.driver,
+            nodes=self.launcher.nodes())
         self.admission = admission
         self.policy = policy
         self.gateway_args = tuple(gateway_args)
@@ -471,8 +493,6 @@ class Cluster:
     def watchdog(self, what: str, window_s: float | None = None):
         """A load.Watchdog that fails on a dead worker within a second and on a stall after
         the window (E2E_WATCHDOG_S, default 60 s), attaching queues and stack dumps."""
-        from .diagnostics import diagnose_stall
-        from .load import Watchdog
         window = window_s if window_s is not None else settings.get("E2E_WATCHDOG_S")
         return Watchdog(window_s=window, what=f"{what} on {self.topology.name}",
                         diagnose=lambda: diagnose_stall(self), check=self.dead_processes,
@@ -501,7 +521,6 @@ class Cluster:
     def wait_idle(self, timeout: float | None = None, **kw):
         """Every role back to no running / waiting requests and ~0 KV-cache usage (and no
         request in flight at the gateway); IdleError naming the role and the numbers."""
-        from . import idle
         return idle.wait_idle(self, idle.DEFAULT_TIMEOUT_S if timeout is None else timeout, **kw)
 
     def worker(self, name: str) -> Worker:

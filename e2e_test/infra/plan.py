@@ -10,22 +10,24 @@ the most room left (the earlier ones on a tie), spreading them over the listed d
 
 On CPU each worker gets its own cores (E2E_CPU_CORES or this process's affinity), split evenly.
 
+Which devices or cores this machine offers is startup.py's (`startup.machine_devices`: the
+variables, CUDA_VISIBLE_DEVICES, NVML through devices.py, the affinity mask, the xdist split);
+the planner takes them as data.
+
 Nodes (multi-node launchers, launcher.py / ray_launcher.py): every entry is on one node and gets
 that node's address (`node`, `host`). A role pinned with `ROLE.node=K` goes to node K; the
 other workers spread over the nodes in plan order (worker k of the unpinned ones on node
 k mod N). Devices and cores are planned per host: nodes on one machine (simulated hosts, same
 hostname) share its inventory and split it as above; each other machine plans its own workers
 on its own inventory (the same device list on every machine: homogeneous nodes).
-Pure: no process is started, nothing but the inventory is read.
+Pure: no process is started, no environment variable and no NVML is read.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field, replace
 
-from . import devices as dev
-from .devices import check_cpu_ids, check_gpu_ids, nvml_inventory, parse_device_list, xdist_share  # noqa: F401 (re-exported)
+from .devices import parse_device_list, xdist_share  # noqa: F401 (re-exported)
 from .errors import ConfigError
 from .model_specs import ModelSpec
 from .topology import Topology
@@ -103,41 +105,6 @@ class TooFewDevices(ConfigError):
 def devices_needed(topology: Topology, spec: ModelSpec) -> int:
     """GPUs a topology needs with this model when no worker shares one."""
     return topology.num_devices * spec.tp
-
-
-def resolve_devices(topology: Topology, explicit: str | None = None,
-                    environ: dict | None = None, inventory=None) -> tuple[int, ...]:
-    """The ordered GPU list; a list given by --devices, E2E_DEVICES or AFD_E2E_DEVICES must name
-    GPUs NVML lists (devices.check_gpu_ids: where NVML lists none, a given list is an error)."""
-    from . import settings
-    inventory = inventory or dev.nvml_inventory
-    env = os.environ if environ is None else environ
-    given = None
-    if explicit:
-        given = (explicit, "--devices")
-    elif settings.raw("E2E_DEVICES", env):
-        given = (settings.raw("E2E_DEVICES", env), "E2E_DEVICES")
-    elif topology.kind == "afd" and settings.raw("AFD_E2E_DEVICES", env):
-        given = (settings.raw("AFD_E2E_DEVICES", env), "AFD_E2E_DEVICES")
-    if given:
-        devs = settings.value("E2E_DEVICES", given[0], given[1])
-        check_gpu_ids(devs, given[1], given[0], present=inventory)
-    elif env.get("CUDA_VISIBLE_DEVICES"):
-        devs = parse_device_list(env["CUDA_VISIBLE_DEVICES"], "CUDA_VISIBLE_DEVICES")
-    else:
-        devs = tuple(inventory())
-    return xdist_share(devs, env) if devs else devs
-
-
-def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
-    from . import settings
-    env = os.environ if environ is None else environ
-    cores = settings.get("E2E_CPU_CORES", env)
-    if cores:
-        check_cpu_ids(cores, "E2E_CPU_CORES", settings.raw("E2E_CPU_CORES", env))
-    else:
-        cores = dev.affinity()
-    return xdist_share(cores, env)
 
 
 def _workers(topology: Topology, only: set | None = None):
@@ -237,13 +204,16 @@ def make_plan(topology: Topology, spec: ModelSpec, backend: str,
     for key, k in where.items():
         hosts.setdefault(nodes[k].host_id, set()).add(key)
     parts = []
+    if (cores if backend == "cpu" else devices) is None:
+        raise ConfigError(f"plan of {topology.name!r} on {backend}: no "
+                          f"{'cores' if backend == 'cpu' else 'devices'} given "
+                          "(startup.machine_devices gives this machine's)")
     for host_id, only in hosts.items():
         sub = None if len(hosts) == 1 else only
         if backend == "cpu":
-            parts.append(plan_cpu(topology, cores if cores is not None else cpu_cores(), sub))
+            parts.append(plan_cpu(topology, cores, sub))
         else:
-            parts.append(plan_gpu(topology, spec, devices if devices is not None
-                                  else resolve_devices(topology), sub))
+            parts.append(plan_gpu(topology, spec, devices, sub))
     by_key = {(e.role, e.index): e for p in parts for e in p.entries}
     entries = []
     for g, i in _workers(topology):
@@ -258,18 +228,22 @@ def make_plan(topology: Topology, spec: ModelSpec, backend: str,
                    notes=notes)
 
 
-def place(topology: Topology, spec: ModelSpec, backend: str, devices: str | None = None,
-          engine=None, nodes: tuple[Node, ...] = LOCAL_NODES) -> Plan:
-    """The one placement check, used by the Cluster, the pytest plugin and the CLI: resolve
-    the devices (GPUs) or cores (CPU), plan, refuse packing for an engine whose workers cannot
-    share a GPU, and give workers that share one their start stage and memory share when the
-    engine asks (`engine.packed_schedule`). Too few devices is a TooFewDevices error."""
+def place(topology: Topology, spec: ModelSpec, backend: str,
+          devices: tuple[int, ...] | str, engine=None,
+          nodes: tuple[Node, ...] = LOCAL_NODES) -> Plan:
+    """The one placement check, used by the Cluster, the pytest plugin and the CLI: plan on
+    `devices` (the ordered GPU ids on cuda, the cores on cpu: data, e.g. what
+    startup.machine_devices found; a text is parsed as a device list), refuse packing for an
+    engine whose workers cannot share a GPU, and give workers that share one their start stage
+    and memory share when the engine asks (`engine.packed_schedule`). Too few devices is a
+    TooFewDevices error. Reads no environment and no NVML."""
+    if isinstance(devices, str):
+        devices = parse_device_list(devices, "--devices")
     if engine is not None and len(nodes) > 1 and not getattr(engine, "multinode", False):
         raise ConfigError(f"engine {engine.name!r} cannot place workers on other nodes yet "
                           f"(its workers bind 127.0.0.1); use --launcher local")
     if backend == "cuda":
-        plan = make_plan(topology, spec, "cuda", devices=resolve_devices(topology, devices),
-                         nodes=nodes)
+        plan = make_plan(topology, spec, "cuda", devices=tuple(devices), nodes=nodes)
         if plan.packed and engine is not None and not engine.packable:
             need = devices_needed(topology, spec)
             raise TooFewDevices(f"topology {topology.name!r} ({engine.name}) needs {need} "
@@ -283,6 +257,5 @@ def place(topology: Topology, spec: ModelSpec, backend: str, devices: str | None
                 if e.name in schedule else e for e in plan.entries))
         return plan
     if backend == "cpu":
-        cores = parse_device_list(devices, "--devices") if devices else cpu_cores()
-        return make_plan(topology, spec, "cpu", cores=cores, nodes=nodes)
+        return make_plan(topology, spec, "cpu", cores=tuple(devices), nodes=nodes)
     raise ConfigError(f"unknown backend {backend!r} (cpu or cuda)")

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from . import reaper
+from .reaper import extend_pythonpath  # noqa: F401 (its home is reaper.py; callers import it here)
 
 # The first line matching one of these (in order of preference) names the failure.
 ERROR_PATTERNS = [
@@ -224,15 +225,6 @@ class ManagedProcess:
             details.append("last traceback:\n" + tb)
         details.append("log tail:\n" + self.log_tail(25))
         return head + "\n" + "\n".join(details)
-
-
-def extend_pythonpath(first: str, inherited: str | None = None) -> str:
-    """`first` ahead of the inherited PYTHONPATH (default: this process's), never instead of
-    it: on a runner whose engines come from PYTHONPATH a child must still import them."""
-    if inherited is None:
-        inherited = os.environ.get("PYTHONPATH", "")
-    return os.pathsep.join([first] + [p for p in inherited.split(os.pathsep)
-                                      if p and p != first])
 
 
 def _describe(p: psutil.Process) -> str:

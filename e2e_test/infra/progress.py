@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import settings
 
 # (regex, state): the state of a worker is that of the marker found last in its log. Phrases
 # of vLLM and SGLang-style servers (TokenSpeed); an engine may give its own list as
@@ -62,7 +63,6 @@ def emit(line: str) -> None:
 
 def interval_s(environ: dict | None = None) -> float:
     """E2E_PROGRESS_S, checked by settings.py (0 turns progress off)."""
-    from . import settings
     return float(settings.get("E2E_PROGRESS_S", environ))
 
 

@@ -23,6 +23,7 @@ from typing import Protocol
 import httpx
 
 from . import ports
+from .gateway import probe_ready
 
 POLL_S = 0.25                 # between two polls of a starting process
 GATEWAY_READY_S = 120.0       # gateway start -> /health, worker registration, a real completion
@@ -106,7 +107,6 @@ class ModelServed:
     last: str = ""
 
     def ready(self, client: httpx.Client) -> bool:
-        from .gateway import probe_ready
         ok, self.last = probe_ready(self.base_url, self.model, client)
         return ok
 

@@ -45,7 +45,9 @@ from pathlib import Path
 
 import psutil
 
+from . import settings
 from .devices import nvml
+from .errors import PreflightError
 
 RUN_ID_ENV = "E2E_RUN_ID"
 DRIVER_PID_ENV = "E2E_DRIVER_PID"
@@ -78,6 +80,15 @@ class Marker:
 
 
 _me: dict = {"pid": None}
+
+
+def extend_pythonpath(first: str, inherited: str | None = None) -> str:
+    """`first` ahead of the inherited PYTHONPATH (default: this process's), never instead of
+    it: on a runner whose engines come from PYTHONPATH a child must still import them."""
+    if inherited is None:
+        inherited = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([first] + [p for p in inherited.split(os.pathsep)
+                                      if p and p != first])
 
 
 def _identity() -> dict:
@@ -445,7 +456,6 @@ def main(argv=None) -> int:
 
 def _results_dir() -> Path:
     # Mirrors cluster.results_root() (not imported: process.py must not pull in the cluster).
-    from . import settings
     return Path(settings.results_dir()).resolve()
 
 
@@ -480,7 +490,6 @@ class Guardian:
         env = {k: v for k, v in os.environ.items()
                if k not in (RUN_ID_ENV, DRIVER_PID_ENV, DRIVER_CREATE_ENV)}
         env[GUARDIAN_ENV] = me["run_id"]
-        from .process import extend_pythonpath     # process imports this module
         env["PYTHONPATH"] = extend_pythonpath(_ROOT)
         try:
             self.proc = subprocess.Popen(
@@ -603,7 +612,6 @@ def guardian_pid() -> int | None:
 
 def preflight_mode() -> str:
     """E2E_PREFLIGHT, checked by settings.py (clear | fail | off)."""
-    from . import settings
     return settings.get(PREFLIGHT_ENV)
 
 
@@ -695,7 +703,6 @@ def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None
               log=None) -> dict:
     """Before a topology starts: clear (or name) what an earlier run left; on GPUs, fail on
     memory held by processes this run does not own. Returns what it did."""
-    from .errors import PreflightError
     mode = mode or preflight_mode()
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     done: dict = {}

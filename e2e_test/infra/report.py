@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .engines import PROOF_KEYS as ENGINE_PROOF_KEYS
 from .engines import all_engines
 
 RESULT_FILES = ("run.json", "summary.json", "note.json")
@@ -93,7 +94,7 @@ def details(t: dict) -> str:
     return "; ".join(out)
 
 
-PROOF_KEYS = ("pd_proof", "epd_proof", "afd_ffn_proof")
+PROOF_KEYS = tuple(ENGINE_PROOF_KEYS.values())     # pd_proof, epd_proof, the FFN's
 
 
 def proof_line(key: str, proof: dict) -> str | None:

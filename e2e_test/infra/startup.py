@@ -7,14 +7,16 @@ config.json), the options that stand for variables, and device ids against this 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from . import devices as dev
 from . import settings
-from .engines import afd, kind_engines
+from .engines import all_engines, kind_engines
 from .errors import ConfigError, SettingError
 from .model_specs import get_spec
 from .models import check_config_json
+from .topology import Topology
 from .topology import parse as parse_topology
 
 
@@ -24,11 +26,24 @@ def _check_cpu_cores(values: dict, environ) -> None:
         dev.check_cpu_ids(cores, "E2E_CPU_CORES", settings.raw("E2E_CPU_CORES", environ))
 
 
+def _opt_in_flags() -> list[str]:
+    """The variables that admit opt-in registry models (each engine's `opt_in_flag`)."""
+    return [e.opt_in_flag for e in all_engines() if e.opt_in_flag]
+
+
+def _opt_in_allowed(values: dict) -> bool:
+    return any(values.get(f) for f in _opt_in_flags())
+
+
+def _opt_in_text() -> str:
+    return " or ".join(f"{f}=1" for f in _opt_in_flags()) or "an engine's opt-in profile"
+
+
 def _check_opt_in_model(values: dict, environ) -> None:
     spec = get_spec(values["E2E_MODEL"])
-    if spec.opt_in and not values["AFD_E2E_LARGE_MODEL"]:
+    if spec.opt_in and not _opt_in_allowed(values):
         raise SettingError(f"E2E_MODEL={settings.raw('E2E_MODEL', environ)!r}: an opt-in model; "
-                           "accepts it only with AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
+                           f"accepts it only with {_opt_in_text()} (the opt-in profile)")
 
 
 def selection_problem(model: str, engines, topologies, source: str, text: str) -> str | None:
@@ -112,6 +127,57 @@ def check_devices(text: str | None, backend: str, source: str = "--devices",
     return devs
 
 
+def resolve_devices(topology: Topology, explicit: str | None = None,
+                    environ: dict | None = None, inventory=None) -> tuple[int, ...]:
+    """The ordered GPU list; a list given by --devices, E2E_DEVICES or AFD_E2E_DEVICES must name
+    GPUs NVML lists (devices.check_gpu_ids: where NVML lists none, a given list is an error)."""
+    inventory = inventory or dev.nvml_inventory
+    env = os.environ if environ is None else environ
+    given = None
+    if explicit:
+        given = (explicit, "--devices")
+    elif settings.raw("E2E_DEVICES", env):
+        given = (settings.raw("E2E_DEVICES", env), "E2E_DEVICES")
+    else:       # the list of the engine that builds this kind, when it has a variable of its own
+        given = next(((settings.raw(v, env), v) for v in _devices_envs(topology)
+                      if settings.raw(v, env)), None)
+    if given:
+        devs = settings.value("E2E_DEVICES", given[0], given[1])
+        dev.check_gpu_ids(devs, given[1], given[0], present=inventory)
+    elif env.get("CUDA_VISIBLE_DEVICES"):
+        devs = dev.parse_device_list(env["CUDA_VISIBLE_DEVICES"], "CUDA_VISIBLE_DEVICES")
+    else:
+        devs = tuple(inventory())
+    return dev.xdist_share(devs, env) if devs else devs
+
+
+def _devices_envs(topology: Topology) -> list[str]:
+    return [e.devices_env for e in all_engines() if e.devices_env and topology.kind in e.kinds]
+
+
+def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
+    """This process's cores for CPU workers: E2E_CPU_CORES (checked against the affinity mask)
+    or the affinity mask, this xdist worker's share."""
+    env = os.environ if environ is None else environ
+    cores = settings.get("E2E_CPU_CORES", env)
+    if cores:
+        dev.check_cpu_ids(cores, "E2E_CPU_CORES", settings.raw("E2E_CPU_CORES", env))
+    else:
+        cores = dev.affinity()
+    return dev.xdist_share(cores, env)
+
+
+def machine_devices(topology: Topology, backend: str,
+                    explicit: str | None = None) -> tuple[int, ...]:
+    """What plan.place takes as data: on cuda the ordered GPU list (resolve_devices), on cpu
+    the cores (`explicit`, a --devices text, else cpu_cores())."""
+    if backend == "cuda":
+        return resolve_devices(topology, explicit)
+    if backend == "cpu":
+        return dev.parse_device_list(explicit, "--devices") if explicit else cpu_cores()
+    raise ConfigError(f"unknown backend {backend!r} (cpu or cuda)")
+
+
 def resolve_backend(text: str | None, source: str = "--backend") -> str:
     """`--backend`/E2E_BACKEND checked (cpu | cuda; `gpu` is refused, never read as cpu);
     unset: cuda when NVML sees a GPU."""
@@ -130,8 +196,7 @@ def startup(environ=None, *, backend: str | None = None, devices: str | None = N
     (engines/afd.check_profile). Raises SettingError with one line per problem."""
     values, errors = _collect(environ)
     if errors:
-        if values.get("AFD_E2E_LARGE_MODEL"):
-            errors += _profile_problems(environ, skip=errors)
+        errors += _profile_problems(values, environ, skip=errors)
         raise SettingError("\n".join(errors))
 
     def opt(name, text, source):
@@ -166,27 +231,22 @@ def startup(environ=None, *, backend: str | None = None, devices: str | None = N
             check_devices(text, b, source)
         except SettingError as e:
             errors.append(e.summary)
-    afd_devices = values["AFD_E2E_DEVICES"]
-    if afd_devices:
-        try:
-            dev.check_gpu_ids(afd_devices, "AFD_E2E_DEVICES", settings.raw("AFD_E2E_DEVICES", environ))
-        except SettingError as e:
-            errors.append(e.summary)
+    for e in all_engines():         # each engine's own variables (e.g. its device list)
+        errors += e.settings_problems(values, environ)
     if model and values["model"] and not errors:
-        if get_spec(values["model"]).opt_in and not values["AFD_E2E_LARGE_MODEL"]:
+        if get_spec(values["model"]).opt_in and not _opt_in_allowed(values):
             errors.append(f"--model={model!r}: an opt-in model; accepts it only with "
-                          "AFD_E2E_LARGE_MODEL=1 (the opt-in profile)")
-    if values["AFD_E2E_LARGE_MODEL"]:
-        errors += _profile_problems(environ, skip=errors)
+                          f"{_opt_in_text()} (the opt-in profile)")
+    errors += _profile_problems(values, environ, skip=errors)
     if errors:
         raise SettingError("\n".join(errors))
     return values
 
 
-def _profile_problems(environ, skip=()) -> list[str]:
-    """The opt-in AFD large-model profile's missing prerequisites, one line each; a variable
-    already named in `skip` is not named twice."""
-    named = {e.split("=", 1)[0] for e in skip}
-    problems = afd.check_profile(afd.profile_from_env(environ), need_devices=8, large_model=True)
-    return [f"opt-in AFD large-model profile (AFD_E2E_LARGE_MODEL=1): {p}" for p in problems
-            if p.split("=", 1)[0].split(" ", 1)[0] not in named]
+def _profile_problems(values: dict, environ, skip=()) -> list[str]:
+    """Each engine's switched-on opt-in profile's missing prerequisites, one line each
+    (Engine.profile_problems); a variable already named in `skip` is not named twice."""
+    out: list[str] = []
+    for e in all_engines():
+        out += e.profile_problems(values, environ, skip=skip)
+    return out

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import psutil
 
+from . import settings
 from .devices import nvml
 from .errors import TeardownError
+from .reaper import gpu_holders
 
 SHM = Path("/dev/shm")
 GPU_TOLERANCE_MIB = 64
@@ -183,7 +185,6 @@ def check_gpu(report: TeardownReport, baseline: dict[int, float], timeout: float
             break
         time.sleep(poll)
     report.gpu_leaks = leaks
-    from .reaper import gpu_holders
     holders = gpu_holders(list(leaks)) or []
     report.gpu_holders = {d: [str(h) for h in holders if h.device == d] for d in leaks}
 
@@ -192,7 +193,7 @@ def enforce(report: TeardownReport, what: str, strict: bool | None = None) -> No
     if report.ok:
         return
     if strict is None:
-        strict = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+        strict = settings.ci()
     msg = f"teardown of {what}: {report.verdict()}"
     if strict:
         raise TeardownError(msg)

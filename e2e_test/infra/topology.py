@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from .errors import ConfigError
 
@@ -119,10 +120,21 @@ def _count(text: str, what: str, name: str) -> int:
 
 
 def parse(text: str) -> Topology:
+    """A topology string as a Topology (a Topology is returned as it is). A text is parsed once
+    per process: the same text again gets the same (immutable) object back."""
     if isinstance(text, Topology):
         return text
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(f"topology must be a non-empty string, got {text!r}")
+    return _parse_cached(text)
+
+
+@lru_cache(maxsize=512)
+def _parse_cached(text: str) -> Topology:
+    return _parse(text)
+
+
+def _parse(text: str) -> Topology:
     name = text.strip().lower().replace(" ", "")
     core, *opts = name.split(",")
     for rx, kind in _CORE:

@@ -9,21 +9,12 @@
 from __future__ import annotations
 
 from . import report
-
-KEYS = {"pd": "pd_proof", "epd": "epd_proof", "afd": "afd_ffn_proof"}
+from .engines import PROOF_KEYS as KEYS
 
 
 def disagg_proof(cluster) -> dict:
-    kind = cluster.topology.kind
-    if kind == "pd":
-        p = cluster.driver.pd_proof(cluster)     # the engine's own proof (Engine.pd_proof)
-    elif kind == "epd":
-        p = cluster.driver.epd_proof(cluster)    # Engine.epd_proof
-    elif kind == "afd" and not cluster.topology.name.startswith("native"):
-        p = cluster.driver.ffn_proof(cluster)    # Engine.ffn_proof
-    else:
-        return {}
-    return {KEYS[kind]: p.to_dict()}
+    """The engine's proof for the topology kind (Engine.disagg_proof)."""
+    return cluster.driver.disagg_proof(cluster)
 
 
 def proof_lines(summary: dict) -> list[str]:

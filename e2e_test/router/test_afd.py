@@ -10,7 +10,7 @@ the requests (Engine.ffn_proof: engines/afd.afd_ffn_served, from the plugin's FF
 
 import pytest
 
-from e2e_test.infra import comparisons, oracle, settings
+from e2e_test.infra import comparisons, load, oracle, settings
 from e2e_test.infra.evals import gsm8k
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("afd")]
@@ -62,7 +62,6 @@ def test_afd_gsm8k_completes(eval_data, cluster, record):
 
 
 def _prompt_requests(cluster) -> list:
-    from e2e_test.infra import load
     return [load.Request("/v1/completions", {
         "model": cluster.model_name, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
         "logprobs": cluster.driver.top_logprobs}, tag=i) for i, p in enumerate(PROMPTS)]

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from e2e_test.infra import comparisons, oracle, proof
+from e2e_test.infra import comparisons, load, oracle, proof
 from e2e_test.infra.errors import HarnessError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("epd")]
@@ -42,7 +42,6 @@ def test_epd_proof_fails_where_nothing_moved(cluster, record):
 def test_epd_image_chat_streams(cluster, record):
     if "multimodal" not in cluster.spec.features:
         pytest.skip(f"{cluster.model_name} is not multimodal")
-    from e2e_test.infra import load
     body = proof.image_chat_body(cluster.model_name, "What is in this picture?",
                                  proof.random_png_data_uri(7), max_tokens=16)
     rep = load.run(cluster.gateway_url, [load.Request("/v1/chat/completions", body)],
@@ -58,7 +57,6 @@ IMAGE_MAX_TOKENS = 16
 
 
 def _image_requests(cluster) -> list:
-    from e2e_test.infra import load
     reqs = []
     for seed in IMAGE_SEEDS:
         body = proof.image_chat_body(cluster.model_name, "Describe this picture.",

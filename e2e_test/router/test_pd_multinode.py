@@ -31,6 +31,7 @@ from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra.errors import WorkerDied
 from e2e_test.infra.evals import recall
 from e2e_test.infra.process import extend_pythonpath
+from e2e_test.infra.ray_launcher import RayLauncher
 from e2e_test.pytest_lanes import require_multinode
 from e2e_test.pytest_state import state
 
@@ -74,7 +75,6 @@ def test_pd_across_two_nodes(request, own_cluster, record, engine_name, oracle_s
     _require(e2e_backend)
     import ray
 
-    from e2e_test.infra.ray_launcher import RayLauncher
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     t0 = time.monotonic()
     timing: dict = {}

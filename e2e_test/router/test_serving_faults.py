@@ -16,6 +16,7 @@ import pytest
 
 from e2e_test.infra import serving_faults as sf
 from e2e_test.infra import settings
+from e2e_test.infra.errors import HarnessError
 from e2e_test.infra.idle import IdleError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
@@ -62,7 +63,6 @@ def test_cancel_mid_stream(cluster, record):
 
 @SHARED
 def test_cancel_during_prefill(cluster, record):
-    from e2e_test.infra.errors import HarnessError
     try:
         case = sf.cancel_during_prefill(cluster, bound_s=CANCEL_IDLE_S)
     except HarnessError as e:

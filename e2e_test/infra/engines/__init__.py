@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import importlib
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..devices import core_list  # noqa: F401 (the builders' name for it)
 from ..errors import ConfigError
@@ -34,45 +36,32 @@ class Ports:
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """What every engine is started with (generic fields), plus each engine's own options in
+    one mapping, `engine_opts` (name -> value; the engine module declares the names it reads
+    and their defaults: its `Engine.option_defaults`). Read an engine's option with
+    `opt(name, default)`, set one with `with_opts(name=value)`."""
     backend: str = "cpu"               # cpu | cuda
-    kv_connector: str = "nixl"         # nixl | example | mooncake (PD)
-    kv_shared_path: str = ""           # ExampleConnector storage folder
     enforce_eager: bool = False
     max_num_seqs: int | None = None    # a deliberately small running window
-    cpu_kv_cache_gib: int = 2
     protocol: str = "http"             # http | grpc
     extra_args: tuple[str, ...] = ()
-    # AFD connector base port (P2pNcclAFDConnector rendezvous). The cluster fills it with the
-    # FFN entry's aux "afd" port before building the attention entry; see engines/afd.py.
-    afd_port: int | None = None
-    # Folder for per-worker state the engine writes (TokenSpeed's Prometheus multiprocess
-    # files); the cluster fills it with <cluster dir>/state. Empty: the engine keeps none.
+    # Folder for per-worker state the engine writes (e.g. Prometheus multiprocess files); the
+    # cluster fills it with <cluster dir>/state. Empty: the engine keeps none.
     state_dir: str = ""
-    # TokenSpeed PD/EPD: Mooncake transport between workers on one host. "nvlink" =
-    # MC_INTRANODE_NVLINK=1 (smg's CI; CUDA IPC), "tcp" = MC_FORCE_TCP=1 (through host memory).
-    # With neither, Mooncake picks multi-node NVLink (fabric handles), which does not publish
-    # torch's cudaMalloc memory. Env E2E_MOONCAKE_TRANSPORT.
-    mooncake_transport: str = "nvlink"
     # Folder for the engine's compile cache, shared by every worker and topology (the engine
     # keys its entries by what the compile depends on); the cluster fills it with
     # <E2E_CACHE_DIR>/compile when E2E_COMPILE_CACHE=shared. Empty: the engine's own default.
     compile_cache_dir: str = ""
-    # KV corruption negative control (engines/kv_corrupt.py, vLLM NIXL PD only): "" = off (the
-    # default: plain NixlConnector everywhere); a kind ("zero_layer", ...) or "runtime" (the
-    # kind is read from <state_dir>/kv-corrupt/<decode worker>/kind) puts the corrupting
-    # connector on every decode worker. Never set from the environment.
-    kv_corrupt: str = ""
+    # Each engine's own options (its module documents them: Engine.option_defaults).
+    engine_opts: Mapping[str, Any] = field(default_factory=dict)
 
+    def opt(self, name: str, default: Any = None) -> Any:
+        """An engine's own option: its value here, else `default` (the engine's)."""
+        return self.engine_opts.get(name, default)
 
-def options_from_env(environ=None, **overrides) -> EngineOptions:
-    """EngineOptions from the harness's env (E2E_ENFORCE_EAGER, E2E_MOONCAKE_TRANSPORT,
-    E2E_ENGINE_ARGS: extra worker flags, shell-quoted; parsed by settings.py), with explicit
-    overrides on top."""
-    from .. import settings
-    base = {"enforce_eager": settings.get("E2E_ENFORCE_EAGER", environ),
-            "mooncake_transport": settings.get("E2E_MOONCAKE_TRANSPORT", environ),
-            "extra_args": settings.get("E2E_ENGINE_ARGS", environ)}
-    return EngineOptions(**{**base, **overrides})
+    def with_opts(self, **values: Any) -> EngineOptions:
+        """A copy with these engine options set (the others kept)."""
+        return replace(self, engine_opts={**self.engine_opts, **values})
 
 
 @dataclass(frozen=True)
@@ -215,6 +204,21 @@ class Engine:
         (`afd_ffn_proof`)."""
         raise ConfigError(f"engine {self.name!r} has no FFN proof")
 
+    def disagg_proof(self, cluster) -> dict:
+        """The proof that fits the topology kind (PD: the KV moved, pd_proof; EPD: the encoder
+        ran, epd_proof; AFD: the FFN served, ffn_proof; none on AFD's native baseline or a
+        regular topology), as {record key (PROOF_KEYS): proof dict}."""
+        kind, topo = cluster.topology.kind, cluster.topology
+        if kind == "pd":
+            p = self.pd_proof(cluster)
+        elif kind == "epd":
+            p = self.epd_proof(cluster)
+        elif kind == "afd" and not topo.name.startswith("native"):
+            p = self.ffn_proof(cluster)
+        else:
+            return {}
+        return {PROOF_KEYS[kind]: p.to_dict()}
+
     def proof_line(self, key: str, proof: dict) -> str | None:
         """One line for a report of a recorded proof (`key`: pd_proof, epd_proof,
         afd_ffn_proof; `proof`: its to_dict()), or None when the proof is not this engine's.
@@ -230,6 +234,36 @@ class Engine:
     # Environment a lane's virtualenv of this engine sets on every run (lanes.py Venv.env):
     # (name, value) pairs.
     lane_env: tuple[tuple[str, str], ...] = ()
+    # Its own options (EngineOptions.engine_opts) and their defaults: {name: default}.
+    option_defaults: dict = {}          # noqa: RUF012 (read only)
+    # Its options read from the harness's variables (settings.options_from_env):
+    # {option name: variable name}.
+    env_options: dict = {}              # noqa: RUF012 (read only)
+    # A variable holding its own ordered GPU list, read for the topologies it builds after
+    # --devices and E2E_DEVICES (startup.resolve_devices); "": none.
+    devices_env: str = ""
+    # A boolean variable that admits the registry's opt-in models (its opt-in profile,
+    # startup.py); "": it has none.
+    opt_in_flag: str = ""
+    # The variable that holds an opt-in model's weights folder (its profile's model;
+    # models.weights_path); "": none.
+    opt_in_weights_env: str = ""
+    # Python distributions whose installed versions a run records (results.versions).
+    packages: tuple[str, ...] = ()
+    # Its own variables, settings.Setting rows: settings.SETTINGS lists them after the
+    # harness's (the README table, `python -m e2e_test settings`, the start-up check).
+    settings_rows: tuple = ()
+
+    def settings_problems(self, values: dict, environ) -> list[str]:
+        """Its own variables checked at start-up against this machine (`values`: every
+        variable parsed, settings.collect): one line per problem. Runs on every start-up."""
+        return []
+
+    def profile_problems(self, values: dict, environ, skip=()) -> list[str]:
+        """The missing prerequisites of its opt-in profile when that is switched on (its
+        `opt_in_flag`), one line each; a variable already named in `skip` is not named
+        again."""
+        return []
 
     def compile_cache_status(self, log_text: str, options: EngineOptions) -> str:
         """Whether a worker's boot reused a compile cache, read from its log (the lane's time
@@ -239,6 +273,9 @@ class Engine:
 
 
 DEFAULT_ENGINE = "vllm"
+# The record key of each topology kind's proof (Engine.disagg_proof): the pytest records, the
+# CLI's summary and the reports use the same keys.
+PROOF_KEYS = {"pd": "pd_proof", "epd": "epd_proof", "afd": "afd_ffn_proof"}
 # name -> module defining ENGINE. Adding an engine = one module + one line here.
 REGISTRY: dict[str, str] = {
     "vllm": "e2e_test.infra.engines.vllm",

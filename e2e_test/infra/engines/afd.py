@@ -50,11 +50,14 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..errors import ConfigError, HarnessError
+from .. import settings
+from ..devices import check_gpu_ids
+from ..errors import ConfigError, HarnessError, SettingError
 from ..model_specs import ModelSpec
 from ..plan import PlanEntry
 from ..proof import long_unique_prompt, post_all, scrape_all, sum_delta
 from ..readiness import Alive, HttpGet, PortBound
+from ..settings import Bool, Choice, DeviceList, Executable, Int, PathKind, Setting
 from ..topology import Topology
 from . import Engine, EngineOptions, Ports, WorkerCommand, vllm
 from .vllm import WORK_COUNTERS as VLLM_WORK_COUNTERS
@@ -79,7 +82,7 @@ IDLE_SKIP_ROLES = ("ffn",)
 def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
     """The FFN entry owns the connector's rendezvous port ("afd"); it also binds the next
     num_ffn_ranks ports (one per FFN subgroup). Attention takes the same value from
-    EngineOptions.afd_port, which the cluster fills."""
+    EngineOptions.engine_opts["afd_port"], which the cluster fills."""
     if topology.kind == "afd" and not topology.native_baseline and entry.role == "ffn":
         return ["afd"]
     return []
@@ -87,7 +90,6 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
 
 def serve_prefix(environ: dict | None = None) -> list[str]:
     """`$AFD_GPU_E2E_VLLM_BIN serve` when set, else this interpreter's vLLM CLI."""
-    from .. import settings
     vllm_bin = settings.raw(VLLM_BIN_ENV, environ)
     if vllm_bin:
         return [vllm_bin, "serve"]
@@ -105,14 +107,14 @@ def _ranks(spec: ModelSpec, topology: Topology, role: str, entry: PlanEntry) -> 
 
 def _afd_port(entry: PlanEntry, ports: Ports, options: EngineOptions) -> int:
     own = ports.aux.get("afd")
-    if options.afd_port is not None:
-        if own is not None and own != options.afd_port:
+    if options.opt("afd_port") is not None:
+        if own is not None and own != options.opt("afd_port"):
             raise ConfigError(f"{entry.name}: aux afd port {own} differs from "
-                              f"EngineOptions.afd_port {options.afd_port}")
-        return options.afd_port
+                              f"EngineOptions.engine_opts["afd_port"] {options.opt('afd_port')}")
+        return options.opt("afd_port")
     if own is None:
         raise ConfigError(f"{entry.name}: no AFD connector port; the cluster must set "
-                          "EngineOptions.afd_port to the FFN entry's aux 'afd' port")
+                          "EngineOptions.engine_opts["afd_port"] to the FFN entry's aux 'afd' port")
     return own
 
 
@@ -186,7 +188,6 @@ _TRACE_GLOB = "*.pt.trace.json*"
 
 
 def ffn_step_trace_enabled(environ: dict | None = None) -> bool:
-    from .. import settings
     return bool(settings.get(FFN_STEP_TRACE_ENV, environ))
 
 
@@ -343,12 +344,47 @@ class AfdEngine(Engine):
     backends = ("cuda",)
     packable = False
     work_counters = VLLM_WORK_COUNTERS
+    devices_env = "AFD_E2E_DEVICES"
+    opt_in_flag = "AFD_E2E_LARGE_MODEL"
+    opt_in_weights_env = "AFD_GPU_E2E_MODEL"
+    settings_rows = (
+        Setting("E2E_AFD_GSM8K_N", Int(1), 8, "GSM8K questions of the AFD suite"),
+        Setting("E2E_AFD_GSM8K_MAX_TOKENS", Int(1), 128, "max tokens per GSM8K answer in the AFD suite"),
+        Setting("E2E_AFD_FFN_STEP_TRACE", Bool(), True, "the afd-plugin per-step FFN trace on every FFN server (the FFN proof)"),
+        Setting("AFD_E2E_BACKEND", Choice("gpu"), None, "AFD plugin backend; this harness runs the CUDA path only"),
+        Setting("AFD_E2E_DEVICES", DeviceList(), None, "ordered GPU ids for AFD topologies (role order)"),
+        Setting("AFD_E2E_LARGE_MODEL", Bool(), False, "the opt-in AFD large-model profile (an opt-in registry model needs it)"),
+        Setting("AFD_GPU_E2E_MODEL", PathKind(must_be_dir=True), None, "weights folder of the AFD large model (used as its weights path)"),
+        Setting("AFD_GPU_E2E_VLLM_BIN", Executable(), None, "`vllm` executable for AFD workers; unset: this interpreter's vLLM"),
+    )
+
+    def settings_problems(self, values, environ):
+        devs = values.get("AFD_E2E_DEVICES")
+        if not devs:
+            return []
+        try:
+            check_gpu_ids(devs, "AFD_E2E_DEVICES", settings.raw("AFD_E2E_DEVICES", environ))
+        except SettingError as e:
+            return [e.summary]
+        return []
+
+    def profile_problems(self, values, environ, skip=()):
+        if not values.get("AFD_E2E_LARGE_MODEL"):
+            return []
+        named = {e.split("=", 1)[0] for e in skip}
+        problems = check_profile(profile_from_env(environ), need_devices=8, large_model=True)
+        return [f"opt-in AFD large-model profile (AFD_E2E_LARGE_MODEL=1): {p}" for p in problems
+                if p.split("=", 1)[0].split(" ", 1)[0] not in named]
+
+    # The connector base port (P2pNcclAFDConnector rendezvous): `prepare` sets it, the FFN binds
+    # it and attention connects to it (EngineOptions.engine_opts["afd_port"]).
+    option_defaults = {"afd_port": None}  # noqa: RUF012
 
     def aux_ports(self, topology, entry, options):
         return aux_ports(topology, entry, options)
 
     def fixed_ports(self, options):
-        return {"afd": options.afd_port} if options.afd_port else {}
+        return {"afd": options.opt("afd_port")} if options.opt("afd_port") else {}
 
     def prepare(self, topology, spec, options, run_dir, allocate_block):
         if topology.native_baseline:
@@ -356,7 +392,7 @@ class AfdEngine(Engine):
         # The FFN binds the connector port and the next num_ffn_ranks ports; attention
         # connects to the same base port.
         ffn = topology.group("ffn")
-        return replace(options, afd_port=allocate_block(ffn.dp * ffn.tp * spec.tp + 1))
+        return options.with_opts(afd_port=allocate_block(ffn.dp * ffn.tp * spec.tp + 1))
 
     def build(self, spec, topology, entry, ports, model_path, options):
         return build(spec, topology, entry, ports, model_path, options)
@@ -401,7 +437,6 @@ class AfdProfile:
 def profile_from_env(environ: dict | None = None) -> AfdProfile:
     """The variables as given (settings.py declares and validates them; this keeps the raw
     text so check_profile can name what it got)."""
-    from .. import settings
     env = os.environ if environ is None else environ
     raw = settings.raw("AFD_E2E_DEVICES", env)
     devices = tuple(d.strip() for d in raw.split(",") if d.strip()) if raw else ()

@@ -1,7 +1,7 @@
 """KV corruption negative controls: a NixlConnector that corrupts what a decode received.
 
 Loaded by vLLM itself (never by default): the vLLM builder (engines/vllm.py) gives the decode
-worker, and only it, when `EngineOptions.kv_corrupt` is set,
+worker, and only it, when `EngineOptions.engine_opts["kv_corrupt"]` is set,
 
     {"kv_connector": "E2ECorruptingNixlConnector",
      "kv_connector_module_path": "e2e_test.infra.engines.kv_corrupt",
@@ -114,7 +114,7 @@ def parse_kind(text: str | None) -> Kind:
 
 
 def check_setting(text: str) -> str:
-    """What EngineOptions.kv_corrupt accepts: '' (off), 'runtime', or a kind."""
+    """What EngineOptions.engine_opts["kv_corrupt"] accepts: '' (off), 'runtime', or a kind."""
     if text and text != RUNTIME:
         parse_kind(text)
     return text

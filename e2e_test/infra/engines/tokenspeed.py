@@ -54,6 +54,7 @@ from ..proof import (
     verdict,
 )
 from ..readiness import GrpcHealth
+from ..settings import Choice, Setting
 from ..topology import Topology
 from . import Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 
@@ -70,6 +71,11 @@ IDLE_GAUGES = {"running": "tokenspeed:num_requests_running",
                "kv_cache_usage": "tokenspeed:kv_cache_usage_perc"}
 IDLE_SKIP_ROLES = ("encode",)
 TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"}, "tcp": {"MC_FORCE_TCP": "1"}}
+# EngineOptions.engine_opts["mooncake_transport"]: Mooncake's transport between workers on one
+# host. "nvlink" = MC_INTRANODE_NVLINK=1 (smg's CI; CUDA IPC), "tcp" = MC_FORCE_TCP=1 (through
+# host memory). With neither, Mooncake picks multi-node NVLink (fabric handles), which does not
+# publish torch's cudaMalloc memory. Env E2E_MOONCAKE_TRANSPORT.
+DEFAULT_TRANSPORT = "nvlink"
 # SIGTERM -> SIGKILL after this many seconds. The servicer cannot stop cleanly sooner: its
 # SIGTERM path polls for in-flight requests every 0.5 s, SIGKILLs the scheduler children, then
 # gives gRPC a fixed 5 s stop grace (smg_grpc_servicer/tokenspeed/server.py:193-208,
@@ -128,8 +134,9 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     disagg = _disagg(topology, entry)
     if topology.kind in ("pd", "epd") and not disagg:
         raise ConfigError(f"{topology.kind} topology has no role {entry.role!r} for TokenSpeed")
-    if options.mooncake_transport not in TRANSPORTS:
-        raise ConfigError(f"mooncake transport {options.mooncake_transport!r}: use one of "
+    transport = options.opt("mooncake_transport", DEFAULT_TRANSPORT)
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"mooncake transport {transport!r}: use one of "
                           f"{', '.join(TRANSPORTS)}")
     # Packed on one GPU, the plan entry carries the cumulative share (packed_schedule).
     util = entry.mem_fraction
@@ -183,7 +190,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             argv.append("--enforce-eager")
             eager = True
         argv.append("--skip-server-warmup")
-        env.update({**TRANSPORTS[options.mooncake_transport],
+        env.update({**TRANSPORTS[transport],
                     "NO_PROXY": "*", "no_proxy": "*"})
         if entry.role == "encode":
             # No embedding cache: every image runs the vision tower (the EPD proof).
@@ -467,6 +474,11 @@ WORK_COUNTERS = ("tokenspeed:iteration_tokens_total_sum",)
 
 class TokenSpeedEngine(Engine):
     idle_gauges = IDLE_GAUGES
+    option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT}  # noqa: RUF012
+    env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT"}  # noqa: RUF012
+    packages = ("tokenspeed",)
+    settings_rows = (Setting("E2E_MOONCAKE_TRANSPORT", Choice("nvlink", "tcp"), DEFAULT_TRANSPORT,
+                             "TokenSpeed PD/EPD Mooncake transport on one host"),)
     # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num
     # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
     # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled

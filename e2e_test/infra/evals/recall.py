@@ -18,7 +18,7 @@ import random
 import re
 
 from .. import load
-from ..oracle import TOP_K
+from ..oracle import TOP_K, NoEvidenceError
 
 WORDS = ["river", "stone", "amber", "field", "lantern", "copper", "meadow", "harbor", "violet", "signal", "quiet", "orchard", "thunder", "marble", "canyon", "willow", "ember", "frost", "saddle", "beacon"]
 
@@ -64,7 +64,6 @@ def recall_problems(baseline_copied: list, copied: list, n: int, topology: str) 
     baseline that copied no code tests nothing: an error (NoEvidenceError), not a pass. A
     kind that `1` never copied (mid-text, or tail) is not checked for copying (untested_kinds
     names it for the record); the oracle still compares every item token by token. Pure."""
-    from ..oracle import NoEvidenceError
     if not baseline_copied:
         raise NoEvidenceError(f"recall: `1` copied none of the {n} pass codes: the probe "
                               f"cannot fail on {topology}, nothing was tested")
