@@ -82,7 +82,7 @@ IDLE_SKIP_ROLES = ("ffn",)
 def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> list[str]:
     """The FFN entry owns the connector's rendezvous port ("afd"); it also binds the next
     num_ffn_ranks ports (one per FFN subgroup). Attention takes the same value from
-    EngineOptions.engine_opts["afd_port"], which the cluster fills."""
+    EngineOptions.engine_opts['afd_port'], which the cluster fills."""
     if topology.kind == "afd" and not topology.native_baseline and entry.role == "ffn":
         return ["afd"]
     return []
@@ -110,11 +110,11 @@ def _afd_port(entry: PlanEntry, ports: Ports, options: EngineOptions) -> int:
     if options.opt("afd_port") is not None:
         if own is not None and own != options.opt("afd_port"):
             raise ConfigError(f"{entry.name}: aux afd port {own} differs from "
-                              f"EngineOptions.engine_opts["afd_port"] {options.opt('afd_port')}")
+                              f"EngineOptions.engine_opts['afd_port'] {options.opt('afd_port')}")
         return options.opt("afd_port")
     if own is None:
         raise ConfigError(f"{entry.name}: no AFD connector port; the cluster must set "
-                          "EngineOptions.engine_opts["afd_port"] to the FFN entry's aux 'afd' port")
+                          "EngineOptions.engine_opts['afd_port'] to the FFN entry's aux 'afd' port")
     return own
 
 
@@ -377,7 +377,7 @@ class AfdEngine(Engine):
                 if p.split("=", 1)[0].split(" ", 1)[0] not in named]
 
     # The connector base port (P2pNcclAFDConnector rendezvous): `prepare` sets it, the FFN binds
-    # it and attention connects to it (EngineOptions.engine_opts["afd_port"]).
+    # it and attention connects to it (EngineOptions.engine_opts['afd_port']).
     option_defaults = {"afd_port": None}  # noqa: RUF012
 
     def aux_ports(self, topology, entry, options):
