@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -16,17 +17,30 @@ import pytest
 
 pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
-from .infra import datasets, lifecycle, progress, results, settings, startup, time_report
+from .infra import (
+    coboot,
+    datasets,
+    devices,
+    lifecycle,
+    progress,
+    results,
+    settings,
+    startup,
+    teardown,
+    time_report,
+)
 from .infra import topology as topologies
 from .infra.cluster import Cluster
 from .infra.engines import (
     DEFAULT_ENGINE,
     EngineOptions,
     engine_names,
+    for_topology,
     kind_engines,
 )
 from .infra.errors import HarnessError
 from .infra.idle import IdleError
+from .infra.launcher import Baseline, LocalLauncher
 from .infra.model_specs import DEFAULT_MODEL, get_spec
 from .infra.settings import options_from_env
 from .infra.topology import Topology
@@ -201,6 +215,14 @@ def pytest_collection_modifyitems(session, config, items):
                 profile[0] if profile else "", breaks, mod[id(item)], pos[id(item)])
 
     items.sort(key=key)
+    # The shared topologies in the order their tests run: what the lane-level placement
+    # (ClusterPool.boot_schedule) decides over.
+    keys = []
+    for item in items:
+        ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key")
+        if ck and "own_cluster" not in getattr(item, "fixturenames", ()) and ck not in keys:
+            keys.append(ck)
+    state(config).cluster_keys = keys
 
 
 @dataclass(frozen=True)
@@ -240,16 +262,72 @@ def e2e_backend(request) -> str:
 
 
 class ClusterPool:
-    """At most one shared topology alive at a time (memory and cores are scarce): tests are
-    grouped by their session-scoped `cluster_key`, so each key boots once. A key whose start
-    failed fails its other tests at once with the same error instead of booting again."""
+    """The session's shared topologies. Tests are grouped by their session-scoped
+    `cluster_key`, so each key boots once. A key whose start failed fails its other tests at
+    once with the same error instead of booting again.
+
+    How they boot is the lane-level placement's (coboot.py, decided at the first request from
+    every key the session collected, their plans, the backend, the GPUs' free memory and the
+    cores; E2E_BOOT_SCHEDULE overrides): serial keeps one topology alive at a time (memory and
+    cores are scarce, the CPU lane); together or in waves, the first request of a wave starts
+    every topology of that wave at once, each in its own thread, and each test waits only for
+    its own topology, which fails alone with its own error. A topology is stopped when the
+    tests move on to the next key, as in serial; the next wave starts once the earlier ones
+    are stopped, and once a wave's last topology has stopped its devices must be back at the
+    wave's baseline (each topology's own teardown checked only its own processes)."""
 
     def __init__(self, config):
         self.config = config
         self.key = None
         self.current: Cluster | None = None
         self.failed: dict = {}
+        self.schedule: coboot.BootSchedule | None = None
+        self.boots: dict = {}             # key -> (Cluster, Future) booting or up, co-booted
+        self.waves_started: set[int] = set()
+        self.wave_base: dict[int, Baseline] = {}
+        self.wave_left: dict[int, set] = {}      # wave -> keys not yet stopped
+        self._executor: ThreadPoolExecutor | None = None
 
+    # -- the schedule ---------------------------------------------------------------------------
+    def boot_schedule(self) -> coboot.BootSchedule:
+        if self.schedule is None:
+            self.schedule = self._decide()
+            st = state(self.config)
+            st.boot_schedule = self.schedule.to_dict()
+            print(f"\nboot schedule: {self.schedule.mode}: {self.schedule.reason}")
+        return self.schedule
+
+    def _decide(self) -> coboot.BootSchedule:
+        keys = list(state(self.config).cluster_keys)
+        backend = startup.resolve_backend(self.config.getoption("--backend"))
+        how = settings.get("E2E_BOOT_SCHEDULE")
+        if how == "serial":
+            return coboot.serial(keys, "E2E_BOOT_SCHEDULE=serial")
+        keyed = []
+        for k in keys:
+            engine, topo, *_ = k
+            plan = None
+            if settings.get("E2E_LAUNCHER") == "local":
+                plan = reusable_plan(self.config, topologies.parse(topo), backend, engine)
+            if plan is None:
+                return coboot.serial(keys, f"{coboot.key_name(k)} is placed when it boots "
+                                           "(nodes, launcher or too few devices): one at a time")
+            keyed.append((k, plan))
+        cores = len(devices.affinity())
+        if how == "together":
+            return coboot.BootSchedule("together", (tuple(keys),) if keys else (),
+                                       "E2E_BOOT_SCHEDULE=together")
+        gpus = sorted({g for _, p in keyed for g in p.devices}) if backend == "cuda" else []
+        free = devices.gpu_free_share(gpus) if backend == "cuda" else None
+        alone = {k: why for k in keys
+                 if (why := for_topology(k[0], topologies.parse(k[1])).boots_beside_others)}
+        return coboot.schedule(keyed, backend, free, cores, alone=alone)
+
+    def _cobooted(self, key) -> bool:
+        sched = self.boot_schedule()
+        return sched.together and any(key in w and len(w) > 1 for w in sched.waves)
+
+    # -- getting a topology -----------------------------------------------------------------------
     def get(self, key, make) -> Cluster:
         if key in self.failed:
             raise self.failed[key]
@@ -262,6 +340,9 @@ class ClusterPool:
                 raise
             return self.current
         self.release()
+        if self._cobooted(key) and self._wave_open(key):
+            return self._get_cobooted(key)
+        self._stop_waves_before(None)
         c = make()
         state(self.config).clusters[c.name] = c
         try:
@@ -275,19 +356,125 @@ class ClusterPool:
         print(f"\n{c.plan.describe()}\nready: {c.timing}")
         return c
 
+    def _wave_open(self, key) -> bool:
+        """Its wave is still to start, or something of it is still up (a topology stopped
+        after a test broke it is then booted again beside the others; when nothing of its
+        wave is up any more it boots alone, as in serial)."""
+        w = self.schedule.wave_of(key)
+        return w not in self.waves_started or bool(self.wave_left.get(w))
+
+    def _get_cobooted(self, key) -> Cluster:
+        w = self.schedule.wave_of(key)
+        if w not in self.waves_started:
+            self._start_wave(w)
+        c, fut = self.boots[key]
+        if c._stopped:      # stopped after a test broke it or leaked: a fresh one, beside the rest
+            c = _make_for_key(self.config, key, shared_devices=True)
+            state(self.config).clusters[c.name] = c
+            fut = self._executor.submit(c.start)
+            self.boots[key] = (c, fut)
+            self.wave_left[w].add(key)
+        try:
+            fut.result()
+        except BaseException as e:
+            self._stop(key, c)
+            if isinstance(e, HarnessError):
+                self.failed[key] = e
+            raise
+        self.key, self.current = key, c
+        print(f"\n{c.plan.describe()}\nready: {c.timing} (booted with "
+              f"{', '.join(coboot.key_name(k) for k in self.schedule.waves[w] if k != key)})")
+        return c
+
+    def _start_wave(self, w: int) -> None:
+        """Every topology of wave `w` at once: constructed here (ports, plans), started each
+        in a thread. Earlier waves are stopped first: the waves were packed to fit one by one."""
+        self._stop_waves_before(w)
+        self.waves_started.add(w)
+        keys = self.schedule.waves[w]
+        st = state(self.config)
+        clusters = []
+        for k in keys:
+            c = _make_for_key(self.config, k, shared_devices=True)
+            st.clusters[c.name] = c
+            clusters.append((k, c))
+        gpus = tuple(sorted({g for _, c in clusters for g in
+                             (c.plan.devices if c.backend == "cuda" else ())}))
+        self.wave_base[w] = LocalLauncher().baseline(gpus)
+        self.wave_left[w] = set(keys)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="e2e-boot")
+        for k, c in clusters:
+            self.boots[k] = (c, self._executor.submit(c.start))
+        print(f"\nbooting together: {', '.join(coboot.key_name(k) for k in keys)}")
+
+    # -- stopping -----------------------------------------------------------------------------------
+    def _stop(self, key, c: Cluster):
+        """Stop one topology; for a co-booted one, once its wave's last is down, the wave's
+        devices against the wave's baseline (added to this last topology's report)."""
+        rep = c.stop(verify_strict=False)     # violations fail the session at its end
+        if key in self.boots:
+            w = self.schedule.wave_of(key)
+            left = self.wave_left.get(w, set())
+            left.discard(key)
+            if not left and w in self.wave_base:
+                self._check_wave(w, c)
+        return rep
+
+    def _check_wave(self, w: int, last: Cluster) -> None:
+        base = self.wave_base.pop(w)
+        rep = last.teardown_report
+        if rep is None:
+            return
+        wave = teardown.TeardownReport()
+        teardown.check_gpu(wave, base.gpu_mib)
+        removed, left = teardown.clean_shm(base.shm)
+        rep.shm_removed, rep.shm_left = rep.shm_removed + removed, rep.shm_left + left
+        if wave.gpu_checked:
+            rep.gpu_checked, rep.gpu_wait_s = True, wave.gpu_wait_s
+            rep.gpu_settle_s = wave.gpu_settle_s
+            rep.gpu_leaks = {**rep.gpu_leaks, **wave.gpu_leaks}
+            rep.gpu_holders = {**(rep.gpu_holders or {}), **(wave.gpu_holders or {})}
+
+    def _stop_waves_before(self, w: int | None) -> None:
+        """Stop what is still up of the waves before `w` (None: of every wave)."""
+        for k, (c, fut) in list(self.boots.items()):
+            if (w is None or self.schedule.wave_of(k) < w) and not c._stopped:
+                try:
+                    fut.result()              # still booting: let it finish, then stop it
+                except BaseException:         # noqa: BLE001 - its own test names it
+                    pass
+                self._stop(k, c)
+
     def release(self):
         """Stop the current topology; its teardown report (None when none was up)."""
         if self.current is not None:
-            c, self.current, self.key = self.current, None, None
-            return c.stop(verify_strict=False)   # violations fail the session at its end
+            c, key, self.current, self.key = self.current, self.key, None, None
+            return self._stop(key, c)
         return None
+
+    def release_all(self):
+        self.release()
+        self._stop_waves_before(None)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
 
 @pytest.fixture(scope="session")
 def cluster_pool(request):
     pool = ClusterPool(request.config)
     yield pool
-    pool.release()
+    pool.release_all()
+
+
+def _make_for_key(config, key, **kw) -> Cluster:
+    """The Cluster of a shared key (engine, topology, profile...), as the `cluster` fixture
+    makes it."""
+    engine, topo, *profile = key
+    if profile:
+        kw["options"] = cluster_profile(profile[0]).options()
+    backend = startup.resolve_backend(config.getoption("--backend"))
+    return make_cluster(config, engine, topo, backend, **kw)
 
 
 def make_cluster(config, engine: str, topology: Topology | str, backend: str,
@@ -307,11 +494,9 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
     """A running topology behind the gateway, shared by every test of the same key."""
     if cluster_key is None:
         pytest.skip("no topology")
-    engine, topo, *profile = cluster_key
+    engine, topo, *_ = cluster_key
     require_devices(request.config, topo, e2e_backend, engine)
-    kw = {"options": cluster_profile(profile[0]).options()} if profile else {}
-    return cluster_pool.get(cluster_key, lambda: make_cluster(request.config, engine, topo,
-                                                              e2e_backend, **kw))
+    return cluster_pool.get(cluster_key, lambda: _make_for_key(request.config, cluster_key))
 
 
 @pytest.fixture(autouse=True)
@@ -438,9 +623,9 @@ def pytest_sessionfinish(session, exitstatus):
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write
     st.summary = results.write_session(st.records, st.clusters,
                                        wall_s=time.monotonic() - st.t0)
-    st.time_report = time_report.compute([time_report.cluster_entry(c)
-                                          for c in st.clusters.values()],
-                                         st.calls, st.t0_epoch, time.time())
+    st.time_report = time_report.with_schedule(
+        time_report.compute([time_report.cluster_entry(c) for c in st.clusters.values()],
+                            st.calls, st.t0_epoch, time.time()), st.boot_schedule)
     time_report.write(st.time_report, Path(st.summary["dir"]))
 
 
@@ -455,3 +640,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"results: {out['dir']}")
     if st.time_report:
         terminalreporter.write_line(f"time: {time_report.headline(st.time_report)}", bold=True)
+        if st.time_report.get("boot_schedule"):
+            terminalreporter.write_line(f"boot schedule: {st.time_report['boot_schedule']['reason']}")

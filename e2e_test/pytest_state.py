@@ -24,6 +24,8 @@ class SessionState:
     deselected: dict = field(default_factory=dict)         # reason -> [items]
     collect_skips: list = field(default_factory=list)      # "nodeid: reason"
     min_tests_line: str | None = None                      # --e2e-min-tests: too few ran
+    cluster_keys: list = field(default_factory=list)       # shared topologies, in test order
+    boot_schedule: dict | None = None                      # coboot.BootSchedule.to_dict()
 
 
 STATE = pytest.StashKey[SessionState]()

@@ -156,3 +156,24 @@ def test_enforce_warns_outside_ci(monkeypatch):
     monkeypatch.setenv("CI", "false")
     with pytest.warns(RuntimeWarning):
         enforce(LEAKY, "1p1d")
+
+
+def test_a_topology_stopped_beside_others_checks_only_its_own_processes(monkeypatch):
+    """Booted together with others (coboot.py): its teardown waits until none of ITS pids
+    holds GPU memory (NVML's per-process list); the others' memory is not a leak. A pid of its
+    own that keeps holding memory past the wait is named."""
+    from e2e_test.infra import teardown as td
+    seen = iter([{0: [(100, 500.0), (7, 900.0)]}, {0: [(7, 900.0)]}])
+    monkeypatch.setattr(td, "nvml_processes", lambda devices: next(seen))
+    rep = td.TeardownReport()
+    td.check_gpu_own(rep, (0,), {100, 101}, timeout=5, poll=0)
+    assert rep.gpu_checked and rep.gpu_leaks == {} and rep.ok
+    monkeypatch.setattr(td, "nvml_processes", lambda devices: {0: [(100, 512.0), (7, 900.0)]})
+    rep = td.TeardownReport()
+    td.check_gpu_own(rep, (0,), {100}, timeout=0, poll=0)
+    assert rep.gpu_leaks == {0: 512.0} and not rep.ok
+    assert rep.gpu_holders == {0: ["pid 100 512 MiB on GPU 0 (this topology)"]}
+    monkeypatch.setattr(td, "nvml_processes", lambda devices: None)    # no NVML: unchecked
+    rep = td.TeardownReport()
+    td.check_gpu_own(rep, (0,), {100})
+    assert not rep.gpu_checked and rep.ok

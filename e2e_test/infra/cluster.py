@@ -134,7 +134,8 @@ class Cluster:
                  admission: gw.Admission | None = None, policy: str = "round_robin",
                  startup_timeout: float | None = None, results_dir: Path | str | None = None,
                  name: str | None = None, gateway_args: tuple[str, ...] = (),
-                 launcher: Launcher | None = None, plan: Plan | None = None):
+                 launcher: Launcher | None = None, plan: Plan | None = None,
+                 shared_devices: bool = False):
         self.spec: ModelSpec = model if isinstance(model, ModelSpec) else get_spec(model)
         self.engine = engine
         self.topology = topologies.parse(topology)     # a Topology is taken as it is
@@ -171,7 +172,10 @@ class Cluster:
         if not opts.state_dir:
             opts = replace(opts, state_dir=str(self.dir.resolve() / "state"))
         if not opts.compile_cache_dir and settings.get("E2E_COMPILE_CACHE") == "shared":
-            opts = replace(opts, compile_cache_dir=str(cache_dir() / "compile"))
+            # Booted together with others (shared_devices): a cache of its own topology, so
+            # two compiles of the same graphs never write one folder at once.
+            sub = f"{self.engine}-{self.topology.name}" if shared_devices else ""
+            opts = replace(opts, compile_cache_dir=str(cache_dir() / "compile" / sub))
         self.options = self.driver.prepare(self.topology, self.spec, opts, self.dir,
                                            ports.allocate_block)
         self.workers: list[Worker] = [self._make_worker(e) for e in self.plan.entries]
@@ -182,6 +186,10 @@ class Cluster:
         self.teardown_report: teardown.TeardownReport | None = None
         self.stop_reports: list[StopReport] = []
         self._baseline = Baseline()
+        # Booted together with other topologies on the same devices (coboot.py): teardown
+        # checks this topology's own processes, not the devices' memory, which the others
+        # still hold (launcher.Baseline).
+        self.shared_devices = shared_devices
         self._stopped = False
         self._client: httpx.Client | None = None
         self._extra_ports: set[int] = set()          # extra_gateway's
@@ -258,8 +266,11 @@ class Cluster:
         (self.dir / "plan.txt").write_text(self.plan.describe() + "\n")
         with Cluster._live_lock:
             Cluster.live.add(self)
-        self._baseline = self.launcher.baseline(self.plan.devices if self.backend == "cuda"
-                                                else ())
+        gpus = self.plan.devices if self.backend == "cuda" else ()
+        if self.shared_devices:
+            self._baseline = replace(self.launcher.baseline(()), shared=True, own_gpus=gpus)
+        else:
+            self._baseline = self.launcher.baseline(gpus)
         t0 = time.monotonic()
         self.timing.boot_started = time.time()
         self._start_workers(t0)
@@ -421,6 +432,8 @@ class Cluster:
             self.stop_reports = list(ex.map(
                 lambda p: p.stop(grace=grace.get(id(p), STOP_GRACE_S)), procs))
         self.stop_reports += self._extra_stops
+        if self._baseline.shared:
+            self._baseline.own_pids = self._own_pids(procs)
         rep = self.launcher.verify(self.stop_reports, self.allocated_ports, self._baseline)
         rep.seconds = round(time.monotonic() - t0, 2)
         self.timing.teardown_s = rep.seconds
@@ -435,6 +448,17 @@ class Cluster:
             pass
         teardown.enforce(rep, f"{self.topology.name} ({self.name})", strict=verify_strict)
         return rep
+
+    @staticmethod
+    def _own_pids(procs) -> set[int]:
+        """Every pid this topology started or saw among its processes' descendants."""
+        out: set[int] = set()
+        for p in procs:
+            pid = getattr(p, "pid", None)
+            if isinstance(pid, int) and pid > 0:
+                out.add(pid)
+            out.update(getattr(p, "_known", {}) or {})
+        return out
 
     def kill_now(self) -> None:
         """Second Ctrl-C: SIGKILL every process tree at once, no grace."""

@@ -46,6 +46,24 @@ def nvml_inventory() -> tuple[int, ...]:
             return ()
 
 
+def gpu_free_share(devices) -> dict[int, float] | None:
+    """Each device's free memory as a share of its total (NVML), or None where NVML cannot
+    say (the lane-level placement then boots one topology after another)."""
+    if not devices:
+        return {}
+    with nvml() as n:
+        if n is None:
+            return None
+        try:
+            out = {}
+            for d in devices:
+                info = n.nvmlDeviceGetMemoryInfo(n.nvmlDeviceGetHandleByIndex(d))
+                out[d] = round(info.free / info.total, 4)
+            return out
+        except Exception:  # noqa: BLE001
+            return None
+
+
 def nvml_why() -> str:
     """Why NVML lists no GPU here, in words."""
     try:

@@ -59,9 +59,19 @@ class Handle(Protocol):
 
 @dataclass
 class Baseline:
-    """What the host looked like before the start (compared at teardown)."""
+    """What the host looked like before the start (compared at teardown).
+
+    A topology booted together with others on the same devices (coboot.py) is `shared`: its
+    teardown cannot compare device memory or /dev/shm with a baseline while the others run.
+    It checks its own processes instead: none of `own_pids` (its processes and every
+    descendant seen) may still hold memory on `own_gpus` (NVML's per-process list). The
+    device-level check and the /dev/shm clean-up run once the last topology of its wave has
+    stopped (pytest_plugin.ClusterPool), against the wave's baseline."""
     shm: set[str] = field(default_factory=set)
     gpu_mib: dict[int, float] = field(default_factory=dict)
+    shared: bool = False
+    own_gpus: tuple[int, ...] = ()
+    own_pids: set[int] = field(default_factory=set)
 
 
 class Launcher(Protocol):
@@ -107,7 +117,10 @@ class LocalLauncher:
         rep.escalated = [r.name for r in stops if r.escalated]
         rep.survivors = [s for r in stops for s in r.survivors]
         rep.busy_ports = teardown.listening_ports(ports)
-        teardown.check_gpu(rep, baseline.gpu_mib)     # measured settle; names the holders
-        rep.shm_removed, rep.shm_left = teardown.clean_shm(baseline.shm)
+        if baseline.shared:           # booted with others on its devices: its own processes
+            teardown.check_gpu_own(rep, baseline.own_gpus, baseline.own_pids)
+        else:
+            teardown.check_gpu(rep, baseline.gpu_mib)     # measured settle; names the holders
+            rep.shm_removed, rep.shm_left = teardown.clean_shm(baseline.shm)
         rep.seconds = round(time.monotonic() - t0, 2)
         return rep

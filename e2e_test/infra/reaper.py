@@ -699,10 +699,18 @@ def gpu_holders(devices) -> list[GpuHolder] | None:
     return out
 
 
+_PREFLIGHT_LOCK = threading.Lock()     # topologies booted together run it one at a time
+
+
 def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None = None,
               log=None) -> dict:
     """Before a topology starts: clear (or name) what an earlier run left; on GPUs, fail on
     memory held by processes this run does not own. Returns what it did."""
+    with _PREFLIGHT_LOCK:
+        return _preflight(devices, report_dir, mode, log)
+
+
+def _preflight(devices, report_dir, mode, log) -> dict:
     mode = mode or preflight_mode()
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     done: dict = {}

@@ -21,7 +21,7 @@ import psutil
 from . import settings
 from .devices import nvml
 from .errors import TeardownError
-from .reaper import gpu_holders
+from .reaper import gpu_holders, nvml_processes
 
 SHM = Path("/dev/shm")
 GPU_TOLERANCE_MIB = 64
@@ -187,6 +187,34 @@ def check_gpu(report: TeardownReport, baseline: dict[int, float], timeout: float
     report.gpu_leaks = leaks
     holders = gpu_holders(list(leaks)) or []
     report.gpu_holders = {d: [str(h) for h in holders if h.device == d] for d in leaks}
+
+
+def check_gpu_own(report: TeardownReport, devices, pids: set[int], timeout: float = 20.0,
+                  poll: float = 0.25) -> None:
+    """A topology stopped while others still run on its devices: wait (measured) until none
+    of its processes (`pids`) holds memory on `devices` by NVML's per-process list; the
+    others' memory is theirs. Without NVML nothing is checked (as check_gpu)."""
+    if not devices:
+        return
+    t0 = time.monotonic()
+    while True:
+        procs = nvml_processes(devices)
+        if procs is None:
+            return
+        report.gpu_checked = True
+        report.gpu_wait_s = timeout
+        held = {d: round(sum(m or 0.0 for pid, m in rows if pid in pids), 1)
+                for d, rows in procs.items() if any(pid in pids for pid, _ in rows)}
+        if not held:
+            report.gpu_settle_s = round(time.monotonic() - t0, 2)
+            report.gpu_leaks = {}
+            return
+        if time.monotonic() - t0 > timeout:
+            break
+        time.sleep(poll)
+    report.gpu_leaks = held
+    report.gpu_holders = {d: [f"pid {pid} {m or 0:.0f} MiB on GPU {d} (this topology)"
+                              for pid, m in procs.get(d, []) if pid in pids] for d in held}
 
 
 def enforce(report: TeardownReport, what: str, strict: bool | None = None) -> None:

@@ -135,7 +135,16 @@ def headline(rep: dict) -> str:
     return (f"boots {s['boot']:.0f} %, traffic {s['traffic']:.0f} %, teardown "
             f"{s['teardown']:.0f} %, idle {s['idle']:.0f} % of {rep['wall_s']:.0f} s "
             f"({rep['boots']} boots, {rep['boot_s']:.0f} s"
-            + (f"; compile cache: {cache}" if cache else "") + ")")
+            + (f"; compile cache: {cache}" if cache else "") + ")"
+            + (f"; booted {rep['boot_schedule']['mode']}" if rep.get("boot_schedule") else ""))
+
+
+def with_schedule(rep: dict, schedule: dict | None) -> dict:
+    """The lane-level placement's decision and its reason (coboot.BootSchedule.to_dict())
+    in the report: `boot_schedule`."""
+    if schedule:
+        rep["boot_schedule"] = schedule
+    return rep
 
 
 def cluster_entry(c) -> dict:

@@ -186,6 +186,10 @@ class Engine:
     # The proofs' negative controls (test_pd, test_epd) read a regular worker as every role
     # of the proof, where nothing is transferred, and the proof must fail with this reason.
     proof_misses: dict[str, str] = {}
+    # None: its workers may boot beside another topology's on the same device (their memory
+    # is the planned fraction, whatever the others hold). Else why not, in one line: the
+    # lane-level placement (coboot.py) then boots its topologies one at a time.
+    boots_beside_others: str | None = None
 
     def pd_proof(self, cluster, roles=None):
         """The proof that a PD topology's KV moved; returns a proof object (its to_dict() is

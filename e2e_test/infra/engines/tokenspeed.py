@@ -498,6 +498,10 @@ class TokenSpeedEngine(Engine):
     backends = ("cuda",)
     work_counters = WORK_COUNTERS
     lane_env = HOPPER_ENV
+    boots_beside_others = (
+        "TokenSpeed sizes its KV pool from the device's free memory at start (free_now - total"
+        " x (1 - utilization), packed_schedule), so another topology booting beside it would "
+        "change its budget; fractions cumulative across topologies are not measured yet")
     # nothing moved: the gateway dispatched nothing to a prefill/decode (or encode) worker
     proof_misses = {"pd": r"the gateway picked prefill 0 and decode 0 times",
                     "epd": r"the gateway sent 0 of \d+ image items to an encode worker"}

@@ -1,0 +1,132 @@
+"""The lane-level placement (e2e_test/infra/coboot.py): which of a session's shared topologies
+boot together, from their plans, the backend, the GPUs' free memory and the cores. Pure: real
+plans of the default model, no engine starts."""
+
+from dataclasses import replace
+
+import pytest
+
+from e2e_test.infra import coboot
+from e2e_test.infra import plan as planner
+from e2e_test.infra import topology as topologies
+from e2e_test.infra.engines import for_topology
+from e2e_test.infra.model_specs import DEFAULT_MODEL, get_spec
+
+SPEC = get_spec(DEFAULT_MODEL)
+
+
+def placed(name: str, backend: str = "cuda", devices=(0,), engine: str = "vllm"):
+    topo = topologies.parse(name)
+    return planner.place(topo, SPEC, backend, devices if backend == "cuda" else (0, 1),
+                         for_topology(engine, topo))
+
+
+def with_fraction(plan, frac: float):
+    return replace(plan, entries=tuple(replace(e, mem_fraction=frac) for e in plan.entries))
+
+
+# The e2e-1gpu-pd lane on one H200: `1`, 1p1d and the window profile's 1p1d.
+ONE, PD = ("vllm", "1"), ("vllm", "1p1d")
+WINDOW = ("vllm", "1p1d", "window")
+
+
+def pd_lane(frac: float | None = None):
+    plans = [(ONE, placed("1")), (PD, placed("1p1d")), (WINDOW, placed("1p1d"))]
+    return [(k, with_fraction(p, frac) if frac else p) for k, p in plans]
+
+
+def test_the_cpu_lane_keeps_todays_order_and_says_why():
+    keyed = [(ONE, placed("1", "cpu")), (("vllm", "dp2"), placed("dp2", "cpu")),
+             (PD, placed("1p1d", "cpu"))]
+    s = coboot.schedule(keyed, "cpu", None, cores=2)
+    assert s.mode == "serial" and not s.together
+    assert s.waves == ((ONE,), (("vllm", "dp2"),), (PD,))
+    assert "backend cpu" in s.reason and "68-74 %" in s.reason
+
+
+def test_the_registry_fractions_fill_an_h200_in_two_waves():
+    """SmolLM2 takes 0.2 of a GPU per worker: `1` (0.2) and 1p1d (0.4) fit together under
+    0.9; the window 1p1d (0.4 more) does not, so it waves."""
+    s = coboot.schedule(pd_lane(), "cuda", {0: 1.0}, cores=16)
+    assert s.mode == "waves"
+    assert s.waves == ((ONE, PD), (WINDOW,))
+    assert s.shares == {0: {0: 0.6}, 1: {0: 0.4}}
+    assert "2 waves" in s.reason
+
+
+def test_small_shares_boot_every_topology_at_once():
+    s = coboot.schedule(pd_lane(0.05), "cuda", {0: 0.99}, cores=16)
+    assert s.mode == "together" and s.waves == ((ONE, PD, WINDOW),)
+    assert "every topology fits at once" in s.reason and "GPU 0 0.25" in s.reason
+
+
+def test_memory_held_by_others_keeps_them_apart():
+    s = coboot.schedule(pd_lane(), "cuda", {0: 0.5}, cores=16)
+    assert s.mode == "serial" and s.waves == ((ONE,), (PD,), (WINDOW,))
+    assert "no two topologies fit at once" in s.reason and "GPU 0 0.50 free" in s.reason
+
+
+def test_too_few_cores_keep_boots_apart():
+    """Five workers at 2 cores each need 10; 4 cores boot two workers at a time."""
+    s = coboot.schedule(pd_lane(0.05), "cuda", {0: 1.0}, cores=4)
+    assert s.waves == ((ONE,), (PD,), (WINDOW,))
+    s = coboot.schedule(pd_lane(0.05), "cuda", {0: 1.0}, cores=6)
+    assert s.waves == ((ONE, PD), (WINDOW,))
+
+
+def test_a_topology_that_does_not_fit_alone_is_its_own_wave():
+    keyed = [(ONE, with_fraction(placed("1"), 0.05)), (PD, with_fraction(placed("1p1d"), 0.6)),
+             (("vllm", "dp2"), with_fraction(placed("dp2"), 0.05))]
+    s = coboot.schedule(keyed, "cuda", {0: 1.0}, cores=16)
+    # 1p1d at 0.6 + 0.6 exceeds the device even alone: planned for it as it is today
+    assert s.waves == ((ONE,), (PD,), (("vllm", "dp2"),))
+
+
+def test_devices_are_counted_apart():
+    """Two GPUs: a topology on GPU 0 and one on GPU 1 fit together even at 0.85 each."""
+    a = with_fraction(placed("1", devices=(0,)), 0.85)
+    b = with_fraction(placed("1", devices=(1,)), 0.85)
+    s = coboot.schedule([(("vllm", "1"), a), (("tokenspeed", "1"), b)], "cuda",
+                        {0: 1.0, 1: 1.0}, cores=16)
+    assert s.mode == "together"
+    s = coboot.schedule([(("vllm", "1"), a), (("tokenspeed", "1"), a)], "cuda",
+                        {0: 1.0, 1: 1.0}, cores=16)
+    assert s.mode == "serial"
+
+
+@pytest.mark.parametrize("keyed, free, why", [
+    ([], {0: 1.0}, "0 shared topology"),
+    ([(ONE, placed("1"))], {0: 1.0}, "1 shared topology"),
+    (None, None, "GPU free memory unknown"),
+])
+def test_nothing_to_decide_is_serial_with_its_reason(keyed, free, why):
+    s = coboot.schedule(pd_lane() if keyed is None else keyed, "cuda", free, cores=16)
+    assert s.mode == "serial" and why in s.reason
+
+
+def test_the_record_names_the_keys():
+    s = coboot.schedule(pd_lane(), "cuda", {0: 1.0}, cores=16)
+    d = s.to_dict()
+    assert d["waves"] == [["vllm/1", "vllm/1p1d"], ["vllm/1p1d[window]"]]
+    assert d["mode"] == "waves" and d["reason"] == s.reason
+    assert s.wave_of(WINDOW) == 1 and s.wave_of(ONE) == 0
+    with pytest.raises(KeyError):
+        s.wave_of(("vllm", "dp2"))
+
+
+def test_an_engine_that_sizes_from_free_memory_boots_alone_and_says_why():
+    """TokenSpeed sizes its KV pool from the device's free memory at start
+    (Engine.boots_beside_others): its topologies boot one at a time, with its reason."""
+    from e2e_test.infra.engines.tokenspeed import ENGINE as TS
+    assert TS.boots_beside_others and "free memory" in TS.boots_beside_others
+    assert for_topology("vllm", topologies.parse("1")).boots_beside_others is None
+    lane = [(("tokenspeed",) + k[1:], p) for k, p in pd_lane(0.05)]
+    alone = {k: TS.boots_beside_others for k, _ in lane}
+    s = coboot.schedule(lane, "cuda", {0: 1.0}, cores=16, alone=alone)
+    assert s.mode == "serial" and len(s.waves) == 3
+    assert s.reason.startswith("tokenspeed boots alone: TokenSpeed sizes its KV pool")
+    # one such key among others: the others still share a wave
+    mixed = pd_lane(0.05) + [(("tokenspeed", "1"), with_fraction(placed("1"), 0.05))]
+    s = coboot.schedule(mixed, "cuda", {0: 1.0}, cores=16,
+                        alone={("tokenspeed", "1"): TS.boots_beside_others})
+    assert s.waves == ((ONE, PD, WINDOW), (("tokenspeed", "1"),)) and s.mode == "waves"
