@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 import uuid
+from dataclasses import asdict, dataclass
 
 import httpx
 
@@ -151,4 +152,67 @@ def image_chat_body(model: str, text: str, image_uri: str, max_tokens: int = 8) 
             "messages": [{"role": "user", "content": [
                 {"type": "text", "text": text},
                 {"type": "image_url", "image_url": {"url": image_uri}}]}]}
+
+
+# -- every leg of a PD topology took traffic in its own role ----------------------------------
+
+@dataclass
+class LegsProof:
+    """Per worker of a PD topology, what its counters moved over `requests` prompts through
+    the gateway: {worker: {"role": role, counter: delta, ...}}."""
+    requests: int
+    legs: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def leg(name: str, labels: dict | None = None) -> tuple[str, dict]:
+    return name, dict(labels or {})
+
+
+def _label(counter: tuple[str, dict]) -> str:
+    name, labels = counter
+    return name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+                   if labels else "")
+
+
+def legs_problems(workers, before: list[dict], after: list[dict], own: dict,
+                  foreign: dict) -> tuple[dict, list[str]]:
+    """workers: [(name, role)] with their scrapes before and after. Pure (tests/test_proof_legs.py)."""
+    legs, problems = {}, []
+    for (name, role), b, a in zip(workers, before, after):
+        row: dict = {"role": role}
+        for c in own.get(role, ()):
+            row[_label(c)] = metrics.delta(b, a, c[0], **c[1])
+            if row[_label(c)] <= 0:
+                problems.append(f"{name} ({role}) took no traffic: {_label(c)} did not move")
+        for c in foreign.get(role, ()):
+            row[_label(c)] = metrics.delta(b, a, c[0], **c[1])
+            if row[_label(c)] != 0:
+                problems.append(f"{name} ({role}) acted as another role: {_label(c)} moved "
+                                f"by {row[_label(c)]:.0f}")
+        legs[name] = row
+    return legs, problems
+
+
+def legs_traffic(cluster, own: dict, foreign: dict, n: int | None = None,
+                 path: str = "/v1/completions", body=None) -> LegsProof:
+    """n fresh prompts through the gateway (default 4 per leg of the larger role), then per
+    worker the deltas of `own[role]` (its role's counters: each must have moved, or the leg
+    took no traffic) and `foreign[role]` (the other role's: each must have stayed put, or the
+    leg acted in the wrong role). Raises HarnessError naming every leg that did not."""
+    pre, dec = cluster.role("prefill"), cluster.role("decode")
+    if not pre or not dec:
+        raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
+    workers = pre + dec
+    n = n or 4 * max(len(pre), len(dec))
+    make = body or (lambda i: {"model": cluster.model_name, "prompt": long_unique_prompt(
+        words=120, seed=1000 + i), "max_tokens": 4, "temperature": 0})
+    before = scrape_all(workers)
+    post_all(cluster, "PD legs", path, (make(i) for i in range(n)))
+    after = scrape_all(workers)
+    legs, problems = legs_problems([(w.name, w.entry.role) for w in workers], before, after,
+                                   own, foreign)
+    return verdict(f"PD legs ({n} requests)", cluster, problems, LegsProof(n, legs))
 

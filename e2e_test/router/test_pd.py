@@ -19,10 +19,22 @@ from e2e_test.router.test_evals import oracle_pass
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd")]
 
 
+@pytest.mark.pd_sweep
 def test_pd_kv_transfer_proof(cluster, record):
     p = cluster.driver.pd_proof(cluster)
     record["pd_proof"] = p.to_dict()
     print(f"PD proof: {p.to_dict()}")
+
+
+@pytest.mark.pd_sweep
+def test_pd_every_leg_took_traffic(cluster, record):
+    """Every prefill and every decode worker took traffic in its own role, and none in the
+    other's (Engine.pd_legs: per worker, the engine's own counters over fresh prompts through
+    the gateway): the shapes smg's topology suite sweeps (1p2d, 2p1d, 2p2d) assert the same
+    from its pairing."""
+    p = cluster.driver.pd_legs(cluster)
+    record["pd_legs"] = p.to_dict()
+    print(f"PD legs ({p.requests} requests): {p.legs}")
 
 
 @pytest.mark.engines("vllm")
@@ -57,6 +69,7 @@ def test_pd_proof_fails_where_nothing_moved(cluster, record):
     assert re.search(reason, msg), f"the proof failed, but not for moving nothing: {msg}"
 
 
+@pytest.mark.pd_sweep
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
 def test_pd_answers_match_regular(cluster, record, oracle_store, name):
     base = oracle_store.passes.get((cluster.engine, "1", name))
@@ -74,6 +87,7 @@ def test_pd_answers_match_regular(cluster, record, oracle_store, name):
     assert verdict.ok, verdict.message
 
 
+@pytest.mark.pd_sweep
 def test_pd_kv_recall(cluster, record, oracle_store):
     """The long pass-code prompts of test_oracle.py through the disaggregated topology: the
     oracle's verdict against `1` (first step included), and every pass code that `1` copied

@@ -198,6 +198,12 @@ class Engine:
         (default: the topology's own)."""
         raise ConfigError(f"engine {self.name!r} has no PD transfer proof")
 
+    def pd_legs(self, cluster):
+        """Every prefill and every decode worker of a PD topology took traffic in its own
+        role, and none in the other's (proof.legs_traffic with this engine's counters);
+        returns a proof object (`pd_legs`), raises HarnessError naming the legs that did not."""
+        raise ConfigError(f"engine {self.name!r} has no per-leg PD proof")
+
     def epd_proof(self, cluster, roles=None):
         """The proof that an EPD topology's encoder ran for the requests (`epd_proof`);
         `roles` as for pd_proof, with "encode"."""

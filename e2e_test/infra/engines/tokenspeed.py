@@ -46,6 +46,8 @@ from ..proof import (
     dispatch_problems,
     gateway_dispatch,
     image_chat_body,
+    leg,
+    legs_traffic,
     long_unique_prompt,
     post_all,
     random_png_data_uri,
@@ -520,6 +522,21 @@ class TokenSpeedEngine(Engine):
 
     def pd_proof(self, cluster, roles=None):
         return pd_transfer_tokenspeed(cluster, roles=roles)
+
+    def pd_legs(self, cluster):
+        # a prefill runs prompts forward; a decode counts the prompts it was handed and
+        # finishes requests. TokenSpeed 0.1.0 has no counter that only the other role moves
+        # (its KV-transfer metrics are no-ops), so the wrong role is not checked here.
+        return legs_traffic(
+            cluster,
+            own={"prefill": [leg(TS_PREFIX + "iteration_tokens_total_sum")],
+                 "decode": [leg(TS_PREFIX + "prompt_tokens_total"),
+                            leg(TS_PREFIX + "request_success_total")]},
+            foreign={}, path="/v1/chat/completions",
+            body=lambda i: {"model": cluster.model_name, "max_tokens": 4, "temperature": 0,
+                            "messages": [{"role": "user",
+                                          "content": long_unique_prompt(words=120,
+                                                                        seed=1000 + i)}]})
 
     def epd_proof(self, cluster, roles=None):
         return epd_encoder_ran(cluster, roles=roles)
