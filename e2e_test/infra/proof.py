@@ -15,6 +15,7 @@ import math
 import random
 import uuid
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import httpx
 
@@ -181,8 +182,10 @@ def legs_problems(workers, before: list[dict], after: list[dict], own: dict,
                   foreign: dict) -> tuple[dict, list[str]]:
     """workers: [(name, role)] with their scrapes before and after. Pure (tests/test_proof_legs.py)."""
     legs, problems = {}, []
+    names = [n for n, _ in workers]
     for (name, role), b, a in zip(workers, before, after):
         row: dict = {"role": role}
+        key = name if names.count(name) == 1 else f"{name} as {role}"
         for c in own.get(role, ()):
             row[_label(c)] = metrics.delta(b, a, c[0], **c[1])
             if row[_label(c)] <= 0:
@@ -192,27 +195,35 @@ def legs_problems(workers, before: list[dict], after: list[dict], own: dict,
             if row[_label(c)] != 0:
                 problems.append(f"{name} ({role}) acted as another role: {_label(c)} moved "
                                 f"by {row[_label(c)]:.0f}")
-        legs[name] = row
+        legs[key] = row
     return legs, problems
 
 
 def legs_traffic(cluster, own: dict, foreign: dict, n: int | None = None,
-                 path: str = "/v1/completions", body=None) -> LegsProof:
+                 path: str = "/v1/completions", body=None,
+                 roles: dict | None = None) -> LegsProof:
     """n fresh prompts through the gateway (default 4 per leg of the larger role), then per
     worker the deltas of `own[role]` (its role's counters: each must have moved, or the leg
     took no traffic) and `foreign[role]` (the other role's: each must have stayed put, or the
-    leg acted in the wrong role). Raises HarnessError naming every leg that did not."""
-    pre, dec = cluster.role("prefill"), cluster.role("decode")
+    leg acted in the wrong role), and the gateway's own count: it picked a prefill and a
+    decode worker for every request. Raises HarnessError naming every leg that did not.
+    `roles` ({"prefill": [...], "decode": [...]}): the workers read as each role (default:
+    the topology's own; the negative control reads a regular worker as both)."""
+    roles = roles or {}
+    pre = roles.get("prefill") or cluster.role("prefill")
+    dec = roles.get("decode") or cluster.role("decode")
     if not pre or not dec:
         raise HarnessError(f"topology {cluster.topology.name} has no prefill/decode roles")
     workers = pre + dec
     n = n or 4 * max(len(pre), len(dec))
     make = body or (lambda i: {"model": cluster.model_name, "prompt": long_unique_prompt(
         words=120, seed=1000 + i), "max_tokens": 4, "temperature": 0})
-    before = scrape_all(workers)
+    named = [(w.name, r) for r, ws in (("prefill", pre), ("decode", dec)) for w in ws]
+    before, b_g = scrape_all(workers), cluster.gateway_metrics()
     post_all(cluster, "PD legs", path, (make(i) for i in range(n)))
-    after = scrape_all(workers)
-    legs, problems = legs_problems([(w.name, w.entry.role) for w in workers], before, after,
-                                   own, foreign)
+    after, a_g = scrape_all(workers), cluster.gateway_metrics()
+    legs, problems = legs_problems(named, before, after, own, foreign)
+    gw = gateway_dispatch(b_g, a_g)
+    problems = dispatch_problems(SimpleNamespace(**gw), n) + problems
     return verdict(f"PD legs ({n} requests)", cluster, problems, LegsProof(n, legs))
 

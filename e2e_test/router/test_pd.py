@@ -67,6 +67,14 @@ def test_pd_proof_fails_where_nothing_moved(cluster, record):
     record["pd_proof_negative_control"] = msg
     print(f"PD proof read on {cluster.topology.name}: {msg}")
     assert re.search(reason, msg), f"the proof failed, but not for moving nothing: {msg}"
+    # the per-leg proof too (test_pd_every_leg_took_traffic): no request went to a prefill
+    # or a decode worker
+    with pytest.raises(HarnessError) as ei:
+        cluster.driver.pd_legs(cluster, roles=roles)
+    legs = str(ei.value).splitlines()[0]
+    record["pd_legs_negative_control"] = legs
+    print(f"PD legs read on {cluster.topology.name}: {legs}")
+    assert "the gateway picked prefill 0 and decode 0 times" in legs, legs
 
 
 @pytest.mark.pd_sweep

@@ -198,7 +198,7 @@ class Engine:
         (default: the topology's own)."""
         raise ConfigError(f"engine {self.name!r} has no PD transfer proof")
 
-    def pd_legs(self, cluster):
+    def pd_legs(self, cluster, roles=None):
         """Every prefill and every decode worker of a PD topology took traffic in its own
         role, and none in the other's (proof.legs_traffic with this engine's counters);
         returns a proof object (`pd_legs`), raises HarnessError naming the legs that did not."""

@@ -523,7 +523,7 @@ class TokenSpeedEngine(Engine):
     def pd_proof(self, cluster, roles=None):
         return pd_transfer_tokenspeed(cluster, roles=roles)
 
-    def pd_legs(self, cluster):
+    def pd_legs(self, cluster, roles=None):
         # a prefill runs prompts forward; a decode counts the prompts it was handed and
         # finishes requests. TokenSpeed 0.1.0 has no counter that only the other role moves
         # (its KV-transfer metrics are no-ops), so the wrong role is not checked here.
@@ -536,7 +536,8 @@ class TokenSpeedEngine(Engine):
             body=lambda i: {"model": cluster.model_name, "max_tokens": 4, "temperature": 0,
                             "messages": [{"role": "user",
                                           "content": long_unique_prompt(words=120,
-                                                                        seed=1000 + i)}]})
+                                                                        seed=1000 + i)}]},
+            roles=roles)
 
     def epd_proof(self, cluster, roles=None):
         return epd_encoder_ran(cluster, roles=roles)

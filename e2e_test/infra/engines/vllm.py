@@ -432,13 +432,14 @@ class VllmEngine(Engine):
     def pd_proof(self, cluster, roles=None):
         return pd_transfer(cluster, roles=roles)
 
-    def pd_legs(self, cluster):
+    def pd_legs(self, cluster, roles=None):
         # a prefill computes prompts and never receives KV; a decode receives them and never
         # computes one (vllm:prompt_tokens_by_source, as the PD proof reads it)
         computed = leg(SRC, {"source": "local_compute"})
         received = leg(SRC, {"source": "external_kv_transfer"})
         return legs_traffic(cluster, own={"prefill": [computed], "decode": [received]},
-                            foreign={"prefill": [received], "decode": [computed]})
+                            foreign={"prefill": [received], "decode": [computed]},
+                            roles=roles)
 
     def proof_line(self, key, proof):
         return proof_line(key, proof)
