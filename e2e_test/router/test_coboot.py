@@ -47,7 +47,8 @@ def test_topologies_booted_together_serve_and_tear_down_apart(engine_name, e2e_b
                         "boot_s": timing["boot_s"], "clusters": timing["clusters"]}
     assert sched and sched["mode"] == "together", sched
     assert sched["waves"] == [[f"{engine_name}/1", f"{engine_name}/dp2"]], sched
-    assert "booting together: " in out and "booted together" in out, out[-2000:]
+    assert "; booted together" in out and "boot schedule: E2E_BOOT_SCHEDULE=together" in out, \
+        out[-2000:]
     summary = json.loads((res / "summary.json").read_text())
     names = {c["name"]: c["topology"] for c in timing["clusters"]}
     clusters = {names[n]: c for n, c in summary["clusters"].items()}
