@@ -58,3 +58,15 @@ def test_main_job_verdict_lines_proof_oracle_and_failure():
     assert verdicts.print_verdicts({"topology": "1"}, out=printed.append) == []
     assert verdicts.proof_lines({"proof_error": "PD transfer proof failed on 1p1d: x"}) == [
         "proof FAILED: PD transfer proof failed on 1p1d: x"]
+
+
+def test_afd_comparison_with_the_native_baseline_reads_in_both_record_shapes():
+    """The AFD suite's record key (engines/afd.py NATIVE_COMPARISON_KEY): the oracle's verdict,
+    and the per-baseline counts of result files written before the oracle."""
+    verdict = {"ok": True, "message": "afd-prompts vllm/native vs vllm/1a1f: 8 identical",
+               "comparison": {"max_first_step_delta": 0.01}}
+    assert report.details({"afd_vs_native": verdict}) == \
+        "ok: afd-prompts vllm/native vs vllm/1a1f: 8 identical; max first-step delta 0.01 nats"
+    old = {"native-dp2": {"same_text": 7, "prompts": 8, "same_first_token": 8}}
+    assert report.details({"afd_vs_native": old}) == \
+        "vs native-dp2: 7/8 identical outputs, 8/8 same first token"

@@ -358,3 +358,15 @@ def test_ci_is_one_truth_set(value, expected, monkeypatch):
     else:
         with pytest.warns(RuntimeWarning):
             teardown.enforce(report, "x")
+
+
+def test_stage_env_defaults_are_the_engines_and_gpu_lane_sh_uses_them():
+    """E2E_STAGE_ENV's doc names each engine's staging file (Engine.stage_env); the script's
+    case picks the same file per engine."""
+    from e2e_test.infra.engines import all_engines
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_lane.sh").read_text()
+    staged = [e for e in all_engines() if e.stage_env]
+    assert staged
+    for e in staged:
+        assert f"{e.name}) envf=${{E2E_STAGE_ENV:-{e.stage_env}}}" in script, e.name
+        assert f"{e.stage_env} for {e.name}" in settings.SETTINGS["E2E_STAGE_ENV"].text

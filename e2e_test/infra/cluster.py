@@ -345,7 +345,7 @@ class Cluster:
         gws = tuple(gw.GatewayWorker(url=w.url, worker_type=w.command.worker_type,
                                      bootstrap_port=w.command.bootstrap_port,
                                      kv_connector=w.command.kv_connector,
-                                     runtime_type=self.engine)
+                                     runtime_type=self.driver.gateway_runtime)
                     for w in self.workers if w.command.worker_type != "none")
         cfg = gw.GatewayConfig(kind=self.topology.kind, workers=gws, port=port,
                                prometheus_port=prometheus_port, policy=self.policy,
@@ -549,6 +549,6 @@ class Cluster:
             gw.register_workers(self.gateway_url, [gw.GatewayWorker(
                 url=w.url, worker_type=w.command.worker_type,
                 bootstrap_port=w.command.bootstrap_port, kv_connector=w.command.kv_connector,
-                runtime_type=self.engine)], timeout=120, alive=self.gateway.alive,
+                runtime_type=self.driver.gateway_runtime)], timeout=120, alive=self.gateway.alive,
                 existing_ok=True)
         return w

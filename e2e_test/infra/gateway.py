@@ -1,4 +1,5 @@
-"""The smg gateway: a pure argv builder plus readiness and worker registration.
+"""The smg gateway: a pure argv builder plus worker registration (its readiness check is
+readiness.ModelServed).
 
 Regular/DP: `--worker-urls`. PD: `--pd-disaggregation`; vLLM+NIXL workers are registered
 through `POST /workers` with their `kv_connector` (with static --prefill/--decode smg runs in
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from .engines import DEFAULT_ENGINE
 from .errors import ConfigError, StartupError
 
 # smg's per-worker count of requests it has in flight to workers (its Prometheus endpoint);
@@ -47,7 +49,9 @@ class GatewayWorker:
     worker_type: str = "regular"    # regular | prefill | decode | encode
     bootstrap_port: int | None = None
     kv_connector: str | None = None
-    runtime_type: str = "vllm"
+    # smg's runtime_type: the caller passes the engine's (Engine.gateway_runtime); one that
+    # names none gets the default engine's, which is smg's own default too.
+    runtime_type: str = DEFAULT_ENGINE
 
     @property
     def register_dynamically(self) -> bool:
@@ -143,24 +147,3 @@ def register_workers(base_url: str, workers: list[GatewayWorker], timeout: float
             time.sleep(0.5)
     raise StartupError(f"gateway did not report workers {sorted(wanted)} healthy within "
                        f"{timeout:.0f} s (last: {last[:300]})")
-
-
-def probe_ready(base_url: str, model: str, client: httpx.Client) -> tuple[bool, str]:
-    """Ready = /v1/models lists the model AND one real chat completion succeeds."""
-    try:
-        r = client.get(f"{base_url}/v1/models")
-        if r.status_code != 200:
-            return False, f"/v1/models HTTP {r.status_code}"
-        ids = [m.get("id") for m in r.json().get("data", [])]
-        if model not in ids:
-            return False, f"/v1/models lists {ids}, not {model!r}"
-        r = client.post(f"{base_url}/v1/chat/completions", json={
-            "model": model, "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "user", "content": "Say OK."}]})
-        if r.status_code != 200:
-            return False, f"probe chat completion HTTP {r.status_code}: {r.text[:200]}"
-        if not r.json().get("choices"):
-            return False, "probe chat completion had no choices"
-        return True, ""
-    except (httpx.HTTPError, ValueError) as e:
-        return False, repr(e)

@@ -788,3 +788,11 @@ def steps_by_index(items: list[dict]) -> Pass:
         else:
             add_answer(out, it["index"], it.get("logprobs"), it.get("text"))
     return out
+
+
+def verdict_line(v: dict) -> str:
+    """An oracle verdict (Verdict.to_dict(), as a record holds it) in one line (report.py's
+    `oracle_line`)."""
+    fs = v.get("comparison", {}).get("max_first_step_delta")
+    return (("ok: " if v.get("ok") else "FAILED: ") + v["message"]
+            + (f"; max first-step delta {fs} nats" if fs is not None else ""))

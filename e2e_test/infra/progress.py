@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 
 from . import settings
+from .engines import all_engines
 
 # (regex, state): the state of a worker is that of the marker found last in its log. Phrases
-# of vLLM and SGLang-style servers (TokenSpeed); an engine may give its own list as
-# `metadata["progress_markers"]` of its WorkerCommand.
+# any server may write (uvicorn, SGLang-style servers); each engine adds its own
+# (Engine.progress_markers, read by `known_markers()`), and a WorkerCommand may give its own
+# list as `metadata["progress_markers"]`.
 MARKERS: tuple[tuple[str, str], ...] = (
-    (r"Initializing a V1 LLM engine|init(ializ)?ing (the )?engine", "initializing engine"),
+    (r"init(ializ)?ing (the )?engine", "initializing engine"),
     (r"Starting to load model|Loading safetensors|Load weight begin|loading weights",
      "loading weights"),
     (r"Loading weights took|Load weight end|Model loading took", "weights loaded"),
@@ -32,9 +34,17 @@ MARKERS: tuple[tuple[str, str], ...] = (
     (r"KV cache size|Available KV cache|allocat\w* KV cache|Memory profiling",
      "allocating KV cache"),
     (r"init engine .* took|Warming up done|Graph capturing finished", "engine initialized"),
-    (r"Starting vLLM server|Uvicorn running|Application startup complete|server is fired up",
+    (r"Uvicorn running|Application startup complete|server is fired up",
      "serving, waiting for health"),
 )
+
+
+def known_markers() -> tuple[tuple[str, str], ...]:
+    """The generic markers, then every registered engine's own (Engine.progress_markers)."""
+    out = list(MARKERS)
+    for e in all_engines():
+        out += [m for m in e.progress_markers if m not in out]
+    return tuple(out)
 
 
 def _sink_default(line: str) -> None:
@@ -66,10 +76,11 @@ def interval_s(environ: dict | None = None) -> float:
     return float(settings.get("E2E_PROGRESS_S", environ))
 
 
-def state_of(text: str, markers=MARKERS) -> str | None:
-    """The state of the marker that occurs last in `text`, None when none does."""
+def state_of(text: str, markers=None) -> str | None:
+    """The state of the marker that occurs last in `text`, None when none does; `markers`:
+    (regex, state) pairs, by default `known_markers()`."""
     best, pos = None, -1
-    for pattern, state in markers:
+    for pattern, state in (known_markers() if markers is None else markers):
         for m in re.finditer(pattern, text, flags=re.IGNORECASE):
             if m.start() >= pos:        # a tie: the later, more specific marker
                 best, pos = state, m.start()
@@ -88,11 +99,12 @@ class BootProgress:
         self.offsets: dict[str, int] = {}
         self.tails: dict[str, bytes] = {}
         self.states: dict[str, str] = {}
+        self.markers = known_markers()
 
     def _read_state(self, w) -> str:
         path = Path(getattr(w.process, "log_path", "") or "")
         markers = (getattr(getattr(w, "command", None), "metadata", None) or {}).get(
-            "progress_markers") or MARKERS
+            "progress_markers") or self.markers
         try:
             with open(path, "rb") as f:
                 f.seek(self.offsets.get(w.name, 0))

@@ -23,11 +23,31 @@ from typing import Protocol
 import httpx
 
 from . import ports
-from .gateway import probe_ready
 
 POLL_S = 0.25                 # between two polls of a starting process
 GATEWAY_READY_S = 120.0       # gateway start -> /health, worker registration, a real completion
 GRPC_CHECK_S = 1.0            # one gRPC health call
+
+
+def probe_ready(base_url: str, model: str, client: httpx.Client) -> tuple[bool, str]:
+    """Ready = /v1/models lists the model AND one real chat completion succeeds."""
+    try:
+        r = client.get(f"{base_url}/v1/models")
+        if r.status_code != 200:
+            return False, f"/v1/models HTTP {r.status_code}"
+        ids = [m.get("id") for m in r.json().get("data", [])]
+        if model not in ids:
+            return False, f"/v1/models lists {ids}, not {model!r}"
+        r = client.post(f"{base_url}/v1/chat/completions", json={
+            "model": model, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say OK."}]})
+        if r.status_code != 200:
+            return False, f"probe chat completion HTTP {r.status_code}: {r.text[:200]}"
+        if not r.json().get("choices"):
+            return False, "probe chat completion had no choices"
+        return True, ""
+    except (httpx.HTTPError, ValueError) as e:
+        return False, repr(e)
 
 
 class Readiness(Protocol):

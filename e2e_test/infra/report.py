@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .engines import PROOF_KEYS as ENGINE_PROOF_KEYS
 from .engines import all_engines
+from .oracle import verdict_line as oracle_line
 
 RESULT_FILES = ("run.json", "summary.json", "note.json")
 
@@ -67,12 +68,8 @@ def details(t: dict) -> str:
             line = proof_line(key, t[key])
             if line:
                 out.append(line)
-    if "message" in (t.get("afd_vs_native") or {}):
-        out.append(oracle_line(t["afd_vs_native"]))
-    else:                                   # result files from before the oracle
-        for name, v in (t.get("afd_vs_native") or {}).items():
-            out.append(f"vs {name}: {v['same_text']}/{v['prompts']} identical outputs, "
-                       f"{v['same_first_token']}/{v['prompts']} same first token")
+    for e in all_engines():                 # the keys an engine's own suite writes
+        out.extend(e.record_lines(t))
     for name, v in (t.get("pd_vs_regular") or {}).items():
         if "message" in v:
             out.append(oracle_line(v))
@@ -105,13 +102,6 @@ def proof_line(key: str, proof: dict) -> str | None:
         if line:
             return line
     return None
-
-
-def oracle_line(v: dict) -> str:
-    """An oracle verdict (oracle.Verdict.to_dict()) in one line."""
-    fs = v.get("comparison", {}).get("max_first_step_delta")
-    return (("ok: " if v.get("ok") else "FAILED: ") + v["message"]
-            + (f"; max first-step delta {fs} nats" if fs is not None else ""))
 
 
 def render(dirs: list[Path]) -> str:

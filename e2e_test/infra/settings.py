@@ -181,11 +181,16 @@ class Setting:
     name: str
     kind: Kind
     initial: Any                        # the value when unset (None: see the doc); a callable:
-    doc: str                            # asked each time (a registry's current names)
+    doc: str | Callable[[], str]        # asked each time (a registry's current names)
 
     @property
     def default(self) -> Any:
         return self.initial() if callable(self.initial) else self.initial
+
+    @property
+    def text(self) -> str:
+        """The doc line (a callable doc is asked each time: it names the registry's engines)."""
+        return self.doc() if callable(self.doc) else self.doc
 
     def parse(self, raw: str | None, source: str | None = None) -> Any:
         if raw is None or raw.strip() == "":
@@ -257,6 +262,12 @@ def __getattr__(name: str):
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
+
+def extras() -> tuple[str, ...]:
+    """The pyproject extras E2E_EXTRAS accepts: the CPU and GPU stacks, each registered
+    engine's own (Engine.extra), the unit tests'."""
+    return ("cpu", "gpu", *(e.extra for e in all_engines() if e.extra), "dev")
+
 # Selection (the pytest plugin; `run LANE` sets the first three from the lane table)
 _add("E2E_ENGINES", CsvOf(among=engine_names), engine_names, "engines to parametrize over (`--engine`)")
 _add("E2E_TOPOLOGIES", Topologies(), ("1", "dp2", "1p1d"), "topologies to parametrize over (`--topology`)")
@@ -274,7 +285,7 @@ _add("E2E_CACHE_DIR", PathKind(), Path("~/.cache/e2e_test").expanduser(), "cache
 _add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: the cache")
 _add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go; unset: a folder of its own per run, results/<lane or run>-<date>-<time>-<pid>, with results/latest pointing at it")
 # An offline GPU runner's recipe (scripts/gpu_lane.sh; docs/gpu.md)
-_add("E2E_STAGE_ENV", PathKind(), None, "scripts/gpu_lane.sh: the env file the engine's staging wrote (default /root/stage/env.sh for vllm, /root/stage/ts-env.sh for tokenspeed)")
+_add("E2E_STAGE_ENV", PathKind(), None, lambda: "scripts/gpu_lane.sh: the env file the engine's staging wrote (default " + ", ".join(f"{e.stage_env} for {e.name}" for e in all_engines() if e.stage_env) + ")")
 _add("E2E_SMG_WHEEL", PathKind(), None, "scripts/gpu_lane.sh: the smg wheel to install when the engine's site has no smg (default .whl/smg-*.whl)")
 _add("E2E_GGUF", PathKind(), None, "scripts/gpu_lane.sh: the GGUF (a file, or a folder of its split parts) the default model is converted from on a runner without it (default .carry/model)")
 _add("E2E_LANE_LIMIT_S", Int(1), 570, "scripts/gpu_lane.sh: the lane's wall limit in seconds, after which pytest gets SIGINT and tears down")
@@ -310,7 +321,7 @@ _add("E2E_MMLU_N", Int(1), None, "MMLU questions; unset: the model's registry n"
 _add("E2E_FAULT_STALL_WINDOW_S", Float(0), 20.0, "watchdog window of the SIGSTOP fault test")
 # Shell scripts (scripts/bootstrap.sh, scripts/main.sh)
 _add("E2E_VENV", PathKind(), Path(".venv"), "virtualenv scripts/bootstrap.sh creates and uses")
-_add("E2E_EXTRAS", CsvOf("cpu", "gpu", "tokenspeed", "dev"), ("cpu",), "pyproject extras scripts/main.sh installs")
+_add("E2E_EXTRAS", CsvOf(among=extras), ("cpu",), "pyproject extras scripts/main.sh installs")
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -435,7 +446,7 @@ def table() -> str:
     rows = ["| variable | type | default | accepts | what it does |", "|---|---|---|---|---|"]
     for s in SETTINGS.values():
         rows.append(f"| `{s.name}` | {s.kind.label} | {_default_text(s)} | "
-                    f"{s.kind.accepts.replace('|', '/')} | {s.doc.replace('|', '/')} |")
+                    f"{s.kind.accepts.replace('|', '/')} | {s.text.replace('|', '/')} |")
     return "\n".join(rows)
 
 

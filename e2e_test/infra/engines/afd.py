@@ -54,6 +54,7 @@ from .. import settings
 from ..devices import check_gpu_ids
 from ..errors import ConfigError, HarnessError, SettingError
 from ..model_specs import ModelSpec
+from ..oracle import verdict_line
 from ..plan import PlanEntry
 from ..proof import long_unique_prompt, post_all, scrape_all, sum_delta
 from ..readiness import Alive, HttpGet, PortBound
@@ -334,6 +335,20 @@ def afd_trace_problems(p: FfnProof) -> list[str]:
 
 
 
+# The record key of the AFD suite's comparison with the native baseline (router/test_afd.py).
+NATIVE_COMPARISON_KEY = "afd_vs_native"
+
+
+def native_comparison_lines(record: dict) -> list[str]:
+    """The comparison with the native baseline a test record holds, for a report: the oracle's
+    verdict in one line, or (result files from before the oracle) one line per baseline."""
+    v = record.get(NATIVE_COMPARISON_KEY) or {}
+    if "message" in v:
+        return [verdict_line(v)]
+    return [f"vs {name}: {c['same_text']}/{c['prompts']} identical outputs, "
+            f"{c['same_first_token']}/{c['prompts']} same first token" for name, c in v.items()]
+
+
 class AfdEngine(Engine):
     """AFD topologies of --engine vllm (the afd-plugin); attention and FFN never share a GPU."""
     idle_gauges = IDLE_GAUGES
@@ -406,6 +421,9 @@ class AfdEngine(Engine):
         return (f"FFN proof: {proof.get('new_traces')} new FFN step traces for "
                 f"{proof.get('requests')} requests ({proof.get('moe_kernel_events')} MoE kernel "
                 "events)")
+
+    def record_lines(self, record):
+        return native_comparison_lines(record)
 
     def running_window(self, worker_url, timeout=5.0):
         return vllm.running_window(worker_url, timeout)     # the attention side is vLLM's

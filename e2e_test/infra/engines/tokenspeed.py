@@ -477,6 +477,8 @@ class TokenSpeedEngine(Engine):
     option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT}  # noqa: RUF012
     env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT"}  # noqa: RUF012
     packages = ("tokenspeed",)
+    extra = "tokenspeed"
+    stage_env = "/root/stage/ts-env.sh"
     settings_rows = (Setting("E2E_MOONCAKE_TRANSPORT", Choice("nvlink", "tcp"), DEFAULT_TRANSPORT,
                              "TokenSpeed PD/EPD Mooncake transport on one host"),)
     # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num

@@ -404,6 +404,13 @@ def running_window(worker_url: str, timeout: float = 5.0) -> dict:
 WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 
+# Its boot log's own phrases (progress.py reads them after the generic markers).
+PROGRESS_MARKERS = (
+    (r"Initializing a V1 LLM engine", "initializing engine"),
+    (r"Starting vLLM server", "serving, waiting for health"),
+)
+
+
 class VllmEngine(Engine):
     idle_gauges = IDLE_GAUGES
     option_defaults = OPTIONS
@@ -412,6 +419,8 @@ class VllmEngine(Engine):
     kinds = ("regular", "dp", "pd")
     multinode = True        # binds entry.host: workers may go on other nodes
     work_counters = WORK_COUNTERS
+    stage_env = "/root/stage/env.sh"
+    progress_markers = PROGRESS_MARKERS
     # nothing moved: the decode side counted no prompt token as transferred
     proof_misses = {"pd": r"decode received KV for 0 of \d+"}
 
