@@ -253,7 +253,7 @@ class ClusterPool:
     def get(self, key, make) -> Cluster:
         if key in self.failed:
             raise self.failed[key]
-        if self.current is not None and self.key == key and not self.current._stopped:
+        if self.current is not None and self.key == key and not self.current.stopped:
             try:
                 self.current.check_alive()      # a worker died since the last test
             except HarnessError as e:
@@ -331,7 +331,7 @@ def _e2e_idle_after(request):
         c = request.getfixturevalue("cluster")
     except (Exception, pytest.skip.Exception, pytest.fail.Exception):
         return              # the topology did not start (or was skipped): nothing to check
-    if c is None or c._stopped or c.gateway is None:
+    if c is None or c.stopped or c.gateway is None:
         return
     try:
         rep = c.wait_idle()

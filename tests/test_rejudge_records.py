@@ -70,7 +70,7 @@ def test_negative_controls_fail_for_the_right_reason(res):
 
 
 def _pd_case(run, name):
-    recs = rejudge._records(rejudge.VALIDATION / run)
+    recs = rejudge.read_records(rejudge.VALIDATION / run)
     arm = rejudge.controls(recs)[("vllm", name)]
     cmp = next(c for t, _, n, c in rejudge.comparisons(recs)
                if "answers_match" in t and n == name)

@@ -111,8 +111,8 @@ def test_write_session_takes_teardown_from_the_cluster(tmp_path):
 
 
 def test_safe_names():
-    assert results._safe("a/b.py::t[x y|z]") == "a_b.py_t_x_y_z_"
-    assert len(results._safe("x" * 500)) == 150
+    assert results.safe_name("a/b.py::t[x y|z]") == "a_b.py_t_x_y_z_"
+    assert len(results.safe_name("x" * 500)) == 150
 
 
 def test_versions():

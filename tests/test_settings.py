@@ -315,7 +315,7 @@ def test_plan_prints_shell_quoted_argv(monkeypatch, capsys):
         argv=argv, env={"UCX_TLS": "tcp,self", "X": "two words"}))
     fake = SimpleNamespace(plan=SimpleNamespace(describe=lambda: "plan 1p1d on cpu"),
                            workers=[worker])
-    monkeypatch.setattr(cli, "_cluster", lambda a: fake)
+    monkeypatch.setattr(cli, "cluster_from_args", lambda a: fake)
     assert cli.cmd_plan(SimpleNamespace()) == 0
     out = capsys.readouterr().out.splitlines()
     line = next(ln for ln in out if ln.startswith("prefill-0: "))

@@ -126,7 +126,7 @@ class Timing:
 
 class Cluster:
     live: set[Cluster] = set()
-    _live_lock = threading.Lock()
+    live_lock = threading.Lock()
 
     def __init__(self, model: str | ModelSpec = DEFAULT_MODEL, engine: str = DEFAULT_ENGINE,
                  topology: str | Topology = "1", backend: str | None = None,
@@ -182,7 +182,7 @@ class Cluster:
         self.teardown_report: teardown.TeardownReport | None = None
         self.stop_reports: list[StopReport] = []
         self._baseline = Baseline()
-        self._stopped = False
+        self.stopped = False
         self._client: httpx.Client | None = None
         self._extra_ports: set[int] = set()          # extra_gateway's
         self._extra_gateways: list[Handle] = []      # ... running
@@ -256,7 +256,7 @@ class Cluster:
         # What a dead earlier run left, and GPU memory held by others: before anything starts.
         reaper.preflight(self.plan.devices if self.backend == "cuda" else (), self.dir)
         (self.dir / "plan.txt").write_text(self.plan.describe() + "\n")
-        with Cluster._live_lock:
+        with Cluster.live_lock:
             Cluster.live.add(self)
         self._baseline = self.launcher.baseline(self.plan.devices if self.backend == "cuda"
                                                 else ())
@@ -402,9 +402,9 @@ class Cluster:
                 self._extra_stops.append(handle.stop(grace=STOP_GRACE_S))
 
     def stop(self, verify_strict: bool | None = None) -> teardown.TeardownReport:
-        if self._stopped:
+        if self.stopped:
             return self.teardown_report
-        self._stopped = True
+        self.stopped = True
         t0 = time.monotonic()
         self.timing.teardown_started = time.time()
         if self._client:
@@ -425,7 +425,7 @@ class Cluster:
         rep.seconds = round(time.monotonic() - t0, 2)
         self.timing.teardown_s = rep.seconds
         self.teardown_report = rep
-        with Cluster._live_lock:
+        with Cluster.live_lock:
             Cluster.live.discard(self)
         try:
             if self.dir.exists():

@@ -13,7 +13,7 @@ _state = {"installed": False, "count": 0}
 
 
 def _live() -> list[Cluster]:
-    with Cluster._live_lock:
+    with Cluster.live_lock:
         return list(Cluster.live)
 
 

@@ -77,7 +77,7 @@ class ManagedProcess:
         self.cwd = cwd
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
-        self._known: dict[int, float] = {}   # pid -> create_time, descendants seen alive
+        self.known: dict[int, float] = {}   # pid -> create_time, descendants seen alive
         self._log = None
 
     # -- life -----------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class ManagedProcess:
             return
         for p in procs:
             try:
-                self._known[p.pid] = p.create_time()
+                self.known[p.pid] = p.create_time()
             except psutil.Error:
                 pass
 
@@ -136,7 +136,7 @@ class ManagedProcess:
         sid = self.pid
         for p in psutil.process_iter(["pid"]):
             try:
-                if p.pid in self._known and p.create_time() == self._known[p.pid]:
+                if p.pid in self.known and p.create_time() == self.known[p.pid]:
                     found[p.pid] = p
                 elif sid > 0 and os.getsid(p.pid) == sid:
                     found[p.pid] = p

@@ -201,11 +201,11 @@ class RayHandle:
     node: Node
     actor: object
     started_at: float | None = None
-    _pid: int = -1
-    _alive: bool = True
-    _code: int | None = None
-    _lost: str | None = None          # why the node or the actor stopped answering
-    _silent_since: float | None = None  # when the calls began to time out (None: answering)
+    worker_pid: int = -1
+    up: bool = True
+    code: int | None = None
+    lost: str | None = None          # why the node or the actor stopped answering
+    silent_since: float | None = None  # when the calls began to time out (None: answering)
     _tail: str = ""                   # the last log text fetched (kept for a lost node)
     report: StopReport | None = None
     node_dead: object = None            # () -> bool: Ray's GCS says the node is dead
@@ -218,17 +218,17 @@ class RayHandle:
 
     @property
     def pid(self) -> int:
-        return self._pid
+        return self.worker_pid
 
     @property
     def exit_code(self) -> int | None:
-        return self._code
+        return self.code
 
-    def _get(self, ref, timeout: float):
+    def ray_get(self, ref, timeout: float):
         import ray
         return ray.get(ref, timeout=timeout)
 
-    def _lose(self, e: BaseException, waited: float = 0.0) -> None:
+    def lose(self, e: BaseException, waited: float = 0.0) -> None:
         """Mark the node lost for a call that failed with `e` after `waited` s: at once when
         Ray says the actor is gone; a timeout only when the node has been silent (every call
         timing out) for SILENT_LOST_S."""
@@ -236,19 +236,19 @@ class RayHandle:
         now = time.monotonic()
         if isinstance(e, ray.exceptions.GetTimeoutError):
             began = now - waited
-            if self._silent_since is None or began < self._silent_since:
-                self._silent_since = began
+            if self.silent_since is None or began < self.silent_since:
+                self.silent_since = began
             if self.node_dead is not None and self._node_dead():
                 why = (f"Ray reports the node dead (its actor silent for "
-                       f"{now - self._silent_since:.0f} s)")
-            elif now - self._silent_since < SILENT_LOST_S:
+                       f"{now - self.silent_since:.0f} s)")
+            elif now - self.silent_since < SILENT_LOST_S:
                 return
             else:
-                why = f"its actor has not answered for {now - self._silent_since:.0f} s"
+                why = f"its actor has not answered for {now - self.silent_since:.0f} s"
         else:
             why = f"its actor died ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
-        self._lost = f"{self.node.label} lost: {why}"
-        self._alive = False
+        self.lost = f"{self.node.label} lost: {why}"
+        self.up = False
 
     def _node_dead(self) -> bool:
         try:
@@ -257,35 +257,35 @@ class RayHandle:
             return False
 
     def _call(self, method: str, *args, timeout: float):
-        """The actor's answer to `method`, or LOST (then `_lose` has judged the failure)."""
+        """The actor's answer to `method`, or LOST (then `lose` has judged the failure)."""
         t0 = time.monotonic()
         try:
-            out = self._get(getattr(self.actor, method).remote(*args), timeout)
+            out = self.ray_get(getattr(self.actor, method).remote(*args), timeout)
         except Exception as e:
-            self._lose(e, timeout)
+            self.lose(e, timeout)
             return LOST
         self.slowest_answer_s = max(self.slowest_answer_s, time.monotonic() - t0)
-        self._silent_since = None
+        self.silent_since = None
         return out
 
     def _ask(self, method: str, *args, timeout: float = CALL_TIMEOUT_S):
         """Call the role actor's `method`; LOST when the node is lost or did not answer."""
-        if self._lost:
+        if self.lost:
             return LOST
         return self._call(method, *args, timeout=timeout)
 
     def alive(self) -> bool:
-        if not self._alive:
+        if not self.up:
             return False
         got = self._call("status", timeout=STATUS_TIMEOUT_S)
         if got is not LOST:             # (silence keeps the last answer until it is loss)
-            self._alive, self._code = got
-        return self._alive
+            self.up, self.code = got
+        return self.up
 
     def death_reason(self) -> str:
-        if self._lost:
-            return self._lost
-        code = self._code
+        if self.lost:
+            return self.lost
+        code = self.code
         return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
     def remember_descendants(self) -> None:
@@ -306,7 +306,7 @@ class RayHandle:
         summary = self._ask("failure_summary")
         if summary is not LOST:
             return summary
-        why = self._lost or f"its actor did not answer within {CALL_TIMEOUT_S:.0f} s"
+        why = self.lost or f"its actor did not answer within {CALL_TIMEOUT_S:.0f} s"
         return (f"{self.name} on {self.node.label}: {why}\nargv: {' '.join(self.argv)}\n"
                 f"log: {self.log_path}\nlog tail (last fetched):\n{self.log_tail(25)}")
 
@@ -330,16 +330,16 @@ class RayHandle:
 
     def stop(self, grace: float = 15.0) -> StopReport:
         t0 = time.monotonic()
-        if not self._lost:
+        if not self.lost:
             try:
-                self.report = self._get(self.actor.stop.remote(grace), grace + CALL_TIMEOUT_S)
-                self._alive, self._code = False, self.report.exit_code
+                self.report = self.ray_get(self.actor.stop.remote(grace), grace + CALL_TIMEOUT_S)
+                self.up, self.code = False, self.report.exit_code
                 self._copy_log()
                 return self.report
             except Exception as e:
-                self._lose(e, grace + CALL_TIMEOUT_S)
+                self.lose(e, grace + CALL_TIMEOUT_S)
         # Nothing could be stopped or checked there: verify() reports the node as unverified.
-        self.report = StopReport(self.name, self._pid, self._code, False,
+        self.report = StopReport(self.name, self.worker_pid, self.code, False,
                                  time.monotonic() - t0, [])
         return self.report
 
@@ -445,9 +445,9 @@ class RayLauncher:
         h = RayHandle(name, list(command.argv), Path(log_path), nd, actor,
                       node_dead=functools.partial(node_dead, self._nodes[node][1]))
         try:
-            h._pid = ray.get(actor.start.remote(), timeout=120)["pid"]
+            h.worker_pid = ray.get(actor.start.remote(), timeout=120)["pid"]
         except Exception as e:
-            h._lose(e, 120)
+            h.lose(e, 120)
         h.started_at = time.monotonic()
         self.handles.append(h)
         return h
@@ -464,10 +464,10 @@ class RayLauncher:
             if k not in self._agents:
                 continue
             mine = [h.report for h in self.handles if h.node.index == k and h.report]
-            lost = [h for h in self.handles if h.node.index == k and h._lost]
+            lost = [h for h in self.handles if h.node.index == k and h.lost]
             if lost:        # its agent went with the node: do not wait for it
                 per_node[nd.label] = teardown.TeardownReport(unverified=[
-                    f"{h.name} (pid {h.pid}): {h._lost}" for h in lost])
+                    f"{h.name} (pid {h.pid}): {h.lost}" for h in lost])
                 continue
             try:
                 rep = ray.get(self._agents[k].verify.remote(

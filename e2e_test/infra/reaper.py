@@ -463,7 +463,7 @@ class Guardian:
     """The driver's handle on its guardian process: one per driver process."""
 
     _lock = threading.Lock()
-    _current: Guardian | None = None
+    current: Guardian | None = None
 
     def __init__(self, report_dir: Path | None = None, grace: float = GRACE_S):
         self.report_dir = Path(report_dir) if report_dir else _results_dir()
@@ -553,14 +553,14 @@ class Guardian:
     @classmethod
     def get(cls) -> Guardian:
         with cls._lock:
-            g = cls._current
+            g = cls.current
             if g is None or g.owner != os.getpid():
-                g = cls._current = Guardian()
+                g = cls.current = Guardian()
             return g
 
 
 def _goodbye() -> None:
-    g = Guardian._current
+    g = Guardian.current
     if g is not None and g.owner == os.getpid() and g.fd >= 0:
         with g._wlock:
             try:
@@ -576,14 +576,14 @@ def _goodbye() -> None:
 
 
 def _after_fork_in_child() -> None:
-    g = Guardian._current
+    g = Guardian.current
     if g is not None and g.fd >= 0:
         try:
             os.close(g.fd)       # a forked child must not keep the driver's pipe open
         except OSError:
             pass
         g.fd = -1
-    Guardian._current = None
+    Guardian.current = None
     Guardian._lock = threading.Lock()
 
 
@@ -598,13 +598,13 @@ def watch(pid: int, name: str = "") -> None:
 
 def forget(pid: int) -> None:
     """A group stopped cleanly: the guardian no longer needs to stop it."""
-    g = Guardian._current
+    g = Guardian.current
     if g is not None and g.owner == os.getpid():
         g.forget(pid)
 
 
 def guardian_pid() -> int | None:
-    g = Guardian._current
+    g = Guardian.current
     return g.pid if g is not None and g.owner == os.getpid() else None
 
 

@@ -63,7 +63,7 @@ def cluster_facts(c) -> dict:
     }
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[-150:]
 
 
@@ -100,7 +100,7 @@ def write_session(records: list[dict], clusters: dict, wall_s: float,
     for r in records:
         if r.get("cluster") in teardowns:
             r["teardown"] = teardowns[r["cluster"]]
-        (root / "tests" / f"{_safe(r['test'])}.json").write_text(
+        (root / "tests" / f"{safe_name(r['test'])}.json").write_text(
             json.dumps(r, indent=2, default=str))
     tbl = table(records) if records else ""
     summary = {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -77,7 +77,7 @@ def _running(cluster) -> dict[str, float]:
             if x.running is not None}
 
 
-def _loads(cluster) -> dict[str, dict]:
+def read_loads(cluster) -> dict[str, dict]:
     return {x.name: {"running": x.running, "waiting": x.waiting,
                      "kv_cache_usage": x.kv_cache_usage, "in_flight": x.active}
             for x in idle.snapshot(cluster)}
@@ -121,7 +121,7 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
             await asyncio.sleep(0.05)
         if task.done():
             task.result()          # raises what went wrong
-        return await _drop(cluster, task, case, t0)
+        return await drop(cluster, task, case, t0)
 
 
 async def _post_then_drop(cluster, content: str, max_tokens: int, stop_when,
@@ -140,16 +140,16 @@ async def _post_then_drop(cluster, content: str, max_tokens: int, stop_when,
             r = task.result()
             raise HarnessError(f"{case.case}: the request finished (HTTP {r.status_code}) "
                                "before the cancel")
-        return await _drop(cluster, task, case, t0)
+        return await drop(cluster, task, case, t0)
 
 
-async def _drop(cluster, task, case: CancelCase, t0: float) -> float:
+async def drop(cluster, task, case: CancelCase, t0: float) -> float:
     """Leave now: cancel the request's task (closing its connection) at once, and scrape what
     every role holds alongside, not before: a scrape of busy workers takes seconds on a loaded
     machine, and a cancel that waits for it is late (on 2 CPU cores the first token of a 1p1d
     prefill once came 2.8 s after the cancel was due, while the scrape ran). Returns the
     monotonic time of the cancel."""
-    loads = asyncio.ensure_future(asyncio.to_thread(_loads, cluster))
+    loads = asyncio.ensure_future(asyncio.to_thread(read_loads, cluster))
     t_cancel = time.monotonic()
     case.seconds_before_cancel = round(t_cancel - t0, 3)
     task.cancel()              # closes the response and its connection; no chunk counts after

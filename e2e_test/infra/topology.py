@@ -126,15 +126,15 @@ def parse(text: str) -> Topology:
         return text
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(f"topology must be a non-empty string, got {text!r}")
-    return _parse_cached(text)
+    return parse_cached(text)
 
 
 @lru_cache(maxsize=512)
-def _parse_cached(text: str) -> Topology:
-    return _parse(text)
+def parse_cached(text: str) -> Topology:
+    return parse_uncached(text)
 
 
-def _parse(text: str) -> Topology:
+def parse_uncached(text: str) -> Topology:
     name = text.strip().lower().replace(" ", "")
     core, *opts = name.split(",")
     for rx, kind in _CORE:
