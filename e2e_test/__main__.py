@@ -34,26 +34,17 @@ import time
 from pathlib import Path
 
 from . import lanes
-from .infra import (
-    bench,
-    comparisons,
-    cycles,
-    datasets,
-    html_report,
-    lifecycle,
-    model_specs,
-    models,
-    report,
-    results,
-    settings,
-    startup,
-    verdicts,
-)
-from .infra.cluster import Cluster
+from .infra import startup
+from .infra.cluster import signals as lifecycle
+from .infra.cluster.cluster import Cluster
 from .infra.engines import DEFAULT_ENGINE
 from .infra.errors import ConfigError, HarnessError
-from .infra.evals import gsm8k, mmlu
-from .infra.model_specs import DEFAULT_MODEL
+from .infra.load import bench, cycles
+from .infra.reports import html_report, report, results, verdicts
+from .infra.specs import model_specs, models, settings
+from .infra.specs.model_specs import DEFAULT_MODEL
+from .infra.verdicts import comparisons, datasets
+from .infra.verdicts.evals import gsm8k, mmlu
 from .tools import tiny_models
 
 

@@ -21,13 +21,14 @@ from typing import Any, Callable
 
 import yaml
 
-from .infra import model_specs, settings, startup
-from .infra.devices import nvml
+from .infra import startup
 from .infra.engines import all_engines, engine_names, kind_engines
 from .infra.errors import ConfigError
-from .infra.plan import devices_needed, make_plan
-from .infra.schema import integer, mapping, str_list
-from .infra.topology import parse as parse_topology
+from .infra.specs import model_specs, settings
+from .infra.specs.devices import nvml
+from .infra.specs.plan import devices_needed, make_plan
+from .infra.specs.schema import integer, mapping, str_list
+from .infra.specs.topology import parse as parse_topology
 
 LANES_FILE = Path(__file__).with_name("lanes.yaml")
 REPO = Path(__file__).resolve().parents[1]

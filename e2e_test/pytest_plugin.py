@@ -16,20 +16,20 @@ import pytest
 
 pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
-from .infra import datasets, lifecycle, progress, results, settings, startup, time_report
-from .infra import topology as topologies
-from .infra.cluster import Cluster
-from .infra.engines import (
-    DEFAULT_ENGINE,
-    EngineOptions,
-    engine_names,
-    kind_engines,
-)
+from .infra import startup
+from .infra.cluster import progress
+from .infra.cluster import signals as lifecycle
+from .infra.cluster.cluster import Cluster
+from .infra.cluster.idle import IdleError
+from .infra.engines import DEFAULT_ENGINE, EngineOptions, engine_names, kind_engines
 from .infra.errors import HarnessError
-from .infra.idle import IdleError
-from .infra.model_specs import DEFAULT_MODEL, get_spec
-from .infra.settings import options_from_env
-from .infra.topology import Topology
+from .infra.reports import results, time_report
+from .infra.specs import settings
+from .infra.specs import topology as topologies
+from .infra.specs.model_specs import DEFAULT_MODEL, get_spec
+from .infra.specs.settings import options_from_env
+from .infra.specs.topology import Topology
+from .infra.verdicts import datasets
 from .pytest_lanes import device_shortfall, require_devices, reusable_plan  # noqa: F401  (public helpers)
 from .pytest_state import OUTCOME, RECORDED, state
 
@@ -85,7 +85,7 @@ _DEFAULTS = {"--engine": ",".join(engine_names()), "--topology": DEFAULT_TOPOLOG
 
 
 def _live_lines(config):
-    """Progress lines (infra/progress.py) past pytest's output capture: a lane's log shows
+    """Progress lines (infra/cluster/progress.py) past pytest's output capture: a lane's log shows
     them while a topology boots or an eval runs, not only when a test fails."""
     def write(line: str) -> None:
         capman = config.pluginmanager.get_plugin("capturemanager")
@@ -316,7 +316,7 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
 
 @pytest.fixture(autouse=True)
 def _e2e_idle_after(request):
-    """After each test on a shared topology, every role must be idle again (infra/idle.py):
+    """After each test on a shared topology, every role must be idle again (infra/cluster/idle.py):
     a leaked request fails the test that leaked it. The leaking topology is then stopped, so
     the next test gets a fresh one instead of inheriting the leak."""
     yield

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from e2e_test.infra import oracle
+from e2e_test.infra.verdicts import oracle
 
 VALIDATION = ROOT / "docs" / "validation"
 

@@ -4,7 +4,7 @@ slow scrape cannot delay the cancel (pure asyncio logic; the scrape is a stand-i
 import asyncio
 import time
 
-from e2e_test.infra import serving_faults as sf
+from e2e_test.infra.load import serving_faults as sf
 
 
 def _case():

@@ -9,11 +9,12 @@ import yaml
 
 from e2e_test import __main__ as cli
 from e2e_test import lanes
-from e2e_test.infra import engines, model_specs, plan, settings
+from e2e_test.infra import engines
+from e2e_test.infra.cluster.readiness import HttpGet
 from e2e_test.infra.engines import Engine, Ports, WorkerCommand
-from e2e_test.infra.model_specs import parse_spec
-from e2e_test.infra.readiness import HttpGet
-from e2e_test.infra.topology import parse
+from e2e_test.infra.specs import model_specs, plan, settings
+from e2e_test.infra.specs.model_specs import parse_spec
+from e2e_test.infra.specs.topology import parse
 
 
 class ToyEngine(Engine):
@@ -129,8 +130,9 @@ def test_toy_engine_brings_its_extra_its_boot_markers_and_its_report_lines(toy, 
     (E2E_EXTRAS), its staging env file (E2E_STAGE_ENV's doc), its boot log's phrases
     (progress.py), smg's runtime_type for its workers (the gateway registration) and how its
     suite's record keys read in a report (report.details)."""
-    from e2e_test.infra import progress, report
-    from e2e_test.infra.gateway import GatewayWorker
+    from e2e_test.infra.cluster import progress
+    from e2e_test.infra.cluster.gateway import GatewayWorker
+    from e2e_test.infra.reports import report
 
     class Toy(ToyEngine):
         extra = "toy"

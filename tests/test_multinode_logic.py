@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from e2e_test.infra import simhosts
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.plan import Node
-from e2e_test.infra.ray_launcher import RayHandle, merge_reports, order_nodes
-from e2e_test.infra.teardown import TeardownReport
+from e2e_test.infra.lifecycle import simhosts
+from e2e_test.infra.lifecycle.ray_launcher import RayHandle, merge_reports, order_nodes
+from e2e_test.infra.lifecycle.teardown import TeardownReport
+from e2e_test.infra.specs.plan import Node
 
 
 def info(addr, alive=True, head=False, tag=None, host="m1"):

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from e2e_test.infra import cluster as cluster_mod
-from e2e_test.infra import plan, topology
+from e2e_test.infra.cluster import cluster as cluster_mod
+from e2e_test.infra.specs import plan, topology
 
 pytest_plugins = ["pytester"]
 

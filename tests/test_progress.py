@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from e2e_test.infra import progress
+from e2e_test.infra.cluster import progress
 from e2e_test.infra.errors import ConfigError
 
 VLLM_LOG = """\

@@ -12,8 +12,8 @@ import pytest
 
 ray = pytest.importorskip("ray")       # the `multinode` extra; .ci/run installs it
 
-from e2e_test.infra import ray_launcher  # noqa: E402
-from e2e_test.infra.plan import Node  # noqa: E402
+from e2e_test.infra.lifecycle import ray_launcher  # noqa: E402
+from e2e_test.infra.specs.plan import Node  # noqa: E402
 
 
 class FakeActorForUnitTest:

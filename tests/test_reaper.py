@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from e2e_test.infra import reaper, teardown
 from e2e_test.infra.errors import ConfigError, PreflightError
-from e2e_test.infra.process import ManagedProcess
+from e2e_test.infra.lifecycle import reaper, teardown
+from e2e_test.infra.lifecycle.process import ManagedProcess
 
 REPO = Path(__file__).resolve().parents[1]
 GONE_WITHIN_S = 10.0
@@ -45,8 +45,8 @@ CHILD = textwrap.dedent("""
 DRIVER = textwrap.dedent("""
     import json, os, subprocess, sys, threading, time
     from pathlib import Path
-    from e2e_test.infra import reaper
-    from e2e_test.infra.process import ManagedProcess
+    from e2e_test.infra.lifecycle import reaper
+    from e2e_test.infra.lifecycle.process import ManagedProcess
     mode, child, logdir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     box = {}
     def start():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_test.infra import oracle
+from e2e_test.infra.verdicts import oracle
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("rejudge_oracle",

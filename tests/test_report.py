@@ -1,6 +1,6 @@
 """Validation report lines from test records (vLLM and TokenSpeed proofs)."""
 
-from e2e_test.infra import report
+from e2e_test.infra.reports import report
 
 
 def test_vllm_and_tokenspeed_pd_proofs_and_tolerance():
@@ -29,8 +29,9 @@ def test_main_job_verdict_lines_proof_oracle_and_failure():
     """The oracle part is built by the real producer (oracle.compare/judge, the shape that
     comparisons.against_one_worker returns): a hook written against a made-up shape once
     printed "0 identical, 0 numerics, 0 mismatch" for a 32-item pass."""
-    from e2e_test.infra import oracle, verdicts
-    from e2e_test.infra.oracle import Step
+    from e2e_test.infra.reports import verdicts
+    from e2e_test.infra.verdicts import oracle
+    from e2e_test.infra.verdicts.oracle import Step
 
     def steps(*toks):
         return [Step(t, -0.1, {t: -0.1, "x": -3.0}) for t in toks]

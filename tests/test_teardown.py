@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
-from e2e_test.infra import teardown
 from e2e_test.infra.errors import TeardownError
-from e2e_test.infra.teardown import (
+from e2e_test.infra.lifecycle import teardown
+from e2e_test.infra.lifecycle.teardown import (
     SHM,
     TeardownReport,
     clean_shm,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_test.infra.model_specs import get_spec
+from e2e_test.infra.specs.model_specs import get_spec
 from e2e_test.tools import tiny_models
 
 torch = pytest.importorskip("torch")

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..devices import core_list  # noqa: F401 (the builders' name for it)
+from ..cluster.readiness import Alive, HttpGet, Readiness
 from ..errors import ConfigError
-from ..readiness import Alive, HttpGet, Readiness
+from ..specs.devices import core_list  # noqa: F401 (the builders' name for it)
 
 
 @dataclass(frozen=True)

@@ -50,16 +50,16 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .. import settings
-from ..devices import check_gpu_ids
+from ..cluster.readiness import Alive, HttpGet, PortBound
 from ..errors import ConfigError, HarnessError, SettingError
-from ..model_specs import ModelSpec
-from ..oracle import verdict_line
-from ..plan import PlanEntry
-from ..proof import long_unique_prompt, post_all, scrape_all, sum_delta
-from ..readiness import Alive, HttpGet, PortBound
-from ..settings import Bool, Choice, DeviceList, Executable, Int, PathKind, Setting
-from ..topology import Topology
+from ..specs import settings
+from ..specs.devices import check_gpu_ids
+from ..specs.model_specs import ModelSpec
+from ..specs.plan import PlanEntry
+from ..specs.settings import Bool, Choice, DeviceList, Executable, Int, PathKind, Setting
+from ..specs.topology import Topology
+from ..verdicts.oracle import verdict_line
+from ..verdicts.proof import long_unique_prompt, post_all, scrape_all, sum_delta
 from . import Engine, EngineOptions, Ports, WorkerCommand, vllm
 from .vllm import WORK_COUNTERS as VLLM_WORK_COUNTERS
 
@@ -73,7 +73,7 @@ FORCED_ROUTING_ENV = ("VLLM_MOE_ROUTING_SIMULATION_STRATEGY",
 UNSET_ENV = FORCED_ROUTING_ENV + ("AFD_PLUGIN_EARLY_ENGINE_PATCH",)
 ENGINE_READY_TIMEOUT_S = "18000"
 VLLM_BIN_ENV = "AFD_GPU_E2E_VLLM_BIN"
-# Idle verification (infra/idle.py): attention and the native baseline are vLLM API servers;
+# Idle verification (infra/cluster/idle.py): attention and the native baseline are vLLM API servers;
 # the FFN server takes no requests of its own.
 IDLE_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
                "kv_cache_usage": "vllm:kv_cache_usage_perc"}

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import httpx
 
+from ..cluster.readiness import HttpGet
 from ..errors import ConfigError, HarnessError
-from ..model_specs import ModelSpec
-from ..plan import PlanEntry
-from ..proof import (
+from ..specs.model_specs import ModelSpec
+from ..specs.plan import PlanEntry
+from ..specs.topology import Topology
+from ..verdicts.proof import (
     kv_bytes_per_token,
     kv_dtype,
     long_unique_prompt,
@@ -29,8 +31,6 @@ from ..proof import (
     sum_delta,
     verdict,
 )
-from ..readiness import HttpGet
-from ..topology import Topology
 from . import Engine, EngineOptions, Ports, WorkerCommand, core_list, kv_corrupt
 
 # vLLM's own options (EngineOptions.engine_opts), with their defaults:
@@ -55,7 +55,7 @@ HARNESS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 KV_CONNECTORS = ("nixl", "example", "mooncake")
-# Idle verification (infra/idle.py): Prometheus gauges of the API server's /metrics
+# Idle verification (infra/cluster/idle.py): Prometheus gauges of the API server's /metrics
 # (vllm/v1/metrics/loggers.py); kv_cache_usage_perc is a 0-1 fraction despite its name.
 IDLE_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
                "kv_cache_usage": "vllm:kv_cache_usage_perc"}
