@@ -34,26 +34,17 @@ import time
 from pathlib import Path
 
 from . import lanes
-from .infra import (
-    bench,
-    comparisons,
-    cycles,
-    datasets,
-    html_report,
-    lifecycle,
-    model_specs,
-    models,
-    report,
-    results,
-    settings,
-    startup,
-    verdicts,
-)
-from .infra.cluster import Cluster
+from .infra import startup
+from .infra.cluster import signals as lifecycle
+from .infra.cluster.cluster import Cluster
 from .infra.engines import DEFAULT_ENGINE
 from .infra.errors import ConfigError, HarnessError
-from .infra.evals import gsm8k, mmlu
-from .infra.model_specs import DEFAULT_MODEL
+from .infra.load import bench, cycles
+from .infra.reports import html_report, report, results, verdicts
+from .infra.specs import model_specs, models, settings
+from .infra.specs.model_specs import DEFAULT_MODEL
+from .infra.verdicts import comparisons, datasets
+from .infra.verdicts.evals import gsm8k, mmlu
 from .tools import tiny_models
 
 
@@ -121,7 +112,7 @@ def cmd_datasets(a) -> int:
     return 0
 
 
-def _cluster(a, **kw):
+def cluster_from_args(a, **kw):
     """The Cluster a command asked for: its options over the variables (E2E_ENGINE_ARGS,
     E2E_MOONCAKE_TRANSPORT and E2E_ENFORCE_EAGER included, as pytest would run it)."""
     over = {"enforce_eager": True} if a.enforce_eager else {}
@@ -134,7 +125,7 @@ def cmd_plan(a) -> int:
     """The device plan and each worker's command, shell-quoted: a line pasted into bash runs
     that argv (`env K=V ... argv`)."""
     import shlex
-    c = _cluster(a)
+    c = cluster_from_args(a)
     print(c.plan.describe())
     for w in c.workers:
         print(f"{w.name}: {shlex.join(w.command.argv)}")
@@ -152,7 +143,7 @@ def cmd_main(a) -> int:
         models.prepare(spec)
     datasets.dataset_dir("gsm8k"), datasets.dataset_dir("mmlu")   # fail before starting
     summary: dict = {"model": spec.id, "engine": a.engine, "topology": a.topology}
-    with _cluster(a) as c:
+    with cluster_from_args(a) as c:
         print(c.plan.describe(), flush=True)
         summary["ready_s"] = dict(c.timing.workers)
         summary["topology_ready_s"] = c.timing.topology_ready_s
@@ -208,7 +199,7 @@ def cmd_main(a) -> int:
 
 def cmd_cycles(a) -> int:
     lifecycle.install()
-    rep = cycles.run_cycles(lambda: _cluster(a), a.n, log=print)
+    rep = cycles.run_cycles(lambda: cluster_from_args(a), a.n, log=print)
     print(json.dumps(rep, indent=2))
     return 0 if rep["ok"] else 1
 
@@ -217,7 +208,7 @@ def cmd_bench(a) -> int:
     lifecycle.install()
     cfg = bench.BenchConfig(n=a.n, isl=a.isl, osl=a.osl, rate=a.rate,
                             max_concurrency=a.max_concurrency, warmup=a.warmup, reps=a.reps)
-    out = bench.ab(lambda topo: _cluster(argparse.Namespace(**{**vars(a), "topology": topo})),
+    out = bench.ab(lambda topo: cluster_from_args(argparse.Namespace(**{**vars(a), "topology": topo})),
                    a.a, a.b, cfg, log=print)
     print(out["table"])
     return 0

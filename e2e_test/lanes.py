@@ -21,13 +21,14 @@ from typing import Any, Callable
 
 import yaml
 
-from .infra import model_specs, settings, startup
-from .infra.devices import nvml
+from .infra import startup
 from .infra.engines import all_engines, engine_names, kind_engines
 from .infra.errors import ConfigError
-from .infra.plan import devices_needed, make_plan
-from .infra.schema import integer, mapping, str_list
-from .infra.topology import parse as parse_topology
+from .infra.specs import model_specs, settings
+from .infra.specs.devices import nvml
+from .infra.specs.plan import devices_needed, make_plan
+from .infra.specs.schema import integer, mapping, str_list
+from .infra.specs.topology import parse as parse_topology
 
 LANES_FILE = Path(__file__).with_name("lanes.yaml")
 REPO = Path(__file__).resolve().parents[1]
@@ -729,7 +730,7 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
                 if part in (e.get("E2E_ENGINES") or ",".join(lane.engines)).split(",")]
     for _, env in cmds:
         startup.startup(env)
-    run = runner or _call
+    run = runner or call
     rc = 0
     for argv, env in cmds:
         shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in lane.full_env())
@@ -741,7 +742,7 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
     return rc
 
 
-def _call(argv: list[str], env: dict, stop_wait_s: float = 120.0) -> int:
+def call(argv: list[str], env: dict, stop_wait_s: float = 120.0) -> int:
     """Run one part's pytest. Ctrl-C / SIGINT (a CI cancel, `timeout -s INT`) is passed on to
     pytest, whose handler tears its clusters down, and waited for; subprocess.call would
     SIGKILL it instead and leave the clusters to the reaper (seen on the H200: 29 GB held

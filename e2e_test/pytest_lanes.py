@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from .infra import plan as planner
-from .infra import settings, simhosts, startup
-from .infra import topology as topologies
+from .infra import startup
 from .infra.engines import engine_names, for_topology, kind_engines
 from .infra.errors import ConfigError
-from .infra.model_specs import get_spec
-from .infra.plan import LOCAL_NODES, Node, Plan, TooFewDevices
-from .infra.topology import Topology
+from .infra.lifecycle import simhosts
+from .infra.specs import plan as planner
+from .infra.specs import settings
+from .infra.specs import topology as topologies
+from .infra.specs.model_specs import get_spec
+from .infra.specs.plan import LOCAL_NODES, Node, Plan, TooFewDevices
+from .infra.specs.topology import Topology
 from .pytest_state import DESELECT_WHY, state
 
 

@@ -17,20 +17,11 @@ import pytest
 
 pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 
-from .infra import (
-    coboot,
-    datasets,
-    devices,
-    lifecycle,
-    progress,
-    results,
-    settings,
-    startup,
-    teardown,
-    time_report,
-)
-from .infra import topology as topologies
-from .infra.cluster import Cluster
+from .infra import startup
+from .infra.cluster import progress
+from .infra.cluster import signals as lifecycle
+from .infra.cluster.cluster import Cluster
+from .infra.cluster.idle import IdleError
 from .infra.engines import (
     DEFAULT_ENGINE,
     EngineOptions,
@@ -39,11 +30,16 @@ from .infra.engines import (
     kind_engines,
 )
 from .infra.errors import HarnessError
-from .infra.idle import IdleError
-from .infra.launcher import Baseline, LocalLauncher
-from .infra.model_specs import DEFAULT_MODEL, get_spec
-from .infra.settings import options_from_env
-from .infra.topology import Topology
+from .infra.reports import results, time_report
+from .infra.specs import settings
+from .infra.specs import topology as topologies
+from .infra.specs.model_specs import DEFAULT_MODEL, get_spec
+from .infra.specs.settings import options_from_env
+from .infra.specs.topology import Topology
+from .infra.verdicts import datasets
+from .infra.lifecycle import teardown
+from .infra.lifecycle.launcher import Baseline, LocalLauncher
+from .infra.specs import coboot, devices
 from .pytest_lanes import device_shortfall, require_devices, reusable_plan  # noqa: F401  (public helpers)
 from .pytest_state import OUTCOME, RECORDED, state
 
@@ -99,7 +95,7 @@ _DEFAULTS = {"--engine": ",".join(engine_names()), "--topology": DEFAULT_TOPOLOG
 
 
 def _live_lines(config):
-    """Progress lines (infra/progress.py) past pytest's output capture: a lane's log shows
+    """Progress lines (infra/cluster/progress.py) past pytest's output capture: a lane's log shows
     them while a topology boots or an eval runs, not only when a test fails."""
     def write(line: str) -> None:
         capman = config.pluginmanager.get_plugin("capturemanager")
@@ -331,7 +327,7 @@ class ClusterPool:
     def get(self, key, make) -> Cluster:
         if key in self.failed:
             raise self.failed[key]
-        if self.current is not None and self.key == key and not self.current._stopped:
+        if self.current is not None and self.key == key and not self.current.stopped:
             try:
                 self.current.check_alive()      # a worker died since the last test
             except HarnessError as e:
@@ -368,7 +364,7 @@ class ClusterPool:
         if w not in self.waves_started:
             self._start_wave(w)
         c, fut = self.boots[key]
-        if c._stopped:      # stopped after a test broke it or leaked: a fresh one, beside the rest
+        if c.stopped:      # stopped after a test broke it or leaked: a fresh one, beside the rest
             c = _make_for_key(self.config, key, shared_devices=True)
             state(self.config).clusters[c.name] = c
             fut = self._executor.submit(c.start)
@@ -439,7 +435,7 @@ class ClusterPool:
     def _stop_waves_before(self, w: int | None) -> None:
         """Stop what is still up of the waves before `w` (None: of every wave)."""
         for k, (c, fut) in list(self.boots.items()):
-            if (w is None or self.schedule.wave_of(k) < w) and not c._stopped:
+            if (w is None or self.schedule.wave_of(k) < w) and not c.stopped:
                 try:
                     fut.result()              # still booting: let it finish, then stop it
                 except BaseException:         # noqa: BLE001 - its own test names it
@@ -501,7 +497,7 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
 
 @pytest.fixture(autouse=True)
 def _e2e_idle_after(request):
-    """After each test on a shared topology, every role must be idle again (infra/idle.py):
+    """After each test on a shared topology, every role must be idle again (infra/cluster/idle.py):
     a leaked request fails the test that leaked it. The leaking topology is then stopped, so
     the next test gets a fresh one instead of inheriting the leak."""
     yield
@@ -516,7 +512,7 @@ def _e2e_idle_after(request):
         c = request.getfixturevalue("cluster")
     except (Exception, pytest.skip.Exception, pytest.fail.Exception):
         return              # the topology did not start (or was skipped): nothing to check
-    if c is None or c._stopped or c.gateway is None:
+    if c is None or c.stopped or c.gateway is None:
         return
     try:
         rep = c.wait_idle()

@@ -8,8 +8,8 @@ import json
 import threading
 import time
 
-from e2e_test.infra.cluster import Cluster
-from e2e_test.infra.evals import gsm8k
+from e2e_test.infra.cluster.cluster import Cluster
+from e2e_test.infra.verdicts.evals import gsm8k
 
 
 def serial():

@@ -18,12 +18,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from e2e_test.infra import oracle
+from e2e_test.infra.verdicts import oracle
 
 VALIDATION = ROOT / "docs" / "validation"
 
 
-def _records(run: Path) -> list[dict]:
+def read_records(run: Path) -> list[dict]:
     out = []
     for f in sorted((run / "tests").glob("*.json")) if (run / "tests").is_dir() else []:
         try:
@@ -78,7 +78,7 @@ def _not_rejudged(run: Path) -> str | None:
 
 
 def rejudge(run: Path) -> list[dict]:
-    records = _records(run)
+    records = read_records(run)
     skip = _not_rejudged(run)
     arms = controls(records)
     engine = next((r.get("engine") for r in records if r.get("engine")), None)

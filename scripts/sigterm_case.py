@@ -6,8 +6,8 @@ and records nvidia-smi around it."""
 import sys
 import time
 
-from e2e_test.infra import lifecycle
-from e2e_test.infra.cluster import Cluster
+from e2e_test.infra.cluster import signals as lifecycle
+from e2e_test.infra.cluster.cluster import Cluster
 
 lifecycle.install()
 out = sys.argv[1]

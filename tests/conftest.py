@@ -33,6 +33,6 @@ def fake_gpus(monkeypatch):
     """NVML lists GPUs 0-7 (a machine with eight): device lists given to the planner are
     checked against that instead of this machine, where NVML may see none (then any given
     GPU id is an error)."""
-    from e2e_test.infra import devices
+    from e2e_test.infra.specs import devices
     monkeypatch.setattr(devices, "nvml_inventory", lambda: tuple(range(8)))
     return tuple(range(8))

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from e2e_test.infra import engines
+from e2e_test.infra.cluster.readiness import HttpGet
 from e2e_test.infra.engines import Engine, WorkerCommand
-from e2e_test.infra.model_specs import parse_spec
-from e2e_test.infra.readiness import HttpGet
+from e2e_test.infra.specs.model_specs import parse_spec
 
 SERVER = Path(__file__).with_name("fake_engine_server.py")
 NAME = "fake"

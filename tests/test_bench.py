@@ -3,7 +3,7 @@
 import math
 import random
 
-from e2e_test.infra import abstats, bench, load
+from e2e_test.infra.load import abstats, bench, load
 
 
 def _res(i, ok=True, ttft=0.1, lat=1.0, out=10, itl=(0.1, 0.1)):

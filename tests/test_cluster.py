@@ -18,9 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from e2e_test.infra import cluster as cluster_mod
 from e2e_test.infra import engines
-from e2e_test.infra.cluster import Cluster
+from e2e_test.infra.cluster import cluster as cluster_mod
+from e2e_test.infra.cluster.cluster import Cluster
 from e2e_test.infra.errors import StartupError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -203,8 +203,8 @@ import sys, time
 sys.path.insert(0, {tests!r})
 import fake_engine
 from pathlib import Path
-from e2e_test.infra import lifecycle
-from e2e_test.infra.cluster import Cluster
+from e2e_test.infra.cluster import signals as lifecycle
+from e2e_test.infra.cluster.cluster import Cluster
 lifecycle.install()
 fake_engine.register(env={{"worker-0": {{"FAKE_ENGINE_IGNORE_TERM": "1"}}}})
 c = Cluster(model=fake_engine.fake_spec(Path({weights!r})), engine="fake", topology="1",

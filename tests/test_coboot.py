@@ -1,4 +1,4 @@
-"""The lane-level placement (e2e_test/infra/coboot.py): which of a session's shared topologies
+"""The lane-level placement (e2e_test/infra/specs/coboot.py): which of a session's shared topologies
 boot together, from their plans, the backend, the GPUs' free memory and the cores. Pure: real
 plans of the default model, no engine starts."""
 
@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from e2e_test.infra import coboot
-from e2e_test.infra import plan as planner
-from e2e_test.infra import topology as topologies
+from e2e_test.infra.specs import coboot
+from e2e_test.infra.specs import plan as planner
+from e2e_test.infra.specs import topology as topologies
 from e2e_test.infra.engines import for_topology
-from e2e_test.infra.model_specs import DEFAULT_MODEL, get_spec
+from e2e_test.infra.specs.model_specs import DEFAULT_MODEL, get_spec
 
 SPEC = get_spec(DEFAULT_MODEL)
 

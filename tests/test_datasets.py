@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from e2e_test.infra import datasets
-from e2e_test.infra.datasets import GSM8KRow, MMLURow, dataset_dir, load_gsm8k, load_mmlu
 from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.verdicts import datasets
+from e2e_test.infra.verdicts.datasets import GSM8KRow, MMLURow, dataset_dir, load_gsm8k, load_mmlu
 
 
 def one_line(excinfo) -> str:

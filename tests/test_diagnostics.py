@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from e2e_test.infra import diagnostics
+from e2e_test.infra.cluster import diagnostics
 from e2e_test.infra.engines import tokenspeed, vllm
 
 

@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
+from e2e_test.infra.cluster.readiness import HttpGet, PortBound
 from e2e_test.infra.engines import EngineOptions, Ports, afd
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.model_specs import get_spec
-from e2e_test.infra.plan import plan_gpu
-from e2e_test.infra.readiness import HttpGet, PortBound
-from e2e_test.infra.topology import parse
+from e2e_test.infra.specs.model_specs import get_spec
+from e2e_test.infra.specs.plan import plan_gpu
+from e2e_test.infra.specs.topology import parse
 
 SPEC = get_spec("deepseek-ai/DeepSeek-V2-Lite")   # max_model_len 4096, fraction 0.85
 CUDA = EngineOptions(backend="cuda")

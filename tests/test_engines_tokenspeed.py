@@ -7,9 +7,9 @@ import pytest
 
 from e2e_test.infra.engines import EngineOptions, Ports, tokenspeed
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.model_specs import get_spec, parse_spec
-from e2e_test.infra.plan import plan_gpu
-from e2e_test.infra.topology import parse
+from e2e_test.infra.specs.model_specs import get_spec, parse_spec
+from e2e_test.infra.specs.plan import plan_gpu
+from e2e_test.infra.specs.topology import parse
 
 SPEC = get_spec("Qwen/Qwen3.5-9B")          # max_model_len 8192, memory fraction 0.85
 CUDA = EngineOptions(backend="cuda")
@@ -229,7 +229,7 @@ def test_known_encode_crash_is_recognised():
 
 
 def test_packed_schedule_refuses_overcommit():
-    from e2e_test.infra.plan import PlanEntry
+    from e2e_test.infra.specs.plan import PlanEntry
     es = [PlanEntry(f"{r}-0", r, 0, 1, 1, gpus=(0,), mem_fraction=0.4)
           for r in ("encode", "prefill", "decode")]
     with pytest.raises(ConfigError, match="packed on GPU 0 need 1.20"):
@@ -237,7 +237,7 @@ def test_packed_schedule_refuses_overcommit():
 
 
 def test_options_from_env():
-    from e2e_test.infra.settings import options_from_env
+    from e2e_test.infra.specs.settings import options_from_env
     o = options_from_env({"E2E_ENFORCE_EAGER": "1", "E2E_MOONCAKE_TRANSPORT": "tcp",
                           "E2E_ENGINE_ARGS": "--sampling-backend triton --x 'a b'"},
                          max_num_seqs=2)

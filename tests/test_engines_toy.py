@@ -9,11 +9,12 @@ import yaml
 
 from e2e_test import __main__ as cli
 from e2e_test import lanes
-from e2e_test.infra import engines, model_specs, plan, settings
+from e2e_test.infra import engines
+from e2e_test.infra.cluster.readiness import HttpGet
 from e2e_test.infra.engines import Engine, Ports, WorkerCommand
-from e2e_test.infra.model_specs import parse_spec
-from e2e_test.infra.readiness import HttpGet
-from e2e_test.infra.topology import parse
+from e2e_test.infra.specs import model_specs, plan, settings
+from e2e_test.infra.specs.model_specs import parse_spec
+from e2e_test.infra.specs.topology import parse
 
 
 class ToyEngine(Engine):
@@ -121,3 +122,37 @@ def test_toy_engine_in_the_lanes_command(toy, capsys, monkeypatch, tmp_path):
     assert cli.main(["lanes"]) == 0
     row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("e2e-toy "))
     assert row.split()[3] == "toy", row
+
+
+def test_toy_engine_brings_its_extra_its_boot_markers_and_its_report_lines(toy, monkeypatch,
+                                                                           tmp_path):
+    """The engine's facts the shared modules used to spell out: its pyproject extra
+    (E2E_EXTRAS), its staging env file (E2E_STAGE_ENV's doc), its boot log's phrases
+    (progress.py), smg's runtime_type for its workers (the gateway registration) and how its
+    suite's record keys read in a report (report.details)."""
+    from e2e_test.infra.cluster import progress
+    from e2e_test.infra.cluster.gateway import GatewayWorker
+    from e2e_test.infra.reports import report
+
+    class Toy(ToyEngine):
+        extra = "toy"
+        stage_env = "/root/stage/toy-env.sh"
+        progress_markers = ((r"toy is listening", "serving, waiting for health"),)
+
+        @property
+        def gateway_runtime(self):
+            return "toy-runtime"
+
+        def record_lines(self, record):
+            return [f"toy says {record['toy_key']}"] if "toy_key" in record else []
+
+    engines.register(Toy())
+    assert settings.get("E2E_EXTRAS", {"E2E_EXTRAS": "cpu,toy"}) == ("cpu", "toy")
+    assert "/root/stage/toy-env.sh for toy" in settings.SETTINGS["E2E_STAGE_ENV"].text
+    assert progress.state_of("loading weights\ntoy is listening\n") == \
+        "serving, waiting for health"
+    driver = engines.for_topology("toy", parse("1"))
+    assert GatewayWorker("http://127.0.0.1:1", runtime_type=driver.gateway_runtime) \
+        .registration()["runtime_type"] == "toy-runtime"
+    assert report.details({"toy_key": 7}) == "toy says 7"
+    assert report.details({}) == ""

@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
+from e2e_test.infra.cluster.readiness import HttpGet
 from e2e_test.infra.engines import EngineOptions, Ports, core_list, vllm
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.model_specs import get_spec
-from e2e_test.infra.plan import plan_cpu, plan_gpu
-from e2e_test.infra.readiness import HttpGet
-from e2e_test.infra.topology import parse
+from e2e_test.infra.specs.model_specs import get_spec
+from e2e_test.infra.specs.plan import plan_cpu, plan_gpu
+from e2e_test.infra.specs.topology import parse
 
 SMOL = get_spec("SmolLM2-135M-Instruct")              # max_model_len 4096, --dtype bfloat16
 LLAMA = get_spec("meta-llama/Llama-3.1-8B-Instruct")  # max_model_len 8192, fraction 0.85

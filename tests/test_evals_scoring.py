@@ -5,8 +5,8 @@ Pure functions only, on real rows from the offline dataset copies; nothing is se
 
 import pytest
 
-from e2e_test.infra.datasets import GSM8KRow, MMLURow, load_gsm8k, load_mmlu
-from e2e_test.infra.evals import gsm8k, mmlu
+from e2e_test.infra.verdicts.datasets import GSM8KRow, MMLURow, load_gsm8k, load_mmlu
+from e2e_test.infra.verdicts.evals import gsm8k, mmlu
 
 # -- GSM8K strict-match -----------------------------------------------------------------------
 
@@ -202,10 +202,10 @@ def test_mmlu_requests_use_subject_dev_shots(real_datasets):
 # --- floors of the registry fail on plausible broken outputs -------------------------------
 
 from e2e_test.infra.errors import HarnessError as _HarnessError  # noqa: E402
-from e2e_test.infra.evals import collect as _collect  # noqa: E402
-from e2e_test.infra.load import RequestResult as _RR  # noqa: E402
-from e2e_test.infra.load import RunReport as _Report
-from e2e_test.infra.model_specs import get_spec as _get_spec  # noqa: E402
+from e2e_test.infra.load.load import RequestResult as _RR  # noqa: E402
+from e2e_test.infra.load.load import RunReport as _Report
+from e2e_test.infra.specs.model_specs import get_spec as _get_spec  # noqa: E402
+from e2e_test.infra.verdicts.evals import collect as _collect  # noqa: E402
 
 _BROKEN = {
     "truncated": lambda good: good[: len(good) // 3],
@@ -217,8 +217,8 @@ _GOOD = {"gsm8k": "She sells 16 - 3 - 4 = 9 eggs. 9 * 2 = 18.\n#### 18",
 
 
 def _scored(name, texts):
-    from e2e_test.infra.evals import gsm8k as g
-    from e2e_test.infra.evals import mmlu as m
+    from e2e_test.infra.verdicts.evals import gsm8k as g
+    from e2e_test.infra.verdicts.evals import mmlu as m
     rep = _Report([_RR(index=i, tag=i, status=200, text=t) for i, t in enumerate(texts)], 1.0)
     if name == "gsm8k":
         return _collect(name, rep, lambda r: (g.extract(r.text), False))
@@ -266,7 +266,7 @@ def test_format_floor_counts_errors_apart_from_broken_outputs():
     acc = _get_spec("SmolLM2-135M-Instruct").accuracy["gsm8k"]
     rep = _Report([_RR(index=i, tag=i, status=200, text=_GOOD["gsm8k"]) for i in range(31)]
                   + [_RR(index=31, tag=31, status=500, error="boom")], 1.0)
-    from e2e_test.infra.evals import gsm8k as g
+    from e2e_test.infra.verdicts.evals import gsm8k as g
     res = _collect("gsm8k", rep, lambda r: (g.extract(r.text), False))
     assert (res.errors, res.formatted, res.scored) == (1, 31, 31)
     with pytest.raises(_HarnessError, match="1/32 requests failed"):

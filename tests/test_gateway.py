@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from e2e_test.infra.cluster.gateway import Admission, GatewayConfig, GatewayWorker, build_argv
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.gateway import Admission, GatewayConfig, GatewayWorker, build_argv
 
 HEAD = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", "30000",
         "--prometheus-host", "127.0.0.1", "--prometheus-port", "30001", "--log-level", "info",

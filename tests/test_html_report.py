@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e_test.infra import settings
-
-from e2e_test.infra import browser, html_report
-from e2e_test.infra.cluster import results_root
+from e2e_test.infra.cluster.cluster import results_root
+from e2e_test.infra.reports import browser, html_report
+from e2e_test.infra.specs import settings
 
 REPO = Path(__file__).resolve().parents[1]
 VALIDATION = REPO / "docs" / "validation"

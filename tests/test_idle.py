@@ -1,13 +1,13 @@
-"""Idle verification logic (infra/idle.py) on canned metrics: a fake cluster object stands in
+"""Idle verification logic (infra/cluster/idle.py) on canned metrics: a fake cluster object stands in
 for real workers here only; the real check runs in e2e_test/router/test_serving_faults.py."""
 
 import types
 
 import pytest
 
-from e2e_test.infra import idle
+from e2e_test.infra.cluster import idle
+from e2e_test.infra.cluster.idle import IdleError, Load
 from e2e_test.infra.engines import tokenspeed, vllm
-from e2e_test.infra.idle import IdleError, Load
 
 
 def _samples(running, waiting, kv, prefix="vllm"):
@@ -97,7 +97,7 @@ def test_gateway_in_flight_counts():
 
 
 def test_selections_by_worker_type():
-    from e2e_test.infra import serving_faults as sf
+    from e2e_test.infra.load import serving_faults as sf
     lab = (("connection_mode", "http"), ("model", "m"), ("policy", "round_robin"))
     fake = types.SimpleNamespace(gateway_metrics=lambda: {
         ("smg_worker_selection_total", lab + (("worker_type", "decode"),)): 4.0,

@@ -11,9 +11,9 @@ import pytest
 from e2e_test.infra.engines import EngineOptions, Ports, vllm
 from e2e_test.infra.engines import kv_corrupt as kc
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.model_specs import get_spec
-from e2e_test.infra.plan import plan_cpu
-from e2e_test.infra.topology import parse
+from e2e_test.infra.specs.model_specs import get_spec
+from e2e_test.infra.specs.plan import plan_cpu
+from e2e_test.infra.specs.topology import parse
 
 torch = pytest.importorskip("torch")
 

@@ -606,7 +606,7 @@ def test_run_lane_passes_ctrl_c_on_to_pytest_and_waits(tmp_path):
         import sys
         from e2e_test import lanes
         try:
-            lanes._call([sys.executable, {str(child)!r}], env=None)
+            lanes.call([sys.executable, {str(child)!r}], env=None)
         except KeyboardInterrupt:
             sys.exit(3)
     """))

@@ -2,7 +2,7 @@
 lanes produced: each case below is a real run's LegLoss, and the broken ones are the negative
 controls of the rules the serving-fault test checks."""
 
-from e2e_test.infra.serving_faults import LegLoss, leg_loss_problems
+from e2e_test.infra.load.serving_faults import LegLoss, leg_loss_problems
 
 BOUND = 20.0
 DECODE_502 = {"status": 502, "body": '{"error":{"code":"decode_request_failed"}}'}

@@ -14,14 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from e2e_test.infra.errors import StallError, WorkerDied
-from e2e_test.infra.load import (
-    Request,
-    RequestResult,
-    RunReport,
-    Watchdog,
-    percentiles,
-    run,
-)
+from e2e_test.infra.load.load import Request, RequestResult, RunReport, Watchdog, percentiles, run
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 
@@ -320,7 +313,7 @@ def test_dead_worker_seen_after_fast_failures():
 # -- progress lines ---------------------------------------------------------------------------
 
 def test_progress_lines_count_done_requests(fake_openai_server, monkeypatch):
-    from e2e_test.infra import progress
+    from e2e_test.infra.cluster import progress
     server, url = fake_openai_server
     lines = []
     monkeypatch.setattr(progress, "sink", lines.append)

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from e2e_test.infra import metrics
+from e2e_test.infra.cluster import metrics
 
 WRITER = """
 import os, sys

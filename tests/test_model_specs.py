@@ -3,7 +3,7 @@
 import pytest
 
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.model_specs import (
+from e2e_test.infra.specs.model_specs import (
     AccuracyFloor,
     Weights,
     get_spec,

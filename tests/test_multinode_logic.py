@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from e2e_test.infra import simhosts
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.plan import Node
-from e2e_test.infra.ray_launcher import RayHandle, merge_reports, order_nodes
-from e2e_test.infra.teardown import TeardownReport
+from e2e_test.infra.lifecycle import simhosts
+from e2e_test.infra.lifecycle.ray_launcher import RayHandle, merge_reports, order_nodes
+from e2e_test.infra.lifecycle.teardown import TeardownReport
+from e2e_test.infra.specs.plan import Node
 
 
 def info(addr, alive=True, head=False, tag=None, host="m1"):
@@ -85,11 +85,11 @@ class _Lost(Exception):
 
 def test_lost_node_message_names_node_and_role():
     h = RayHandle("decode-0", ["vllm"], __import__("pathlib").Path("/nonexistent.log"),
-                  Node(1, "10.77.0.3"), actor=None, _pid=42)
-    h._lost = "node 1 (10.77.0.3) lost: its actor did not answer within 5 s"
-    h._alive = False
+                  Node(1, "10.77.0.3"), actor=None, worker_pid=42)
+    h.lost = "node 1 (10.77.0.3) lost: its actor did not answer within 5 s"
+    h.up = False
     assert not h.alive()
-    assert h.death_reason() == h._lost
+    assert h.death_reason() == h.lost
     assert h.where == ", node 1 (10.77.0.3)"
     assert h.failure_summary().startswith("decode-0 on node 1 (10.77.0.3): node 1 (10.77.0.3) "
                                           "lost")
@@ -109,7 +109,7 @@ def test_negative_control_unverified_node_is_never_clean():
 
 def test_negative_control_exited_worker_is_not_called_lost():
     h = RayHandle("decode-0", ["vllm"], __import__("pathlib").Path("/x.log"),
-                  Node(1, "10.77.0.3"), actor=None, _pid=42, _alive=False, _code=-9)
+                  Node(1, "10.77.0.3"), actor=None, worker_pid=42, up=False, code=-9)
     assert h.death_reason() == "signal 9"
 
 

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from e2e_test.infra import cluster as cluster_mod
-from e2e_test.infra import plan, topology
+from e2e_test.infra.cluster import cluster as cluster_mod
+from e2e_test.infra.specs import plan, topology
 
 pytest_plugins = ["pytester"]
 
@@ -36,7 +36,7 @@ def test_profile(cluster):
 def counted(monkeypatch, tmp_path):
     parses: Counter = Counter()
     plans: Counter = Counter()
-    real_parse, real_place = topology._parse, plan.place
+    real_parse, real_place = topology.parse_uncached, plan.place
 
     def parse(text):
         parses[text] += 1
@@ -46,15 +46,15 @@ def counted(monkeypatch, tmp_path):
         plans[topo.name] += 1
         return real_place(topo, *a, **kw)
 
-    topology._parse_cached.cache_clear()
-    monkeypatch.setattr(topology, "_parse", parse)
+    topology.parse_cached.cache_clear()
+    monkeypatch.setattr(topology, "parse_uncached", parse)
     monkeypatch.setattr(plan, "place", place)
     # The Cluster is built (weights looked up, ports and commands made) but never started.
     monkeypatch.setattr(cluster_mod, "weights_path", lambda spec: tmp_path)
     monkeypatch.setattr(cluster_mod.Cluster, "start", lambda self: self)
     monkeypatch.setattr(cluster_mod.Cluster, "stop", lambda self, **kw: None)
     yield parses, plans
-    topology._parse_cached.cache_clear()
+    topology.parse_cached.cache_clear()
 
 
 def _run(pytester, monkeypatch, *args):

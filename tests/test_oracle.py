@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from e2e_test.infra import oracle
-from e2e_test.infra.oracle import Step, compare_item
 from e2e_test.infra.stats import wilson_upper
+from e2e_test.infra.verdicts import oracle
+from e2e_test.infra.verdicts.oracle import Step, compare_item
 
 # Synthetic bounds for the item-level tests (in a run they come from the control arm: judge).
 B = {"gap_max": 1.0, "first_step_max": 1.0}
@@ -217,7 +217,7 @@ def test_baseline_without_tokens_is_an_error_naming_it():
 
 
 def test_control_arm_without_tokens_is_an_error():
-    from e2e_test.infra import comparisons
+    from e2e_test.infra.verdicts import comparisons
     base = {i: seq("a") for i in range(4)}
     with pytest.raises(oracle.NoEvidenceError, match="^candidate recall"):
         oracle.ControlArm([oracle.compare("recall", "x/1", "x/1 second pass", base,

@@ -4,15 +4,10 @@ device-list resolution, startup.py's, is tested in test_startup.py)."""
 import pytest
 
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.model_specs import get_spec, parse_spec
-from e2e_test.infra.plan import (
-    make_plan,
-    parse_device_list,
-    plan_cpu,
-    plan_gpu,
-)
+from e2e_test.infra.specs.model_specs import get_spec, parse_spec
+from e2e_test.infra.specs.plan import make_plan, parse_device_list, plan_cpu, plan_gpu
+from e2e_test.infra.specs.topology import parse
 from e2e_test.infra.startup import resolve_devices
-from e2e_test.infra.topology import parse
 
 SMALL = get_spec("SmolLM2-135M-Instruct")        # gpu_memory_fraction 0.2
 LLAMA = get_spec("meta-llama/Llama-3.1-8B-Instruct")  # 0.85
@@ -227,7 +222,7 @@ def test_parse_device_list_errors(text, expected):
 # -- pytest-xdist device leases -----------------------------------------------------------------
 
 def test_xdist_share_partitions_devices():
-    from e2e_test.infra.plan import xdist_share
+    from e2e_test.infra.specs.plan import xdist_share
     devs = (0, 1, 2, 3, 4, 5, 6, 7)
     env = {"PYTEST_XDIST_WORKER_COUNT": "2"}
     assert xdist_share(devs, {**env, "PYTEST_XDIST_WORKER": "gw0"}) == (0, 2, 4, 6)
@@ -236,7 +231,7 @@ def test_xdist_share_partitions_devices():
 
 
 def test_xdist_share_too_many_workers_is_one_line():
-    from e2e_test.infra.plan import xdist_share
+    from e2e_test.infra.specs.plan import xdist_share
     with pytest.raises(ConfigError) as ei:
         xdist_share((0, 1), {"PYTEST_XDIST_WORKER_COUNT": "3", "PYTEST_XDIST_WORKER": "gw2"})
     assert "\n" not in str(ei.value) and "-n 2" in str(ei.value)
@@ -285,7 +280,7 @@ def test_afd_large_profile_order_on_eight_gpus():
 
 def test_place_refuses_packing_for_an_engine_that_cannot_share_a_gpu(fake_gpus):
     from e2e_test.infra.engines import afd
-    from e2e_test.infra.plan import TooFewDevices, place
+    from e2e_test.infra.specs.plan import TooFewDevices, place
     small = parse_spec("s", {"weights": {"source": "path", "path": "/m"}, "engines": ["vllm"],
                              "topologies": ["afd"], "gpu_memory_fraction": 0.3})
     with pytest.raises(TooFewDevices, match=r"'1a1f' \(afd\) needs 2 separate GPU\(s\)"):
@@ -297,7 +292,7 @@ def test_place_refuses_packing_for_an_engine_that_cannot_share_a_gpu(fake_gpus):
 
 def test_place_gives_packed_workers_the_engines_start_stages(fake_gpus):
     from e2e_test.infra.engines import tokenspeed, vllm
-    from e2e_test.infra.plan import place
+    from e2e_test.infra.specs.plan import place
     small = parse_spec("s", {"weights": {"source": "path", "path": "/m"},
                              "engines": ["vllm", "tokenspeed"], "topologies": ["pd"],
                              "gpu_memory_fraction": 0.25})

@@ -4,9 +4,9 @@
 import pytest
 
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.model_specs import get_spec
-from e2e_test.infra.plan import LOCAL_NODES, Node, make_plan, node_of_workers
-from e2e_test.infra.topology import parse
+from e2e_test.infra.specs.model_specs import get_spec
+from e2e_test.infra.specs.plan import LOCAL_NODES, Node, make_plan, node_of_workers
+from e2e_test.infra.specs.topology import parse
 
 SMALL = get_spec("SmolLM2-135M-Instruct")
 SIM = (Node(0, "10.77.0.2", host_id="m1"), Node(1, "10.77.0.3", host_id="m1"))   # one machine

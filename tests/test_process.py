@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from e2e_test.infra.process import ManagedProcess, classify_log, last_traceback
+from e2e_test.infra.lifecycle.process import ManagedProcess, classify_log, last_traceback
 
 # -- classify_log / last_traceback ------------------------------------------------------------
 
@@ -258,7 +258,7 @@ def test_unstarted_process():
 def test_child_pythonpath_extends_never_replaces():
     """test_sigterm_while_starting's child: the repo first, the inherited entries kept (on a
     runner whose engines come from PYTHONPATH the child must still import them)."""
-    from e2e_test.infra.process import extend_pythonpath
+    from e2e_test.infra.lifecycle.process import extend_pythonpath
     assert extend_pythonpath("/repo", "/stage/site:/other") == "/repo:/stage/site:/other"
     assert extend_pythonpath("/repo", None) == "/repo"
     assert extend_pythonpath("/repo", "/repo:/x") == "/repo:/x"

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from e2e_test.infra import progress
+from e2e_test.infra.cluster import progress
 from e2e_test.infra.errors import ConfigError
 
 VLLM_LOG = """\
@@ -101,3 +101,12 @@ def test_a_failing_sink_never_breaks_a_run(capsys):
     finally:
         progress.set_sink(before)
     assert "worker-0 starting" in capsys.readouterr().err
+
+
+def test_the_engine_phrases_come_from_the_engines():
+    """vLLM's own phrases are its engine module's (Engine.progress_markers); the generic list
+    names no engine."""
+    from e2e_test.infra.engines import vllm
+    assert not any("vLLM" in p for p, _ in progress.MARKERS)
+    assert set(vllm.ENGINE.progress_markers) <= set(progress.known_markers())
+    assert progress.state_of(VLLM_LOG, progress.MARKERS) != "serving, waiting for health"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e_test.infra import proof
 from e2e_test.infra.engines import afd, tokenspeed, vllm
+from e2e_test.infra.verdicts import proof
 
 VALIDATION = Path(__file__).resolve().parent.parent / "docs" / "validation"
 # SmolLM2-135M-Instruct's config.json (the fields the KV size depends on)

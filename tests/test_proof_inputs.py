@@ -3,7 +3,7 @@
 import base64
 import io
 
-from e2e_test.infra import proof
+from e2e_test.infra.verdicts import proof
 
 
 def test_random_png_is_a_decodable_unique_png():

@@ -1,7 +1,7 @@
 """The per-leg PD proof (proof.legs_problems): every prefill and every decode worker moved its
 own role's counter, and none moved the other role's. Pure: scrapes as metrics.parse gives them."""
 
-from e2e_test.infra import proof
+from e2e_test.infra.verdicts import proof
 from e2e_test.infra.engines.vllm import SRC
 
 COMPUTED = proof.leg(SRC, {"source": "local_compute"})

@@ -12,8 +12,8 @@ import pytest
 
 ray = pytest.importorskip("ray")       # the `multinode` extra; .ci/run installs it
 
-from e2e_test.infra import ray_launcher  # noqa: E402
-from e2e_test.infra.plan import Node  # noqa: E402
+from e2e_test.infra.lifecycle import ray_launcher  # noqa: E402
+from e2e_test.infra.specs.plan import Node  # noqa: E402
 
 
 class FakeActorForUnitTest:
@@ -46,7 +46,7 @@ def handle(monkeypatch, script):
             raise a
         clock.t += 0.01
         return a
-    h._get = get
+    h.ray_get = get
     return h, clock
 
 
@@ -58,7 +58,7 @@ def test_a_stall_of_seconds_is_not_loss(monkeypatch):
     # 3 status calls of 5 s without an answer (15 s), then the node answers again.
     h, _ = handle(monkeypatch, [timeout(), timeout(), timeout(), (True, None)])
     assert all(h.alive() for _ in range(4))
-    assert h._lost is None and h._silent_since is None
+    assert h.lost is None and h.silent_since is None
 
 
 def test_silence_past_the_window_is_loss(monkeypatch):
@@ -89,15 +89,15 @@ def test_an_unreachable_actor_is_loss_at_once(monkeypatch):
 
 def test_an_exited_worker_is_not_a_lost_node(monkeypatch):
     h, _ = handle(monkeypatch, [(False, -9)])
-    assert h.alive() is False and h.death_reason() == "signal 9" and h._lost is None
+    assert h.alive() is False and h.death_reason() == "signal 9" and h.lost is None
 
 
 def test_a_start_that_timed_out_is_loss(monkeypatch):
     # RayLauncher.start waits 120 s for the actor's start: past the window at once.
     h, clock = handle(monkeypatch, [])
     clock.t += 120
-    h._lose(timeout(), 120)
-    assert h._lost and "not answered for 120 s" in h._lost
+    h.lose(timeout(), 120)
+    assert h.lost and "not answered for 120 s" in h.lost
 
 
 def test_silence_on_a_node_ray_declared_dead_is_loss_at_once(monkeypatch):
@@ -113,4 +113,4 @@ def test_a_gcs_that_does_not_answer_gives_no_verdict(monkeypatch):
         raise ConnectionError("GCS unreachable")
     h, _ = handle(monkeypatch, [timeout(), (True, None)])
     h.node_dead = gcs_down
-    assert h.alive() is True and h.alive() is True and h._lost is None
+    assert h.alive() is True and h.alive() is True and h.lost is None

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e_test.infra import simhosts
 from e2e_test.infra.engines import WorkerCommand
-from e2e_test.infra.plan import PlanEntry
-from e2e_test.infra.process import extend_pythonpath
+from e2e_test.infra.lifecycle import simhosts
+from e2e_test.infra.lifecycle.process import extend_pythonpath
+from e2e_test.infra.specs.plan import PlanEntry
 from e2e_test.pytest_lanes import require_multinode
 
 pytestmark = [pytest.mark.multinode]
@@ -25,7 +25,7 @@ def test_role_actor_on_node_b_and_per_node_teardown(tmp_path):
     require_multinode()
     import ray
 
-    from e2e_test.infra.ray_launcher import RayLauncher
+    from e2e_test.infra.lifecycle.ray_launcher import RayLauncher
     hosts = simhosts.SimulatedHosts(2, tag=f"u{os.getpid() % 10000}")
     with hosts:
         hosts.start_ray(env={"PYTHONPATH": extend_pythonpath(ROOT)})

@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from e2e_test.infra import ports
-from e2e_test.infra.readiness import Alive, AllOf, GrpcHealth, HttpGet, PortBound, Step
+from e2e_test.infra.cluster.readiness import Alive, AllOf, GrpcHealth, HttpGet, PortBound, Step
+from e2e_test.infra.lifecycle import ports
 
 
 class _Health(BaseHTTPRequestHandler):

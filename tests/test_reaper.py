@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from e2e_test.infra import reaper, teardown
 from e2e_test.infra.errors import ConfigError, PreflightError
-from e2e_test.infra.process import ManagedProcess
+from e2e_test.infra.lifecycle import reaper, teardown
+from e2e_test.infra.lifecycle.process import ManagedProcess
 
 REPO = Path(__file__).resolve().parents[1]
 GONE_WITHIN_S = 10.0
@@ -45,8 +45,8 @@ CHILD = textwrap.dedent("""
 DRIVER = textwrap.dedent("""
     import json, os, subprocess, sys, threading, time
     from pathlib import Path
-    from e2e_test.infra import reaper
-    from e2e_test.infra.process import ManagedProcess
+    from e2e_test.infra.lifecycle import reaper
+    from e2e_test.infra.lifecycle.process import ManagedProcess
     mode, child, logdir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     box = {}
     def start():
@@ -62,11 +62,11 @@ DRIVER = textwrap.dedent("""
                              env={k: v for k, v in os.environ.items() if not k.startswith("E2E_")},
                              start_new_session=True) if mode == "plain" else None
     deadline = time.monotonic() + 20
-    while len(p._known) < 2 and time.monotonic() < deadline:
+    while len(p.known) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
         p.remember_descendants()
     print(json.dumps({"run": reaper.run_id(), "guardian": reaper.guardian_pid(),
-                      "pids": sorted(p._known), "plain": plain and plain.pid}), flush=True)
+                      "pids": sorted(p.known), "plain": plain and plain.pid}), flush=True)
     for line in sys.stdin:
         if line.strip() == "stop":
             r = p.stop(grace=5)
@@ -142,11 +142,11 @@ def test_every_started_process_and_its_children_carry_the_run_marker(tmp_path):
         assert {q.pid for q, _ in reaper.marked(reaper.run_id())} >= {q.pid for q in tree}
         g = reaper.guardian_pid()
         assert g and reaper.marker_of(psutil.Process(g)) is None   # the guardian is unmarked
-        assert reaper.Guardian._current.groups.get(p.pid)
+        assert reaper.Guardian.current.groups.get(p.pid)
     finally:
         rep = p.stop(grace=5)
     assert not rep.survivors
-    assert p.pid not in reaper.Guardian._current.groups       # a clean stop unregisters
+    assert p.pid not in reaper.Guardian.current.groups       # a clean stop unregisters
 
 
 def test_half_a_marker_is_not_a_marker():

@@ -3,8 +3,8 @@ block, and its verdict rule (recall_problems): a baseline that copied nothing is
 
 import pytest
 
-from e2e_test.infra.evals import recall
-from e2e_test.infra.oracle import NoEvidenceError
+from e2e_test.infra.verdicts.evals import recall
+from e2e_test.infra.verdicts.oracle import NoEvidenceError
 
 
 def test_odd_items_carry_the_code_at_the_very_end():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_test.infra import oracle
+from e2e_test.infra.verdicts import oracle
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("rejudge_oracle",
@@ -70,7 +70,7 @@ def test_negative_controls_fail_for_the_right_reason(res):
 
 
 def _pd_case(run, name):
-    recs = rejudge._records(rejudge.VALIDATION / run)
+    recs = rejudge.read_records(rejudge.VALIDATION / run)
     arm = rejudge.controls(recs)[("vllm", name)]
     cmp = next(c for t, _, n, c in rejudge.comparisons(recs)
                if "answers_match" in t and n == name)

@@ -1,6 +1,6 @@
 """Validation report lines from test records (vLLM and TokenSpeed proofs)."""
 
-from e2e_test.infra import report
+from e2e_test.infra.reports import report
 
 
 def test_vllm_and_tokenspeed_pd_proofs_and_tolerance():
@@ -29,8 +29,9 @@ def test_main_job_verdict_lines_proof_oracle_and_failure():
     """The oracle part is built by the real producer (oracle.compare/judge, the shape that
     comparisons.against_one_worker returns): a hook written against a made-up shape once
     printed "0 identical, 0 numerics, 0 mismatch" for a 32-item pass."""
-    from e2e_test.infra import oracle, verdicts
-    from e2e_test.infra.oracle import Step
+    from e2e_test.infra.reports import verdicts
+    from e2e_test.infra.verdicts import oracle
+    from e2e_test.infra.verdicts.oracle import Step
 
     def steps(*toks):
         return [Step(t, -0.1, {t: -0.1, "x": -3.0}) for t in toks]
@@ -58,3 +59,15 @@ def test_main_job_verdict_lines_proof_oracle_and_failure():
     assert verdicts.print_verdicts({"topology": "1"}, out=printed.append) == []
     assert verdicts.proof_lines({"proof_error": "PD transfer proof failed on 1p1d: x"}) == [
         "proof FAILED: PD transfer proof failed on 1p1d: x"]
+
+
+def test_afd_comparison_with_the_native_baseline_reads_in_both_record_shapes():
+    """The AFD suite's record key (engines/afd.py NATIVE_COMPARISON_KEY): the oracle's verdict,
+    and the per-baseline counts of result files written before the oracle."""
+    verdict = {"ok": True, "message": "afd-prompts vllm/native vs vllm/1a1f: 8 identical",
+               "comparison": {"max_first_step_delta": 0.01}}
+    assert report.details({"afd_vs_native": verdict}) == \
+        "ok: afd-prompts vllm/native vs vllm/1a1f: 8 identical; max first-step delta 0.01 nats"
+    old = {"native-dp2": {"same_text": 7, "prompts": 8, "same_first_token": 8}}
+    assert report.details({"afd_vs_native": old}) == \
+        "vs native-dp2: 7/8 identical outputs, 8/8 same first token"

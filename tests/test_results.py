@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from e2e_test.infra import results
-from e2e_test.infra.evals import EvalResult
-from e2e_test.infra.teardown import TeardownReport
+from e2e_test.infra.lifecycle.teardown import TeardownReport
+from e2e_test.infra.reports import results
+from e2e_test.infra.verdicts.evals import EvalResult
 
 GSM8K = EvalResult("gsm8k", n=32, correct=12, errors=2).summary()   # accuracy 12/30
 
@@ -111,8 +111,8 @@ def test_write_session_takes_teardown_from_the_cluster(tmp_path):
 
 
 def test_safe_names():
-    assert results._safe("a/b.py::t[x y|z]") == "a_b.py_t_x_y_z_"
-    assert len(results._safe("x" * 500)) == 150
+    assert results.safe_name("a/b.py::t[x y|z]") == "a_b.py_t_x_y_z_"
+    assert len(results.safe_name("x" * 500)) == 150
 
 
 def test_versions():
@@ -155,7 +155,7 @@ def test_two_concurrent_runs_keep_both_summaries(tmp_path):
 
 
 def test_results_dir_override_and_default(tmp_path):
-    from e2e_test.infra import settings
+    from e2e_test.infra.specs import settings
     env = {"E2E_RESULTS_DIR": str(tmp_path / "mine")}
     assert settings.results_dir(env) == tmp_path / "mine"
     env = {"E2E_LANE": "e2e-cpu"}

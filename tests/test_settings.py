@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e_test.infra import settings, startup
+from e2e_test.infra import startup
 from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.specs import settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -177,8 +178,8 @@ def test_broken_config_json_is_found_before_launch(tmp_path):
 
 
 def test_config_json_checks(tmp_path):
-    from e2e_test.infra.model_specs import get_spec
-    from e2e_test.infra.models import check_config_json
+    from e2e_test.infra.specs.model_specs import get_spec
+    from e2e_test.infra.specs.models import check_config_json
     spec = get_spec("SmolLM2-135M-Instruct")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert check_config_json(spec, tmp_path, str(tmp_path)) == {"model_type": "llama"}
@@ -259,7 +260,7 @@ def test_plan_honours_engine_args_and_eager(tmp_path):
 
 
 def test_options_from_env_reads_mooncake_transport():
-    from e2e_test.infra.settings import options_from_env
+    from e2e_test.infra.specs.settings import options_from_env
     o = options_from_env({"E2E_MOONCAKE_TRANSPORT": "tcp", "E2E_ENGINE_ARGS": "--x 1"})
     assert (o.opt("mooncake_transport"), o.extra_args) == ("tcp", ("--x", "1"))
 
@@ -282,8 +283,8 @@ def test_table_lists_every_variable_once():
 
 def test_large_model_weights_come_from_afd_gpu_e2e_model(tmp_path, monkeypatch):
     """AFD_GPU_E2E_MODEL is the opt-in model's weights path (E2E_MODEL_ROOT is not asked for)."""
-    from e2e_test.infra.model_specs import get_spec
-    from e2e_test.infra.models import weights_path
+    from e2e_test.infra.specs.model_specs import get_spec
+    from e2e_test.infra.specs.models import weights_path
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_moe"}')
     monkeypatch.delenv("E2E_MODEL_ROOT", raising=False)
     monkeypatch.delenv("E2E_MODEL_PATH", raising=False)
@@ -315,7 +316,7 @@ def test_plan_prints_shell_quoted_argv(monkeypatch, capsys):
         argv=argv, env={"UCX_TLS": "tcp,self", "X": "two words"}))
     fake = SimpleNamespace(plan=SimpleNamespace(describe=lambda: "plan 1p1d on cpu"),
                            workers=[worker])
-    monkeypatch.setattr(cli, "_cluster", lambda a: fake)
+    monkeypatch.setattr(cli, "cluster_from_args", lambda a: fake)
     assert cli.cmd_plan(SimpleNamespace()) == 0
     out = capsys.readouterr().out.splitlines()
     line = next(ln for ln in out if ln.startswith("prefill-0: "))
@@ -345,7 +346,7 @@ def test_settings_prints_values_as_typed(tmp_path):
                                             ("", False), (None, False), ("maybe", False)])
 def test_ci_is_one_truth_set(value, expected, monkeypatch):
     """`CI` is read once (settings.ci), by the teardown verdict and the plugin's session end."""
-    from e2e_test.infra import teardown
+    from e2e_test.infra.lifecycle import teardown
     assert settings.ci({} if value is None else {"CI": value}) is expected
     if value is None:
         monkeypatch.delenv("CI", raising=False)
@@ -358,3 +359,15 @@ def test_ci_is_one_truth_set(value, expected, monkeypatch):
     else:
         with pytest.warns(RuntimeWarning):
             teardown.enforce(report, "x")
+
+
+def test_stage_env_defaults_are_the_engines_and_gpu_lane_sh_uses_them():
+    """E2E_STAGE_ENV's doc names each engine's staging file (Engine.stage_env); the script's
+    case picks the same file per engine."""
+    from e2e_test.infra.engines import all_engines
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_lane.sh").read_text()
+    staged = [e for e in all_engines() if e.stage_env]
+    assert staged
+    for e in staged:
+        assert f"{e.name}) envf=${{E2E_STAGE_ENV:-{e.stage_env}}}" in script, e.name
+        assert f"{e.stage_env} for {e.name}" in settings.SETTINGS["E2E_STAGE_ENV"].text

@@ -6,8 +6,8 @@ the functions (plan.place takes the devices as data)."""
 import pytest
 
 from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.specs.topology import parse
 from e2e_test.infra.startup import cpu_cores, resolve_devices
-from e2e_test.infra.topology import parse
 
 
 def no_inventory():

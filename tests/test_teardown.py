@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
-from e2e_test.infra import teardown
 from e2e_test.infra.errors import TeardownError
-from e2e_test.infra.teardown import (
+from e2e_test.infra.lifecycle import teardown
+from e2e_test.infra.lifecycle.teardown import (
     SHM,
     TeardownReport,
     clean_shm,
@@ -162,7 +162,7 @@ def test_a_topology_stopped_beside_others_checks_only_its_own_processes(monkeypa
     """Booted together with others (coboot.py): its teardown waits until none of ITS pids
     holds GPU memory (NVML's per-process list); the others' memory is not a leak. A pid of its
     own that keeps holding memory past the wait is named."""
-    from e2e_test.infra import teardown as td
+    from e2e_test.infra.lifecycle import teardown as td
     seen = iter([{0: [(100, 500.0), (7, 900.0)]}, {0: [(7, 900.0)]}])
     monkeypatch.setattr(td, "nvml_processes", lambda devices: next(seen))
     rep = td.TeardownReport()

@@ -1,10 +1,10 @@
-"""The lane time report's arithmetic (infra/time_report.py), on plain data."""
+"""The lane time report's arithmetic (infra/reports/time_report.py), on plain data."""
 
 import json
 
 import pytest
 
-from e2e_test.infra import time_report as tr
+from e2e_test.infra.reports import time_report as tr
 
 
 def test_union_length_subtract():
@@ -76,7 +76,7 @@ def test_empty_session():
 def test_cluster_entry_reads_timing_roles_and_the_engines_cache_verdict():
     from types import SimpleNamespace as NS
 
-    from e2e_test.infra.cluster import Timing
+    from e2e_test.infra.cluster.cluster import Timing
     from e2e_test.infra.engines import EngineOptions, vllm
 
     class Proc:

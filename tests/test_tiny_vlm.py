@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_test.infra.model_specs import get_spec
+from e2e_test.infra.specs.model_specs import get_spec
 from e2e_test.tools import tiny_models
 
 torch = pytest.importorskip("torch")
@@ -90,7 +90,7 @@ def test_suppressed_rows(built):
     assert "lm_head.weight" not in w                           # tied
     emb = w["model.language_model.embed_tokens.weight"].float()
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
-    suppressed = tiny_models._suppressed_ids(tok)
+    suppressed = tiny_models.suppressed_ids(tok)
     norms = emb.norm(dim=1)
     ordinary = torch.ones(len(tok), dtype=torch.bool)
     ordinary[suppressed] = False

@@ -3,7 +3,7 @@
 import pytest
 
 from e2e_test.infra.errors import ConfigError
-from e2e_test.infra.topology import RoleGroup, parse
+from e2e_test.infra.specs.topology import RoleGroup, parse
 
 R = RoleGroup
 
@@ -146,21 +146,21 @@ def test_check_engine():
     ("", []),
 ])
 def test_split_list(text, expected):
-    from e2e_test.infra.topology import split_list
+    from e2e_test.infra.specs.topology import split_list
     assert split_list(text) == expected
     for t in expected:
         parse(t)
 
 
 def test_split_list_option_first_is_one_line():
-    from e2e_test.infra.topology import split_list
+    from e2e_test.infra.specs.topology import split_list
     with pytest.raises(ConfigError) as ei:
         split_list("p.node=0,1p1d")
     assert "option 'p.node=0' follows no topology" in str(ei.value)
 
 
 def test_settings_read_topologies_with_options():
-    from e2e_test.infra import settings
+    from e2e_test.infra.specs import settings
     assert settings.get("E2E_TOPOLOGIES", {"E2E_TOPOLOGIES": "1,1p1d,p.tp=2"}) == \
         ("1", "1p1d,p.tp=2")
     assert settings.get("E2E_TOPOLOGIES", {"E2E_TOPOLOGIES": "1p1d,p.node=0,d.node=1"}) == \

@@ -3,8 +3,8 @@ side (a real small-window `1` refused without admission) is in e2e_test/router/t
 
 import pytest
 
-from e2e_test.infra.bursts import WindowError, check_window
-from e2e_test.infra.gateway import Admission
+from e2e_test.infra.cluster.gateway import Admission
+from e2e_test.infra.load.bursts import WindowError, check_window
 
 
 def w(n, stage="regular", source="/server_info"):
@@ -61,7 +61,7 @@ def test_no_serving_worker_fails():
 
 # --- the window a worker reports after the burst (test_burst.py's check) ------------------
 
-from e2e_test.infra.bursts import check_effective_window
+from e2e_test.infra.load.bursts import check_effective_window
 
 
 def test_effective_window_as_started_passes():

@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import devices as dev
-from . import settings
 from .engines import all_engines, kind_engines
 from .errors import ConfigError, SettingError
-from .model_specs import get_spec
-from .models import check_config_json
-from .topology import Topology
-from .topology import parse as parse_topology
+from .specs import devices as dev
+from .specs import settings
+from .specs.model_specs import get_spec
+from .specs.models import check_config_json
+from .specs.topology import Topology
+from .specs.topology import parse as parse_topology
 
 
 def _check_cpu_cores(values: dict, environ) -> None:

@@ -10,8 +10,11 @@ the requests (Engine.ffn_proof: engines/afd.afd_ffn_served, from the plugin's FF
 
 import pytest
 
-from e2e_test.infra import comparisons, load, oracle, settings
-from e2e_test.infra.evals import gsm8k
+from e2e_test.infra.engines import afd
+from e2e_test.infra.load import load
+from e2e_test.infra.specs import settings
+from e2e_test.infra.verdicts import comparisons, oracle
+from e2e_test.infra.verdicts.evals import gsm8k
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("afd")]
 GSM8K_N = settings.get("E2E_AFD_GSM8K_N")
@@ -97,7 +100,7 @@ def test_afd_outputs_vs_native(cluster, record, oracle_store):
                     "--topology native-dp2,1a1f)")
     verdict = oracle.judge(oracle.compare("afd-prompts", f"{cluster.engine}/native", label,
                                           base, mine), oracle_store.control[key])
-    record["afd_vs_native"] = verdict.to_dict()
+    record[afd.NATIVE_COMPARISON_KEY] = verdict.to_dict()
     record["oracle"] = verdict.to_dict()
     print(verdict.message)
     assert verdict.ok, verdict.message

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from e2e_test.infra import bursts, settings
-from e2e_test.infra.cluster import results_root
-from e2e_test.infra.gateway import Admission
+from e2e_test.infra.cluster.cluster import results_root
+from e2e_test.infra.cluster.gateway import Admission
+from e2e_test.infra.load import bursts
+from e2e_test.infra.specs import settings
 
 pytestmark = pytest.mark.e2e
 BURST_N = settings.get("E2E_BURST_N")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from e2e_test.infra import load
+from e2e_test.infra.load import load
 
 pytestmark = pytest.mark.e2e
 

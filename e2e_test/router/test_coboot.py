@@ -1,4 +1,4 @@
-"""Booting a lane's topologies together, on real engines (infra/coboot.py, the pytest plugin's
+"""Booting a lane's topologies together, on real engines (infra/specs/coboot.py, the pytest plugin's
 ClusterPool): a nested pytest session told to boot `1` and `dp2` together
 (E2E_BOOT_SCHEDULE=together) serves a chat on each, records the decision and its reason in its
 time report, boots them overlapping, and tears each down clean: each topology's own
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from e2e_test.infra.process import extend_pythonpath
+from e2e_test.infra.lifecycle.process import extend_pythonpath
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines("vllm"), pytest.mark.backends("cpu")]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

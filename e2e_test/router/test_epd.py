@@ -5,8 +5,9 @@ import re
 
 import pytest
 
-from e2e_test.infra import comparisons, load, oracle, proof
 from e2e_test.infra.errors import HarnessError
+from e2e_test.infra.load import load
+from e2e_test.infra.verdicts import comparisons, oracle, proof
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("epd")]
 

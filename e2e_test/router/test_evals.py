@@ -8,8 +8,9 @@ Transport and HTTP errors are counted apart; above 2% of n they fail the test.
 
 import pytest
 
-from e2e_test.infra import comparisons, oracle, settings
-from e2e_test.infra.evals import gsm8k, mmlu, without_logprobs
+from e2e_test.infra.specs import settings
+from e2e_test.infra.verdicts import comparisons, oracle
+from e2e_test.infra.verdicts.evals import gsm8k, mmlu, without_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.eval]
 CONCURRENCY = settings.get("E2E_EVAL_CONCURRENCY")

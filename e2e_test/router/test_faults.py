@@ -12,8 +12,10 @@ import time
 import psutil
 import pytest
 
-from e2e_test.infra import bursts, process, reaper, settings
 from e2e_test.infra.errors import StallError, WorkerDied
+from e2e_test.infra.lifecycle import process, reaper
+from e2e_test.infra.load import bursts
+from e2e_test.infra.specs import settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault, pytest.mark.engines("vllm")]
 STALL_WINDOW_S = settings.get("E2E_FAULT_STALL_WINDOW_S")

@@ -22,10 +22,10 @@ docs/accuracy.md ("KV corruption negative controls").
 import httpx
 import pytest
 
-from e2e_test.infra import comparisons, oracle
 from e2e_test.infra.engines import kv_corrupt
 from e2e_test.infra.engines.vllm import kv_corrupt_dir
-from e2e_test.infra.evals import recall
+from e2e_test.infra.verdicts import comparisons, oracle
+from e2e_test.infra.verdicts.evals import recall
 from e2e_test.router.test_evals import CONCURRENCY
 
 # Marker kv_corrupt: the CPU lane runs it with everything else; on GPUs it is its own lane

@@ -10,8 +10,8 @@ On DP topologies: the same prompts sent to each worker directly, compared with w
 
 import pytest
 
-from e2e_test.infra import comparisons, oracle
-from e2e_test.infra.evals import recall
+from e2e_test.infra.verdicts import comparisons, oracle
+from e2e_test.infra.verdicts.evals import recall
 from e2e_test.router.test_evals import CONCURRENCY, eval_n, max_prompt_tokens, oracle_pass
 
 EVALS = ["gsm8k", "mmlu"]

@@ -1,6 +1,6 @@
 """PD topologies: the KV really moved, and the answers are the same computation as `1`'s.
 
-The answers are held against `1` by the comparison oracle (e2e_test/infra/oracle.py): token by
+The answers are held against `1` by the comparison oracle (e2e_test/infra/verdicts/oracle.py): token by
 token with top-k logprobs, the first decode step's distribution included (it depends only on
 the transferred KV), within the numerics budget of the control arm that test_oracle.py measured
 on `1` in the same session. No tolerance is set by hand.
@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from e2e_test.infra import comparisons, oracle
 from e2e_test.infra.engines.vllm import pd_transfer
 from e2e_test.infra.errors import HarnessError
-from e2e_test.infra.evals import recall
+from e2e_test.infra.verdicts import comparisons, oracle
+from e2e_test.infra.verdicts.evals import recall
 from e2e_test.router.test_evals import oracle_pass
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd")]

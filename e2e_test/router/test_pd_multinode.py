@@ -1,6 +1,6 @@
 """Past one host: `1p1d` with prefill on node A and decode on node B of a real Ray cluster.
 
-The nodes are simulated hosts on this machine (infra/simhosts.py): two network namespaces
+The nodes are simulated hosts on this machine (infra/lifecycle/simhosts.py): two network namespaces
 joined to the root namespace by veth pairs on a bridge with private addresses (10.77.0.0/24),
 a Ray head in the first and a Ray worker node in the second (`ray start` inside
 `ip netns exec`). The test creates and removes them itself. The workers are Ray actors
@@ -26,12 +26,15 @@ import time
 import psutil
 import pytest
 
-from e2e_test.infra import bursts, comparisons, oracle, settings, simhosts
 from e2e_test.infra.engines import EngineOptions
 from e2e_test.infra.errors import WorkerDied
-from e2e_test.infra.evals import recall
-from e2e_test.infra.process import extend_pythonpath
-from e2e_test.infra.ray_launcher import RayLauncher
+from e2e_test.infra.lifecycle import simhosts
+from e2e_test.infra.lifecycle.process import extend_pythonpath
+from e2e_test.infra.lifecycle.ray_launcher import RayLauncher
+from e2e_test.infra.load import bursts
+from e2e_test.infra.specs import settings
+from e2e_test.infra.verdicts import comparisons, oracle
+from e2e_test.infra.verdicts.evals import recall
 from e2e_test.pytest_lanes import require_multinode
 from e2e_test.pytest_state import state
 

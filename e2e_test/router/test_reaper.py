@@ -1,4 +1,4 @@
-"""SIGKILL of a driver that holds a real topology: the guardian (infra/reaper.py) stops every
+"""SIGKILL of a driver that holds a real topology: the guardian (infra/lifecycle/reaper.py) stops every
 process of it, within 10 s, and writes what it did to the results folder; with the guardian
 killed too, the next run's preflight names or clears what was left."""
 
@@ -14,9 +14,9 @@ import time
 import psutil
 import pytest
 
-from e2e_test.infra import reaper
 from e2e_test.infra.errors import PreflightError
-from e2e_test.infra.process import extend_pythonpath
+from e2e_test.infra.lifecycle import reaper
+from e2e_test.infra.lifecycle.process import extend_pythonpath
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault, pytest.mark.engines("vllm")]
 GONE_WITHIN_S = 10.0
@@ -24,8 +24,8 @@ GONE_WITHIN_S = 10.0
 # A user's script through the library, nothing else: boot `1`, answer once, then wait to die.
 DRIVER = textwrap.dedent("""
     import json, sys, time
-    from e2e_test.infra import reaper
-    from e2e_test.infra.cluster import Cluster
+    from e2e_test.infra.lifecycle import reaper
+    from e2e_test.infra.cluster.cluster import Cluster
     from e2e_test.infra.engines import EngineOptions
     model, engine, backend = sys.argv[1:4]
     with Cluster(model=model, engine=engine, topology="1", backend=backend,

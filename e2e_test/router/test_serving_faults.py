@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from e2e_test.infra import serving_faults as sf
-from e2e_test.infra import settings
+from e2e_test.infra.cluster.idle import IdleError
 from e2e_test.infra.errors import HarnessError
-from e2e_test.infra.idle import IdleError
+from e2e_test.infra.load import serving_faults as sf
+from e2e_test.infra.specs import settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 # How long every role may take to be idle again after a client abandoned its request: smg's

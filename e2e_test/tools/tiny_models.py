@@ -145,7 +145,7 @@ def _tokenizer_digest(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _suppressed_ids(tok) -> list[int]:
+def suppressed_ids(tok) -> list[int]:
     """Special/added tokens and tokens that decode to whitespace only."""
     ids = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {})
     vocab = len(tok)
@@ -231,7 +231,7 @@ def build_tiny_moe(family: str, out_dir: Path | str, tokenizer_dir: Path | str,
     config.architectures = ["DeepseekV2ForCausalLM"]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    suppressed = _suppressed_ids(tok)
+    suppressed = suppressed_ids(tok)
     with torch.no_grad():
         model.get_output_embeddings().weight[suppressed] = 0.0
     tmp, n_params = _save_bf16(model, out)
@@ -465,7 +465,7 @@ def build_tiny_vlm(out_dir: Path | str, tokenizer_dir: Path | str, seed: int = 0
 
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(config)
-    suppressed = _suppressed_ids(tok)
+    suppressed = suppressed_ids(tok)
     with torch.no_grad():
         # A small std keeps random activations tame in bfloat16; 1-d parameters (norms,
         # A_log, dt_bias, biases) keep the architecture's own initialisation.

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..devices import core_list  # noqa: F401 (the builders' name for it)
+from ..cluster.readiness import Alive, HttpGet, Readiness
 from ..errors import ConfigError
-from ..readiness import Alive, HttpGet, Readiness
+from ..specs.devices import core_list  # noqa: F401 (the builders' name for it)
 
 
 @dataclass(frozen=True)
@@ -263,6 +263,27 @@ class Engine:
     # Its own variables, settings.Setting rows: settings.SETTINGS lists them after the
     # harness's (the README table, `python -m e2e_test settings`, the start-up check).
     settings_rows: tuple = ()
+    # The pyproject extra that installs it (E2E_EXTRAS accepts it; scripts/main.sh); "": none
+    # of its own.
+    extra: str = ""
+    # The env file its offline staging writes, scripts/gpu_lane.sh's default for
+    # E2E_STAGE_ENV on a lane of this engine; "": it has no staging.
+    stage_env: str = ""
+    # Phrases its workers' logs write while they boot, (regex, state) pairs; progress.py reads
+    # them after the generic markers, the state of the one found last wins.
+    progress_markers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def gateway_runtime(self) -> str:
+        """The runtime_type smg is told for a worker of it (POST /workers; the cluster passes
+        it to gateway.GatewayWorker): its --engine name unless it overrides this."""
+        return self.engine
+
+    def record_lines(self, record: dict) -> list[str]:
+        """Lines for a report of the keys its own suite writes into a test record (the
+        record as results.py wrote it; result files of earlier runs included), [] when the
+        record holds none. report.details asks every registered engine. Pure."""
+        return []
 
     def settings_problems(self, values: dict, environ) -> list[str]:
         """Its own variables checked at start-up against this machine (`values`: every

@@ -50,15 +50,16 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .. import settings
-from ..devices import check_gpu_ids
+from ..cluster.readiness import Alive, HttpGet, PortBound
 from ..errors import ConfigError, HarnessError, SettingError
-from ..model_specs import ModelSpec
-from ..plan import PlanEntry
-from ..proof import long_unique_prompt, post_all, scrape_all, sum_delta
-from ..readiness import Alive, HttpGet, PortBound
-from ..settings import Bool, Choice, DeviceList, Executable, Int, PathKind, Setting
-from ..topology import Topology
+from ..specs import settings
+from ..specs.devices import check_gpu_ids
+from ..specs.model_specs import ModelSpec
+from ..specs.plan import PlanEntry
+from ..specs.settings import Bool, Choice, DeviceList, Executable, Int, PathKind, Setting
+from ..specs.topology import Topology
+from ..verdicts.oracle import verdict_line
+from ..verdicts.proof import long_unique_prompt, post_all, scrape_all, sum_delta
 from . import Engine, EngineOptions, Ports, WorkerCommand, vllm
 from .vllm import WORK_COUNTERS as VLLM_WORK_COUNTERS
 
@@ -72,7 +73,7 @@ FORCED_ROUTING_ENV = ("VLLM_MOE_ROUTING_SIMULATION_STRATEGY",
 UNSET_ENV = FORCED_ROUTING_ENV + ("AFD_PLUGIN_EARLY_ENGINE_PATCH",)
 ENGINE_READY_TIMEOUT_S = "18000"
 VLLM_BIN_ENV = "AFD_GPU_E2E_VLLM_BIN"
-# Idle verification (infra/idle.py): attention and the native baseline are vLLM API servers;
+# Idle verification (infra/cluster/idle.py): attention and the native baseline are vLLM API servers;
 # the FFN server takes no requests of its own.
 IDLE_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
                "kv_cache_usage": "vllm:kv_cache_usage_perc"}
@@ -334,6 +335,20 @@ def afd_trace_problems(p: FfnProof) -> list[str]:
 
 
 
+# The record key of the AFD suite's comparison with the native baseline (router/test_afd.py).
+NATIVE_COMPARISON_KEY = "afd_vs_native"
+
+
+def native_comparison_lines(record: dict) -> list[str]:
+    """The comparison with the native baseline a test record holds, for a report: the oracle's
+    verdict in one line, or (result files from before the oracle) one line per baseline."""
+    v = record.get(NATIVE_COMPARISON_KEY) or {}
+    if "message" in v:
+        return [verdict_line(v)]
+    return [f"vs {name}: {c['same_text']}/{c['prompts']} identical outputs, "
+            f"{c['same_first_token']}/{c['prompts']} same first token" for name, c in v.items()]
+
+
 class AfdEngine(Engine):
     """AFD topologies of --engine vllm (the afd-plugin); attention and FFN never share a GPU."""
     idle_gauges = IDLE_GAUGES
@@ -406,6 +421,9 @@ class AfdEngine(Engine):
         return (f"FFN proof: {proof.get('new_traces')} new FFN step traces for "
                 f"{proof.get('requests')} requests ({proof.get('moe_kernel_events')} MoE kernel "
                 "events)")
+
+    def record_lines(self, record):
+        return native_comparison_lines(record)
 
     def running_window(self, worker_url, timeout=5.0):
         return vllm.running_window(worker_url, timeout)     # the attention side is vLLM's

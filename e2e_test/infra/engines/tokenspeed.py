@@ -21,7 +21,7 @@ flag's contract comes from:
   worker gets (bootstrap for prefill/encode, a dist-init port for every disaggregation role):
   same file, start_workers().
 - Gateway registration (`--prefill URL BOOTSTRAP`, `--encode URL BOOTSTRAP`, `--decode URL`):
-  smg-project/smg e2e_test/infra/gateway.py (build_epd_mode_args).
+  smg-project/smg e2e_test/infra/cluster/gateway.py (build_epd_mode_args).
 - Flag names and semantics (`--gpu-memory-utilization`, `--max-num-seqs`, `--max-model-len`,
   `--served-model-name`, `--data-parallel-size`, `--dist-init-addr`, device "cuda" only):
   lightseekorg/tokenspeed python/tokenspeed/runtime/utils/server_args.py. Its PortArgs.init_new
@@ -39,10 +39,13 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass
 
+from ..cluster.readiness import GrpcHealth
 from ..errors import ConfigError, HarnessError
-from ..model_specs import ModelSpec
-from ..plan import PlanEntry
-from ..proof import (
+from ..specs.model_specs import ModelSpec
+from ..specs.plan import PlanEntry
+from ..specs.settings import Choice, Setting
+from ..specs.topology import Topology
+from ..verdicts.proof import (
     dispatch_problems,
     gateway_dispatch,
     image_chat_body,
@@ -55,16 +58,13 @@ from ..proof import (
     sum_delta,
     verdict,
 )
-from ..readiness import GrpcHealth
-from ..settings import Choice, Setting
-from ..topology import Topology
 from . import Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 DISAGG_ROLES = ("encode", "prefill", "decode")
 KINDS = ("regular", "dp", "pd", "epd")     # smg's EPD mode speaks gRPC to TokenSpeed only
 HOST = "127.0.0.1"
-# Idle verification (infra/idle.py): the scheduler snapshot gauges its engine writes to the
+# Idle verification (infra/cluster/idle.py): the scheduler snapshot gauges its engine writes to the
 # Prometheus multiprocess folder (tokenspeed runtime/metrics/collector.py EngineMetrics:
 # tokenspeed:num_requests_running / _waiting / kv_cache_usage_perc, a 0-1 ratio, livemax). An
 # encode worker exports no metric of its own, so it is not checked.
@@ -479,6 +479,8 @@ class TokenSpeedEngine(Engine):
     option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT}  # noqa: RUF012
     env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT"}  # noqa: RUF012
     packages = ("tokenspeed",)
+    extra = "tokenspeed"
+    stage_env = "/root/stage/ts-env.sh"
     settings_rows = (Setting("E2E_MOONCAKE_TRANSPORT", Choice("nvlink", "tcp"), DEFAULT_TRANSPORT,
                              "TokenSpeed PD/EPD Mooncake transport on one host"),)
     # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num

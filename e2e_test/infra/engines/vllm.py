@@ -17,10 +17,12 @@ from pathlib import Path
 
 import httpx
 
+from ..cluster.readiness import HttpGet
 from ..errors import ConfigError, HarnessError
-from ..model_specs import ModelSpec
-from ..plan import PlanEntry
-from ..proof import (
+from ..specs.model_specs import ModelSpec
+from ..specs.plan import PlanEntry
+from ..specs.topology import Topology
+from ..verdicts.proof import (
     kv_bytes_per_token,
     kv_dtype,
     leg,
@@ -31,8 +33,6 @@ from ..proof import (
     sum_delta,
     verdict,
 )
-from ..readiness import HttpGet
-from ..topology import Topology
 from . import Engine, EngineOptions, Ports, WorkerCommand, core_list, kv_corrupt
 
 # vLLM's own options (EngineOptions.engine_opts), with their defaults:
@@ -57,7 +57,7 @@ HARNESS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 KV_CONNECTORS = ("nixl", "example", "mooncake")
-# Idle verification (infra/idle.py): Prometheus gauges of the API server's /metrics
+# Idle verification (infra/cluster/idle.py): Prometheus gauges of the API server's /metrics
 # (vllm/v1/metrics/loggers.py); kv_cache_usage_perc is a 0-1 fraction despite its name.
 IDLE_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
                "kv_cache_usage": "vllm:kv_cache_usage_perc"}
@@ -406,6 +406,13 @@ def running_window(worker_url: str, timeout: float = 5.0) -> dict:
 WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 
+# Its boot log's own phrases (progress.py reads them after the generic markers).
+PROGRESS_MARKERS = (
+    (r"Initializing a V1 LLM engine", "initializing engine"),
+    (r"Starting vLLM server", "serving, waiting for health"),
+)
+
+
 class VllmEngine(Engine):
     idle_gauges = IDLE_GAUGES
     option_defaults = OPTIONS
@@ -414,6 +421,8 @@ class VllmEngine(Engine):
     kinds = ("regular", "dp", "pd")
     multinode = True        # binds entry.host: workers may go on other nodes
     work_counters = WORK_COUNTERS
+    stage_env = "/root/stage/env.sh"
+    progress_markers = PROGRESS_MARKERS
     # nothing moved: the decode side counted no prompt token as transferred
     proof_misses = {"pd": r"decode received KV for 0 of \d+"}
 

@@ -1,0 +1,581 @@
+"""Cluster: one context manager that owns a topology's whole life.
+
+    with Cluster(model=DEFAULT_MODEL, engine=DEFAULT_ENGINE, topology="1p1d") as c:
+        c.chat("Say hi")
+        gsm8k.run(c.gateway_url, c.model_name, n=32)
+
+Construction validates everything (registry, topology x engine, weights, devices) and raises a
+one-line ConfigError before any process starts. `start()` launches every worker of a start
+stage at once, waits for each one's readiness AND liveness (a worker that exits fails the
+topology at once, naming role, argv, exit code, error line and log tail), then starts the
+gateway and probes it with a real completion. `stop()` stops everything in parallel and
+verifies teardown.
+
+The Cluster orchestrates only: what a worker runs, how it is ready, which ports it binds and
+which counters show it working come from its engine (engines.for_topology -> Engine); how a
+command becomes a process, and what the host looks like afterwards, from its launcher
+(launcher.LocalLauncher by default); where it goes from plan.place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+
+from .. import engines, startup
+from ..engines import DEFAULT_ENGINE, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
+from ..errors import ConfigError, StartupError, UpstreamBug, WorkerDied
+from ..lifecycle import ports, reaper, teardown
+from ..lifecycle.launcher import Baseline, Handle, Launcher, LocalLauncher
+from ..lifecycle.process import StopReport, classify_log
+from ..lifecycle.ray_launcher import RayLauncher
+from ..load.load import Watchdog
+from ..specs import plan as planner
+from ..specs import settings
+from ..specs import topology as topologies
+from ..specs.model_specs import DEFAULT_MODEL, ModelSpec, get_spec
+from ..specs.models import cache_dir, weights_path
+from ..specs.plan import Plan, PlanEntry
+from ..specs.topology import Topology
+from . import gateway as gw
+from . import idle, metrics, progress
+from .diagnostics import diagnose_stall
+from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step
+
+PORT_RETRIES = 2
+STOP_GRACE_S = 15.0
+REQUEST_TIMEOUT_S = 120.0     # one request of Cluster.client (chat, evals through it)
+_ids = itertools.count(1)
+
+
+def results_root() -> Path:
+    """This run's results folder (settings.results_dir: E2E_RESULTS_DIR, or one of its own)."""
+    return settings.results_dir()
+
+
+def make_launcher(name: str | None = None, address: str | None = None) -> Launcher:
+    """The launcher E2E_LAUNCHER (or `--launcher`) names: local, or ray on the cluster at
+    E2E_RAY_ADDRESS."""
+    name = name or settings.get("E2E_LAUNCHER")
+    if name == "ray":
+        return RayLauncher(address or settings.get("E2E_RAY_ADDRESS"))
+    return LocalLauncher()
+
+
+def default_backend() -> str:
+    return startup.resolve_backend(None)
+
+
+@dataclass
+class Worker:
+    entry: PlanEntry
+    ports: Ports
+    command: WorkerCommand
+    process: Handle | None = None
+    ready_s: float | None = None
+    restarts: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def url(self) -> str:
+        scheme = "grpc" if self.command.protocol == "grpc" else "http"
+        return f"{scheme}://{self.entry.host}:{self.ports.api}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.entry.host}:{self.ports.api}"
+
+    def metrics(self, timeout: float = 5.0) -> dict:
+        if self.command.metrics_dir:      # no /metrics endpoint, multiprocess files instead
+            return metrics.read_multiproc_dir(self.command.metrics_dir)
+        return metrics.scrape(f"{self.http_url}/metrics", timeout=timeout)
+
+
+@dataclass(frozen=True)
+class ExtraGateway:
+    """A second gateway of a running topology (Cluster.extra_gateway)."""
+    name: str
+    url: str
+    metrics_url: str
+    argv: list[str]
+    process: Handle
+
+
+@dataclass
+class Timing:
+    workers: dict[str, float] = field(default_factory=dict)   # name -> seconds to ready
+    topology_ready_s: float | None = None                     # first start -> last worker ready
+    gateway_ready_s: float | None = None
+    total_ready_s: float | None = None
+    teardown_s: float | None = None
+    # Epoch seconds, for the lane's time report (time_report.py): when the boot and the
+    # teardown began, and [start, seconds] of every restarted worker's boot.
+    boot_started: float | None = None
+    teardown_started: float | None = None
+    restart_boots: list = field(default_factory=list)
+
+
+class Cluster:
+    live: set[Cluster] = set()
+    live_lock = threading.Lock()
+
+    def __init__(self, model: str | ModelSpec = DEFAULT_MODEL, engine: str = DEFAULT_ENGINE,
+                 topology: str | Topology = "1", backend: str | None = None,
+                 devices: str | None = None, options: EngineOptions | None = None,
+                 admission: gw.Admission | None = None, policy: str = "round_robin",
+                 startup_timeout: float | None = None, results_dir: Path | str | None = None,
+                 name: str | None = None, gateway_args: tuple[str, ...] = (),
+                 launcher: Launcher | None = None, plan: Plan | None = None,
+                 shared_devices: bool = False):
+        self.spec: ModelSpec = model if isinstance(model, ModelSpec) else get_spec(model)
+        self.engine = engine
+        self.topology = topologies.parse(topology)     # a Topology is taken as it is
+        self.driver: Engine = engines.for_topology(engine, self.topology)
+        self.spec.require(engine, self.topology.kind)
+        self.backend = startup.resolve_backend(backend, source="backend")
+        if self.backend not in self.driver.backends:
+            why = "" if backend or settings.raw("E2E_BACKEND") else \
+                " (no backend given and NVML sees no GPU here)"
+            raise ConfigError(f"engine {engine!r} ({self.driver.name}) runs on "
+                              f"{' or '.join(self.driver.backends)} only; backend is "
+                              f"{self.backend}{why}")
+        if devices:
+            startup.check_devices(devices, self.backend, "devices")
+        self.model_path = weights_path(self.spec)
+        self.launcher: Launcher = launcher or make_launcher()
+        # `plan`: placed already by the caller (the pytest plugin's check at collection, with
+        # the same model, backend, devices, engine and this launcher's nodes): not placed again.
+        if plan is not None and (plan.topology != self.topology.name
+                                 or plan.backend != self.backend):
+            raise ConfigError(f"plan {plan.topology!r} on {plan.backend} given for topology "
+                              f"{self.topology.name!r} on {self.backend}")
+        self.plan: Plan = plan if plan is not None else planner.place(
+            self.topology, self.spec, self.backend,
+            startup.machine_devices(self.topology, self.backend, devices), self.driver,
+            nodes=self.launcher.nodes())
+        self.admission = admission
+        self.policy = policy
+        self.gateway_args = tuple(gateway_args)
+        self.startup_timeout = startup_timeout or self.spec.startup_timeout_s
+        self.name = name or f"{self.engine}-{self.topology.name}-{os.getpid()}-{next(_ids)}"
+        self.dir = Path(results_dir) if results_dir else results_root() / "clusters" / self.name
+        opts = replace(options or EngineOptions(), backend=self.backend)
+        if not opts.state_dir:
+            opts = replace(opts, state_dir=str(self.dir.resolve() / "state"))
+        if not opts.compile_cache_dir and settings.get("E2E_COMPILE_CACHE") == "shared":
+            # Booted together with others (shared_devices): a cache of its own topology, so
+            # two compiles of the same graphs never write one folder at once.
+            sub = f"{self.engine}-{self.topology.name}" if shared_devices else ""
+            opts = replace(opts, compile_cache_dir=str(cache_dir() / "compile" / sub))
+        self.options = self.driver.prepare(self.topology, self.spec, opts, self.dir,
+                                           ports.allocate_block)
+        self.workers: list[Worker] = [self._make_worker(e) for e in self.plan.entries]
+        self.gateway_port, self.prometheus_port = ports.allocate(2)
+        self.gateway: Handle | None = None
+        self.gateway_argv: list[str] | None = None
+        self.timing = Timing()
+        self.teardown_report: teardown.TeardownReport | None = None
+        self.stop_reports: list[StopReport] = []
+        self._baseline = Baseline()
+        # Booted together with other topologies on the same devices (coboot.py): teardown
+        # checks this topology's own processes, not the devices' memory, which the others
+        # still hold (launcher.Baseline).
+        self.shared_devices = shared_devices
+        self.stopped = False
+        self._client: httpx.Client | None = None
+        self._extra_ports: set[int] = set()          # extra_gateway's
+        self._extra_gateways: list[Handle] = []      # ... running
+        self._extra_stops: list[StopReport] = []     # ... stopped
+
+    # -- construction helpers -----------------------------------------------------------------
+    def _make_worker(self, entry: PlanEntry) -> Worker:
+        names = self.driver.aux_ports(self.topology, entry, self.options)
+        preset = self.driver.fixed_ports(self.options)
+        fresh = [n for n in names if n not in preset]
+        allocated = self.launcher.allocate_ports(entry, 1 + len(fresh))
+        aux = {**dict(zip(fresh, allocated[1:])), **{n: preset[n] for n in names if n in preset}}
+        p = Ports(api=allocated[0], aux=aux)
+        cmd = self.driver.worker_command(self.spec, self.topology, entry, p,
+                                         str(self.model_path), self.options, self.dir)
+        return Worker(entry, p, cmd)
+
+    @property
+    def allocated_ports(self) -> set[int]:
+        out = {self.gateway_port, self.prometheus_port, *self._extra_ports}
+        for w in self.workers:
+            out.add(w.ports.api)
+            out.update(w.ports.aux.values())
+            out.update(w.command.owned_ports)
+        return out
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def gateway_metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.prometheus_port}/metrics"
+
+    @property
+    def model_name(self) -> str:
+        return self.spec.id
+
+    def role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.entry.role == role]
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name, "engine": self.engine, "model": self.spec.id,
+            "topology": self.topology.name, "backend": self.backend,
+            "plan": self.plan.to_dict(),
+            "workers": [{"name": w.name, "url": w.url, "argv": w.command.argv,
+                         "env": w.command.env, "ready_s": w.ready_s, "restarts": w.restarts,
+                         "log": str(w.process.log_path) if w.process else None}
+                        for w in self.workers],
+            "gateway": {"url": self.gateway_url, "metrics": self.gateway_metrics_url,
+                        "argv": self.gateway_argv},
+            "timing": vars(self.timing),
+            "teardown": self.teardown_report.to_dict() if self.teardown_report else None,
+        }
+
+    # -- life ---------------------------------------------------------------------------------
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop(verify_strict=False)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop(verify_strict=None if exc[0] is None else False)
+
+    def start(self) -> Cluster:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # What a dead earlier run left, and GPU memory held by others: before anything starts.
+        reaper.preflight(self.plan.devices if self.backend == "cuda" else (), self.dir)
+        (self.dir / "plan.txt").write_text(self.plan.describe() + "\n")
+        with Cluster.live_lock:
+            Cluster.live.add(self)
+        gpus = self.plan.devices if self.backend == "cuda" else ()
+        if self.shared_devices:
+            self._baseline = replace(self.launcher.baseline(()), shared=True, own_gpus=gpus)
+        else:
+            self._baseline = self.launcher.baseline(gpus)
+        t0 = time.monotonic()
+        self.timing.boot_started = time.time()
+        self._start_workers(t0)
+        self.timing.topology_ready_s = round(time.monotonic() - t0, 2)
+        self._start_gateway()
+        self.timing.total_ready_s = round(time.monotonic() - t0, 2)
+        (self.dir / "cluster.json").write_text(json.dumps(self.describe(), indent=2, default=str))
+        return self
+
+    def _launch(self, w: Worker) -> None:
+        log = self.dir / "logs" / f"{w.name}{'.' + str(w.restarts) if w.restarts else ''}.log"
+        w.process = self.launcher.start(w.name, w.command, log, cores=w.entry.cores,
+                                        node=w.entry.node)
+
+    def _start_workers(self, t0: float) -> None:
+        stages = sorted({w.command.start_stage for w in self.workers})
+        deadline = t0 + self.startup_timeout
+        with httpx.Client(timeout=2.0) as client:
+            for stage in stages:
+                group = [w for w in self.workers if w.command.start_stage == stage]
+                for w in group:        # all at once: launching returns immediately
+                    self._launch(w)
+                self._wait_ready(group, client, deadline)
+
+    def _wait_ready(self, group: list[Worker], client: httpx.Client, deadline: float) -> None:
+        pending = list(group)
+        boot = progress.BootProgress(self.topology.name, group)   # a line every ~10 s
+        while pending:
+            boot.tick(pending)
+            for w in list(pending):
+                if not w.process.alive():
+                    self._handle_early_exit(w)
+                    continue
+                if w.command.readiness.ready(client):
+                    w.ready_s = round(time.monotonic() - w.process.started_at, 2)
+                    self.timing.workers[w.name] = w.ready_s
+                    pending.remove(w)
+                else:
+                    w.process.remember_descendants()
+            self._check_others_alive(group)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(w.name for w in pending)
+                tails = "\n".join(f"--- {w.name} ({w.process.log_path}): "
+                                  f"{w.command.readiness.pending()}\n"
+                                  f"{w.process.log_tail(15)}" for w in pending)
+                raise StartupError(f"topology {self.topology.name}: {names} not ready within "
+                                   f"{self.startup_timeout:.0f} s", tails)
+            if pending:
+                time.sleep(POLL_S)
+
+    def _check_others_alive(self, group: list[Worker]) -> None:
+        """A worker that was ready earlier and died fails the start too."""
+        for w in self.workers:
+            if w.process and w not in group and not w.process.alive():
+                head, _, details = w.process.failure_summary().partition("\n")
+                raise StartupError(head, details)
+
+    def _handle_early_exit(self, w: Worker) -> None:
+        hit = classify_log(w.process.log_text())
+        if hit and hit[0] == "address_in_use" and w.restarts < PORT_RETRIES:
+            # Another process took one of our ports between allocation and bind: move.
+            w.process.stop(grace=2)
+            w.restarts += 1
+            new = self._make_worker(w.entry)
+            w.ports, w.command = new.ports, new.command
+            self._launch(w)
+            return
+        summary = w.process.failure_summary()
+        head, _, details = summary.partition("\n")
+        raise StartupError(f"topology {self.topology.name} ({self.engine}): {head}", details)
+
+    def _start_gateway(self) -> None:
+        t0 = time.monotonic()
+        self.gateway_argv, self.gateway, dynamic = self._spawn_gateway(
+            self.gateway_port, self.prometheus_port, self.admission, "gateway")
+        self._await_gateway(self.gateway_port, self.gateway, "gateway", dynamic)
+        self.timing.gateway_ready_s = round(time.monotonic() - t0, 2)
+
+    def _spawn_gateway(self, port: int, prometheus_port: int, admission: gw.Admission | None,
+                       name: str) -> tuple[list[str], Handle, list]:
+        """A gateway in front of every serving worker, started: (argv, handle, the workers
+        it must be sent through POST /workers)."""
+        gws = tuple(gw.GatewayWorker(url=w.url, worker_type=w.command.worker_type,
+                                     bootstrap_port=w.command.bootstrap_port,
+                                     kv_connector=w.command.kv_connector,
+                                     runtime_type=self.driver.gateway_runtime)
+                    for w in self.workers if w.command.worker_type != "none")
+        cfg = gw.GatewayConfig(kind=self.topology.kind, workers=gws, port=port,
+                               prometheus_port=prometheus_port, policy=self.policy,
+                               dp_aware=self.topology.engine_dp, admission=admission,
+                               extra_args=(*self.driver.gateway_args(self.topology),
+                                           *self.gateway_args),
+                               model_path=str(self.model_path))
+        argv = gw.build_argv(cfg)
+        handle = self.launcher.start(name, WorkerCommand(argv, {}),
+                                     self.dir / "logs" / f"{name}.log")
+        return argv, handle, [g for g in gws if g.register_dynamically]
+
+    def _await_gateway(self, port: int, handle: Handle, name: str, dynamic: list) -> None:
+        """Until the gateway is ready: workers registered where the mode registers them, the
+        model served; StartupError when it dies or the time is up."""
+        t0 = time.monotonic()
+        url = f"http://127.0.0.1:{port}"
+        ready = AllOf(HttpGet(port, "/health"),
+                      *([Step("registering workers", lambda: gw.register_workers(
+                          url, dynamic, timeout=GATEWAY_READY_S,
+                          alive=handle.alive))] if dynamic else []),
+                      ModelServed(url, self.model_name))
+        deadline = t0 + GATEWAY_READY_S
+        with httpx.Client(timeout=30.0) as client:
+            while True:
+                if not handle.alive():
+                    head, _, details = handle.failure_summary().partition("\n")
+                    raise StartupError(head, details)
+                self._check_others_alive([])
+                if ready.ready(client):
+                    return
+                if time.monotonic() > deadline:
+                    raise StartupError(f"{name} not ready within {GATEWAY_READY_S:.0f} s: "
+                                       f"{ready.pending()}", handle.log_tail(20))
+                time.sleep(POLL_S)
+
+    @contextmanager
+    def extra_gateway(self, admission: gw.Admission | None, name: str = "gateway-2"):
+        """A second gateway in front of the same running workers, configured differently
+        (admission, for the window bursts): the workers need no restart for a gateway
+        setting. Yields an ExtraGateway; stopped at the end, and its stop report and ports
+        join this topology's teardown verification."""
+        port, prom = ports.allocate(2)
+        self._extra_ports.update((port, prom))
+        argv, handle, dynamic = self._spawn_gateway(port, prom, admission, name)
+        self._extra_gateways.append(handle)          # stop() stops it if we never get back
+        try:
+            self._await_gateway(port, handle, name, dynamic)
+            yield ExtraGateway(name, f"http://127.0.0.1:{port}",
+                               f"http://127.0.0.1:{prom}/metrics", argv, handle)
+        finally:
+            if handle in self._extra_gateways:        # (not when stop() has stopped it)
+                self._extra_gateways.remove(handle)
+                self._extra_stops.append(handle.stop(grace=STOP_GRACE_S))
+
+    def stop(self, verify_strict: bool | None = None) -> teardown.TeardownReport:
+        if self.stopped:
+            return self.teardown_report
+        self.stopped = True
+        t0 = time.monotonic()
+        self.timing.teardown_started = time.time()
+        if self._client:
+            self._client.close()
+        procs = [w.process for w in self.workers if w.process] + self._extra_gateways
+        self._extra_gateways = []
+        if self.gateway:
+            procs.insert(0, self.gateway)
+        # A worker's own grace where its engine sets one (an engine whose own SIGTERM path
+        # ends in a SIGKILL of itself after seconds; see that engine's STOP_GRACE_S).
+        grace = {id(w.process): w.command.stop_grace_s for w in self.workers
+                 if w.process and w.command.stop_grace_s is not None}
+        with ThreadPoolExecutor(max_workers=max(1, len(procs))) as ex:
+            self.stop_reports = list(ex.map(
+                lambda p: p.stop(grace=grace.get(id(p), STOP_GRACE_S)), procs))
+        self.stop_reports += self._extra_stops
+        if self._baseline.shared:
+            self._baseline.own_pids = self._own_pids(procs)
+        rep = self.launcher.verify(self.stop_reports, self.allocated_ports, self._baseline)
+        rep.seconds = round(time.monotonic() - t0, 2)
+        self.timing.teardown_s = rep.seconds
+        self.teardown_report = rep
+        with Cluster.live_lock:
+            Cluster.live.discard(self)
+        try:
+            if self.dir.exists():
+                (self.dir / "cluster.json").write_text(
+                    json.dumps(self.describe(), indent=2, default=str))
+        except OSError:
+            pass
+        teardown.enforce(rep, f"{self.topology.name} ({self.name})", strict=verify_strict)
+        return rep
+
+    @staticmethod
+    def _own_pids(procs) -> set[int]:
+        """Every pid this topology started or saw among its processes' descendants."""
+        out: set[int] = set()
+        for p in procs:
+            pid = getattr(p, "pid", None)
+            if isinstance(pid, int) and pid > 0:
+                out.add(pid)
+            out.update(getattr(p, "known", {}) or {})
+        return out
+
+    def kill_now(self) -> None:
+        """Second Ctrl-C: SIGKILL every process tree at once, no grace."""
+        for p in [self.gateway, *self._extra_gateways] + [w.process for w in self.workers]:
+            if p:
+                p.kill()
+
+    # -- clients ------------------------------------------------------------------------------
+    @property
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            self._client = httpx.Client(base_url=self.gateway_url, timeout=REQUEST_TIMEOUT_S)
+        return self._client
+
+    def chat(self, content: str, max_tokens: int = 32, **kw) -> dict:
+        r = self.client.post("/v1/chat/completions", json={
+            "model": self.model_name, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": content}], **kw})
+        r.raise_for_status()
+        return r.json()
+
+    def _dead(self) -> list[tuple[str, KnownCrash | None]]:
+        """(line, the known upstream crash it shows or None) for every worker (or gateway)
+        that exited."""
+        out = []
+        roles = {id(w.process): w.entry.role for w in self.workers}
+        for name, p in ([("gateway", self.gateway)] + [(h.name, h) for h in self._extra_gateways]
+                        + [(w.name, w.process) for w in self.workers]):
+            if p is not None and p.started_at is not None and not p.alive():
+                known = (self.driver.known_crash(roles[id(p)], p.log_text(200_000))
+                         if id(p) in roles else None)
+                out.append((f"{name} (pid {p.pid}{p.where}) died: {p.death_reason()}", known))
+        return out
+
+    def dead_processes(self) -> str | None:
+        """One line naming every worker (or the gateway) that exited, with its exit code, and
+        the known upstream bug it died of where its engine names one (Engine.known_crashes)."""
+        dead = self._dead()
+        if not dead:
+            return None
+        return (f"topology {self.topology.name} ({self.engine}): "
+                + "; ".join(line + (f"; {k.line()}" if k else "") for line, k in dead))
+
+    def death_error(self, message: str) -> WorkerDied:
+        """The error for a dead topology: UpstreamBug when a worker died of a known upstream
+        crash, else WorkerDied."""
+        known = any(k for _, k in self._dead())
+        return (UpstreamBug if known else WorkerDied)(message)
+
+    def check_alive(self) -> None:
+        """Raise death_error when a worker or the gateway has exited."""
+        dead = self.dead_processes()
+        if dead:
+            raise self.death_error(dead)
+
+    def watchdog(self, what: str, window_s: float | None = None):
+        """A load.Watchdog that fails on a dead worker within a second and on a stall after
+        the window (E2E_WATCHDOG_S, default 60 s), attaching queues and stack dumps."""
+        window = window_s if window_s is not None else settings.get("E2E_WATCHDOG_S")
+        return Watchdog(window_s=window, what=f"{what} on {self.topology.name}",
+                        diagnose=lambda: diagnose_stall(self), check=self.dead_processes,
+                        died=self.death_error,
+                        engine_progress=self.engine_work)
+
+    def worker_work(self, w: Worker) -> float | None:
+        """Tokens worker `w` has processed (the sum of the engine's work counters); None when
+        it does not answer."""
+        try:
+            s = w.metrics(timeout=2.0)
+        except Exception:
+            return None
+        return sum(metrics.total(s, name) for name in self.driver.work_counters)
+
+    def engine_work(self) -> float | None:
+        """Tokens all workers have processed; None when no worker answered. A worker that does
+        not answer contributes nothing."""
+        work = [x for x in map(self.worker_work, self.workers) if x is not None]
+        return sum(work) if work else None
+
+    def gateway_metrics(self) -> dict:
+        return metrics.scrape(self.gateway_metrics_url)
+
+    # -- serving faults -----------------------------------------------------------------------
+    def wait_idle(self, timeout: float | None = None, **kw):
+        """Every role back to no running / waiting requests and ~0 KV-cache usage (and no
+        request in flight at the gateway); IdleError naming the role and the numbers."""
+        return idle.wait_idle(self, idle.DEFAULT_TIMEOUT_S if timeout is None else timeout, **kw)
+
+    def worker(self, name: str) -> Worker:
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise ConfigError(f"topology {self.topology.name}: no worker {name!r} "
+                          f"(workers: {', '.join(w.name for w in self.workers)})")
+
+    def restart(self, name: str, timeout: float | None = None) -> Worker:
+        """Stop worker `name` (dead or alive), start it again with the same command and ports,
+        wait for it, and register it with smg again where the mode registers dynamically."""
+        w = self.worker(name)
+        if w.process is not None:
+            rep = w.process.stop(grace=5.0)
+            if rep.survivors:
+                raise StartupError(f"restart {name}: the old process tree did not stop",
+                                   "\n".join(rep.survivors))
+        t0, epoch = time.monotonic(), time.time()
+        w.restarts += 1
+        self._launch(w)
+        with httpx.Client(timeout=2.0) as client:
+            self._wait_ready([w], client, t0 + (timeout or self.startup_timeout))
+        self.timing.restart_boots.append([epoch, round(time.monotonic() - t0, 2)])
+        if w.command.kv_connector is not None and self.gateway is not None:
+            gw.register_workers(self.gateway_url, [gw.GatewayWorker(
+                url=w.url, worker_type=w.command.worker_type,
+                bootstrap_port=w.command.bootstrap_port, kv_connector=w.command.kv_connector,
+                runtime_type=self.driver.gateway_runtime)], timeout=120, alive=self.gateway.alive,
+                existing_ok=True)
+        return w

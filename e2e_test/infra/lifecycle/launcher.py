@@ -1,0 +1,126 @@
+"""The launcher seam: how a WorkerCommand becomes a running process, and how its host is
+checked afterwards.
+
+The Cluster asks a Launcher to start each worker and the gateway and gets back a Handle
+(alive, exit code, log, stop, kill). Teardown verification runs where the processes ran, so
+the Launcher provides it too: `baseline()` before the first start, `verify()` after the last
+stop. It also names the nodes workers may go on (`nodes()`, for plan.place) and allocates
+each worker's ports on its node (`allocate_ports`). `LocalLauncher` runs processes on this
+host (ManagedProcess); `ray_launcher.RayLauncher` runs each role as a Ray actor on its node
+(`--launcher ray`, E2E_LAUNCHER / E2E_RAY_ADDRESS). The Cluster's logic is the same for both.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ..engines import WorkerCommand
+from ..specs.plan import LOCAL_NODES, Node, PlanEntry
+from . import ports, teardown
+from .process import ManagedProcess, StopReport
+
+
+class Handle(Protocol):
+    """One launched process as the Cluster sees it (ManagedProcess implements it). Local
+    handles also offer `tree()` (the psutil processes of the worker's session), which only
+    the local tools use: stack dumps (diagnostics.py), `cycles`, the fault tests."""
+    name: str
+    argv: list[str]
+    log_path: Path
+    started_at: float | None
+    where: str               # ", node K (address)" on another node; "" on this host
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+    def alive(self) -> bool: ...
+
+    def log_text(self, max_bytes: int = ...) -> str: ...
+
+    def log_tail(self, n: int = ...) -> str: ...
+
+    def failure_summary(self) -> str: ...
+
+    def death_reason(self) -> str: ...
+
+    def remember_descendants(self) -> None: ...
+
+    def stop(self, grace: float = ...) -> StopReport: ...
+
+    def kill(self) -> None: ...
+
+
+@dataclass
+class Baseline:
+    """What the host looked like before the start (compared at teardown).
+
+    A topology booted together with others on the same devices (coboot.py) is `shared`: its
+    teardown cannot compare device memory or /dev/shm with a baseline while the others run.
+    It checks its own processes instead: none of `own_pids` (its processes and every
+    descendant seen) may still hold memory on `own_gpus` (NVML's per-process list). The
+    device-level check and the /dev/shm clean-up run once the last topology of its wave has
+    stopped (pytest_plugin.ClusterPool), against the wave's baseline."""
+    shm: set[str] = field(default_factory=set)
+    gpu_mib: dict[int, float] = field(default_factory=dict)
+    shared: bool = False
+    own_gpus: tuple[int, ...] = ()
+    own_pids: set[int] = field(default_factory=set)
+
+
+class Launcher(Protocol):
+    def nodes(self) -> tuple[Node, ...]: ...
+
+    def allocate_ports(self, entry: PlanEntry, n: int) -> list[int]: ...
+
+    def baseline(self, gpus: tuple[int, ...]) -> Baseline: ...
+
+    def start(self, name: str, command: WorkerCommand, log_path: Path,
+              cores: tuple[int, ...] = (), node: int | None = None) -> Handle: ...
+    # node None: this host (the gateway); else the plan's node index
+
+    def verify(self, stops: list[StopReport], ports: set[int],
+               baseline: Baseline) -> teardown.TeardownReport: ...
+
+
+class LocalLauncher:
+    """Processes on this host, each in its own session with its own log (process.py)."""
+
+    def nodes(self) -> tuple[Node, ...]:
+        return LOCAL_NODES
+
+    def allocate_ports(self, entry: PlanEntry, n: int) -> list[int]:
+        return ports.allocate(n)
+
+    def baseline(self, gpus: tuple[int, ...]) -> Baseline:
+        return Baseline(shm=teardown.shm_snapshot(),
+                        gpu_mib=teardown.gpu_memory_mib(gpus) if gpus else {})
+
+    def start(self, name: str, command: WorkerCommand, log_path: Path,
+              cores: tuple[int, ...] = (), node: int | None = None) -> ManagedProcess:
+        if command.metrics_dir:   # must exist, and start empty (a restart starts counters anew)
+            shutil.rmtree(command.metrics_dir, ignore_errors=True)
+            Path(command.metrics_dir).mkdir(parents=True)
+        return ManagedProcess(name, command.argv, command.env, log_path,
+                              unset_env=command.unset_env, cpu_affinity=cores).start()
+
+    def verify(self, stops: list[StopReport], ports: set[int],
+               baseline: Baseline) -> teardown.TeardownReport:
+        t0 = time.monotonic()
+        rep = teardown.TeardownReport()
+        rep.escalated = [r.name for r in stops if r.escalated]
+        rep.survivors = [s for r in stops for s in r.survivors]
+        rep.busy_ports = teardown.listening_ports(ports)
+        if baseline.shared:           # booted with others on its devices: its own processes
+            teardown.check_gpu_own(rep, baseline.own_gpus, baseline.own_pids)
+        else:
+            teardown.check_gpu(rep, baseline.gpu_mib)     # measured settle; names the holders
+            rep.shm_removed, rep.shm_left = teardown.clean_shm(baseline.shm)
+        rep.seconds = round(time.monotonic() - t0, 2)
+        return rep

@@ -1,0 +1,234 @@
+"""One OS process the harness owns: its own session, its own log, verified stop.
+
+Every worker and the gateway is a ManagedProcess. It starts in a new session (so the whole
+tree can be signalled even after the leader died), inherits the caller's environment plus the
+builder's overrides (never a scrubbed one: GPU machines set NCCL variables that workers need),
+and writes stdout+stderr to one log file. Descendants are remembered (pid + create time) while
+the process lives, so stragglers that left the session are found at teardown too. Each one
+carries its run's marker (reaper.marker_env) and is registered with the driver's guardian
+(reaper.py), which stops it if the driver dies; a clean stop unregisters it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from . import reaper
+from .reaper import extend_pythonpath  # noqa: F401 (its home is reaper.py; callers import it here)
+
+# The first line matching one of these (in order of preference) names the failure.
+ERROR_PATTERNS = [
+    ("cuda_oom", re.compile(r"CUDA out of memory|OutOfMemoryError|cudaErrorMemoryAllocation")),
+    ("nccl", re.compile(r"NCCL error|ncclInternalError|ncclSystemError|NCCL WARN")),
+    ("address_in_use", re.compile(r"[Aa]ddress already in use|EADDRINUSE|Errno 98")),
+    ("import", re.compile(r"(ImportError|ModuleNotFoundError): .*")),
+    ("oom", re.compile(r"MemoryError|Cannot allocate memory|Killed")),
+    ("error", re.compile(r"^\S*(Error|Exception): .+")),
+]
+
+
+@dataclass
+class StopReport:
+    name: str
+    pid: int
+    exit_code: int | None
+    escalated: bool            # SIGKILL was needed
+    seconds: float
+    survivors: list[str] = field(default_factory=list)
+
+
+def classify_log(text: str) -> tuple[str, str] | None:
+    """(kind, line) for the most telling error line of a log, or None."""
+    lines = text.splitlines()
+    for kind, rx in ERROR_PATTERNS:
+        for line in lines:
+            if rx.search(line):
+                return kind, line.strip()[:300]
+    return None
+
+
+def last_traceback(text: str, max_lines: int = 30) -> str:
+    idx = text.rfind("Traceback (most recent call last)")
+    if idx < 0:
+        return ""
+    return "\n".join(text[idx:].splitlines()[:max_lines])
+
+
+class ManagedProcess:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
+                 cwd: str | None = None, unset_env: tuple[str, ...] | list[str] = (),
+                 cpu_affinity: tuple[int, ...] | list[int] = ()):
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.env_overrides = dict(env)
+        self.unset_env = tuple(unset_env)   # dropped from the inherited environment
+        # CPU workers: the whole process tree (not only the OMP compute threads) stays on the
+        # worker's own cores, so one worker's busy threads cannot slow another down.
+        self.cpu_affinity = tuple(cpu_affinity)
+        self.log_path = Path(log_path)
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self.started_at: float | None = None
+        self.known: dict[int, float] = {}   # pid -> create_time, descendants seen alive
+        self._log = None
+
+    # -- life -----------------------------------------------------------------------------
+    def start(self) -> "ManagedProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab", buffering=0)
+        self._log.write(f"# {self.name}: {' '.join(self.argv)}\n".encode())
+        env = {k: v for k, v in os.environ.items() if k not in self.unset_env}
+        env.update(self.env_overrides)
+        env.update(reaper.marker_env())     # ownership: sweeps stop marked processes only
+        cores = set(self.cpu_affinity)
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+        self.proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=pin)
+        self.started_at = time.monotonic()
+        reaper.watch(self.pid, self.name)
+        self.remember_descendants()
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else -1
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    where = ""       # where it runs, for messages (", node 1 (10.77.0.3)" on other hosts)
+
+    def death_reason(self) -> str:
+        """How it ended, in words: `signal 9` or `exit code 1`."""
+        code = self.exit_code
+        return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+
+    def remember_descendants(self) -> None:
+        if not self.alive():
+            return
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            return
+        for p in procs:
+            try:
+                self.known[p.pid] = p.create_time()
+            except psutil.Error:
+                pass
+
+    def tree(self) -> list[psutil.Process]:
+        """Every live process of this worker: its session, plus remembered descendants."""
+        found: dict[int, psutil.Process] = {}
+        sid = self.pid
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if p.pid in self.known and p.create_time() == self.known[p.pid]:
+                    found[p.pid] = p
+                elif sid > 0 and os.getsid(p.pid) == sid:
+                    found[p.pid] = p
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                continue
+        return [p for p in found.values() if reaper.running(p)]
+
+    def signal_tree(self, sig: int) -> None:
+        if self.pid > 0:
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in self.tree():
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL the whole tree at once, no grace (the second Ctrl-C)."""
+        self.remember_descendants()
+        self.signal_tree(signal.SIGKILL)
+
+    def stop(self, grace: float = 15.0) -> StopReport:
+        t0 = time.monotonic()
+        self.remember_descendants()
+        escalated = False
+        if self.tree():
+            self.signal_tree(signal.SIGCONT)   # a SIGSTOPped worker cannot handle SIGTERM
+            self.signal_tree(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and self.tree():
+                self._reap()
+                time.sleep(0.1)
+            if self.tree():
+                escalated = True
+                self.signal_tree(signal.SIGKILL)
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and self.tree():
+                    self._reap()
+                    time.sleep(0.05)
+        self._reap(wait=2.0)
+        survivors = [_describe(p) for p in self.tree()]
+        if not survivors:      # survivors stay with the guardian, which stops them at exit
+            reaper.forget(self.pid)
+        if self._log:
+            self._log.close()
+            self._log = None
+        return StopReport(self.name, self.pid, self.exit_code, escalated,
+                          time.monotonic() - t0, survivors)
+
+    def _reap(self, wait: float = 0.0) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=wait) if wait else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            pass
+
+    # -- logs -----------------------------------------------------------------------------
+    def log_text(self, max_bytes: int = 2_000_000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                size = f.seek(0, 2)
+                f.seek(max(0, size - max_bytes))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text(200_000).splitlines()[-n:])
+
+    def failure_summary(self) -> str:
+        """Role, argv, exit code, the first recognisable error line and the log tail."""
+        text = self.log_text()
+        hit = classify_log(text)
+        code = self.exit_code
+        code_s = f"exit code {code}" + (f" (signal {-code})" if code is not None and code < 0 else "")
+        head = f"{self.name} exited while starting ({code_s})"
+        if hit:
+            head += f": [{hit[0]}] {hit[1]}"
+        details = [f"argv: {' '.join(self.argv)}", f"log: {self.log_path}"]
+        tb = last_traceback(text)
+        if tb:
+            details.append("last traceback:\n" + tb)
+        details.append("log tail:\n" + self.log_tail(25))
+        return head + "\n" + "\n".join(details)
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return f"pid {p.pid} {' '.join(p.cmdline())[:160]}"
+    except psutil.Error:
+        return f"pid {p.pid}"

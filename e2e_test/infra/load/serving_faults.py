@@ -1,0 +1,510 @@
+"""Serving faults through the gateway: abandoned requests, a lost leg, a restarted worker.
+
+Library functions (no pytest) used by e2e_test/router/test_serving_faults.py:
+
+- `cancel_mid_stream`, `cancel_during_prefill`, `cancel_during_decode`: one request through
+  the gateway that the client abandons at a chosen moment; then the time until every role is
+  idle again (`Cluster.wait_idle`: no running / waiting request, KV blocks freed, nothing in
+  flight at the gateway) and whether the next requests answer.
+- `hold_stream`: a stream held open (the negative control of idle verification).
+- `leg_loss`: SIGKILL every worker of a role while streams flow; every request in flight must
+  end with an error within a bound, none may hang.
+- `selections`: smg's per-worker selection counters, to see a restarted worker take traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from ..cluster import idle
+from ..errors import HarnessError
+from ..verdicts.proof import long_unique_prompt
+from . import load
+
+CHAT = "/v1/chat/completions"
+
+
+def _body(cluster, content: str, max_tokens: int, stream: bool) -> dict:
+    body = {"model": cluster.model_name, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "messages": [{"role": "user", "content": content}]}
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def max_new_tokens(cluster, prompt_tokens_estimate: int = 64) -> int:
+    """As many tokens as the model's context leaves: a request that would run for minutes
+    unless the abort reaches the engine."""
+    limit = cluster.spec.max_model_len or 4096
+    return max(256, limit - prompt_tokens_estimate - 64)
+
+
+@dataclass
+class CancelCase:
+    case: str
+    topology: str
+    max_tokens: int
+    prompt_words: int
+    chunks_before_cancel: int = 0
+    seconds_before_cancel: float = 0.0
+    first_token_s: float | None = None
+    running_at_cancel: dict = field(default_factory=dict)   # role -> its load before the cancel
+    idle_after_cancel_s: float | None = None
+    # Seconds of decoding the request still had before it (max_tokens at the decode rate the
+    # client saw); None when the client saw no tokens to measure a rate from.
+    remaining_s: float | None = None
+    next_requests_ok: int = 0
+    next_requests: int = 0
+    idle: dict = field(default_factory=dict)
+    # Diagnostics of the client's own timing: when the response headers came (smg sends them
+    # with the first token in PD), and the longest the client's loop went unscheduled.
+    headers_s: float | None = None
+    loop_gap_max_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _running(cluster) -> dict[str, float]:
+    return {x.name: x.running for x in idle.snapshot(cluster, gateway=False)
+            if x.running is not None}
+
+
+def read_loads(cluster) -> dict[str, dict]:
+    return {x.name: {"running": x.running, "waiting": x.waiting,
+                     "kv_cache_usage": x.kv_cache_usage, "in_flight": x.active}
+            for x in idle.snapshot(cluster)}
+
+
+async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
+                            case: CancelCase, timeout: float) -> None:
+    """Stream one request; leave (closing the connection) as soon as `stop_when(chunks,
+    elapsed)` is true, checked on every chunk and every 50 ms."""
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=cluster.gateway_url, timeout=timeout) as client:
+        async def consume():
+            async with client.stream("POST", CHAT, json=_body(cluster, content, max_tokens,
+                                                              True)) as r:
+                case.headers_s = round(time.monotonic() - t0, 3)
+                if r.status_code != 200:
+                    raise HarnessError(f"{case.case}: HTTP {r.status_code} before the cancel: "
+                                       f"{(await r.aread())[:300]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        raise HarnessError(f"{case.case}: error chunk before the cancel: "
+                                           f"{json.dumps(chunk['error'])[:300]}")
+                    if any(load.extract_text(c) for c in chunk.get("choices") or []):
+                        case.chunks_before_cancel += 1
+                        if case.first_token_s is None:
+                            case.first_token_s = round(time.monotonic() - t0, 3)
+            raise HarnessError(f"{case.case}: the stream ended before the cancel "
+                               f"({case.chunks_before_cancel} chunks)")
+
+        task = asyncio.ensure_future(consume())
+        last = time.monotonic()
+        while not task.done():
+            now = time.monotonic()
+            case.loop_gap_max_s = round(max(case.loop_gap_max_s, now - last), 3)
+            last = now
+            if stop_when(case.chunks_before_cancel, now - t0):
+                break
+            await asyncio.sleep(0.05)
+        if task.done():
+            task.result()          # raises what went wrong
+        return await drop(cluster, task, case, t0)
+
+
+async def _post_then_drop(cluster, content: str, max_tokens: int, stop_when,
+                          case: CancelCase, timeout: float) -> None:
+    """A non-streaming request the client abandons when `stop_when(running, elapsed)`."""
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=cluster.gateway_url, timeout=timeout) as client:
+        task = asyncio.ensure_future(client.post(CHAT, json=_body(cluster, content, max_tokens,
+                                                                  False)))
+        while not task.done():
+            running = await asyncio.to_thread(_running, cluster)
+            if stop_when(running, time.monotonic() - t0):
+                break
+            await asyncio.sleep(0.1)
+        if task.done():
+            r = task.result()
+            raise HarnessError(f"{case.case}: the request finished (HTTP {r.status_code}) "
+                               "before the cancel")
+        return await drop(cluster, task, case, t0)
+
+
+async def drop(cluster, task, case: CancelCase, t0: float) -> float:
+    """Leave now: cancel the request's task (closing its connection) at once, and scrape what
+    every role holds alongside, not before: a scrape of busy workers takes seconds on a loaded
+    machine, and a cancel that waits for it is late (on 2 CPU cores the first token of a 1p1d
+    prefill once came 2.8 s after the cancel was due, while the scrape ran). Returns the
+    monotonic time of the cancel."""
+    loads = asyncio.ensure_future(asyncio.to_thread(read_loads, cluster))
+    t_cancel = time.monotonic()
+    case.seconds_before_cancel = round(t_cancel - t0, 3)
+    task.cancel()              # closes the response and its connection; no chunk counts after
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    case.running_at_cancel = await loads
+    return t_cancel
+
+
+def _after(cluster, case: CancelCase, t_cancel: float, bound_s: float,
+           next_n: int) -> CancelCase:
+    rep = cluster.wait_idle(timeout=bound_s)
+    case.idle_after_cancel_s = round(time.monotonic() - t_cancel, 3)
+    case.idle = rep.to_dict()
+    if case.chunks_before_cancel >= 2 and case.first_token_s is not None:
+        rate = (case.chunks_before_cancel - 1) / max(
+            1e-3, case.seconds_before_cancel - case.first_token_s)
+        case.remaining_s = round((case.max_tokens - case.chunks_before_cancel) / rate, 1)
+    case.next_requests = next_n
+    for i in range(next_n):
+        r = cluster.chat(f"Request {i} after {case.case}: say OK.", max_tokens=8)
+        if r.get("choices") and r["choices"][0]["message"].get("content"):
+            case.next_requests_ok += 1
+    return case
+
+
+def cancel_mid_stream(cluster, chunks: int = 8, bound_s: float = 30.0, next_n: int = 2,
+                      timeout: float = 120.0) -> CancelCase:
+    """A streaming client that disconnects after `chunks` content chunks."""
+    mt = max_new_tokens(cluster)
+    case = CancelCase("cancel mid-stream", cluster.topology.name, mt, 8)
+    t_cancel = asyncio.run(_stream_then_drop(cluster, "Tell me a very long story about the sea.",
+                                             mt, lambda n, _t: n >= chunks, case, timeout))
+    return _after(cluster, case, t_cancel, bound_s, next_n)
+
+
+def natural_end_s(first_token_s: float, cancel_at_s: float, max_tokens: int,
+                  tokens_per_s: float) -> float:
+    """Seconds from the cancel until a request would have ended by itself: the rest of its
+    prefill plus `max_tokens` at the measured decode rate (ignore_eos: no early stop). Pure."""
+    if tokens_per_s <= 0:
+        raise HarnessError("no decode rate measured: the request's natural end is unknown")
+    return max(0.0, first_token_s - cancel_at_s) + max_tokens / tokens_per_s
+
+
+def cancel_problems(case: CancelCase, bound_s: float) -> list[str]:
+    """What a cancel case shows that an abort reaching the engines would not. Idle within
+    `bound_s`, the next requests answered, and, where the request had a natural end
+    (`remaining_s`: cancel mid-stream, cancel during prefill), idle before it: a request that
+    ran to its end inside a generous bound proves nothing about the cancel. The prefill case
+    must know its natural end. Pure (tests/test_cancel_timing.py)."""
+    out = []
+    if case.idle_after_cancel_s is None or case.idle_after_cancel_s > bound_s:
+        out.append(f"{case.case}: not idle within {bound_s} s of the cancel "
+                   f"({case.idle_after_cancel_s} s)")
+    if case.next_requests_ok != case.next_requests:
+        out.append(f"{case.case}: {case.next_requests_ok}/{case.next_requests} next requests "
+                   "answered")
+    if case.remaining_s is None:
+        if case.case == "cancel during prefill":
+            out.append(f"{case.case}: the request's natural end is unknown (no decode rate), "
+                       "so idle cannot be told from a request that ran to its end")
+    elif case.idle_after_cancel_s is not None and case.idle_after_cancel_s >= case.remaining_s:
+        out.append(f"{case.case}: idle {case.idle_after_cancel_s} s after the cancel, not "
+                   f"before the request's natural end ({case.remaining_s} s): the abort did "
+                   "not reach the engines")
+    return out
+
+
+def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.5,
+                          bound_s: float = 30.0, next_n: int = 2,
+                          timeout: float = 120.0, probe_chunks: int = 8) -> CancelCase:
+    """A request with a long prompt and as many new tokens as the context leaves
+    (ignore_eos: it would run for its whole max_tokens), abandoned at `fraction` of its own
+    measured time to first token, before any token came back. The time to first token and
+    the decode rate are measured first with another long prompt of the same length (each
+    prompt is unique: no prefix-cache hit); from them the request's natural end, which idle
+    must come well before (cancel_problems)."""
+    mt = max_new_tokens(cluster, prompt_tokens_estimate=2 * prompt_words + 32)
+    probe = CancelCase("prefill probe", cluster.topology.name, mt, prompt_words)
+    asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
+                                  lambda n, _t: n >= probe_chunks, probe, timeout))
+    ttft = probe.first_token_s
+    rate = ((probe.chunks_before_cancel - 1)
+            / max(1e-3, probe.seconds_before_cancel - (ttft or 0.0))
+            if probe.chunks_before_cancel >= 2 and ttft is not None else 0.0)
+    cluster.wait_idle(timeout=bound_s)
+    case = CancelCase("cancel during prefill", cluster.topology.name, mt, prompt_words)
+    delay = max(0.05, fraction * ttft)
+    t_cancel = asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
+                                             lambda n, t: n > 0 or t >= delay, case, timeout))
+    if case.chunks_before_cancel:
+        raise HarnessError(f"cancel during prefill: a token came back after "
+                           f"{case.first_token_s} s, before the cancel at "
+                           f"{case.seconds_before_cancel} s (due at {delay:.2f} s; probe time "
+                           f"to first token {ttft} s; response headers at {case.headers_s} s, "
+                           f"client loop unscheduled for up to {case.loop_gap_max_s} s): the "
+                           "prompt is too short on this machine")
+    case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
+    case = _after(cluster, case, t_cancel, bound_s, next_n)
+    if rate > 0:
+        case.remaining_s = round(natural_end_s(ttft, case.seconds_before_cancel, mt, rate), 1)
+    return case
+
+
+def cancel_during_decode(cluster, after_running_s: float = 1.5, bound_s: float = 30.0,
+                         next_n: int = 2, timeout: float = 300.0) -> CancelCase:
+    """A non-streaming request, abandoned once a decoding worker has run it for
+    `after_running_s` (in PD: the decode worker reports it running)."""
+    mt = max_new_tokens(cluster)
+    case = CancelCase("cancel during decode", cluster.topology.name, mt, 8)
+    decoders = {w.name for w in (cluster.role("decode") or cluster.workers)}
+    seen = {}
+
+    def stop_when(running, t):
+        if any(running.get(n, 0) >= 1 for n in decoders):
+            seen.setdefault("t", t)
+        return "t" in seen and t - seen["t"] >= after_running_s
+
+    t_cancel = asyncio.run(_post_then_drop(cluster, "Tell me a very long story about the "
+                                           "mountains.", mt, stop_when, case, timeout))
+    return _after(cluster, case, t_cancel, bound_s, next_n)
+
+
+@contextlib.contextmanager
+def hold_stream(cluster, max_tokens: int | None = None, chunks: int = 2):
+    """A stream that stays open (read `chunks` chunks, then keep the connection) until the
+    block ends; the request keeps running on the workers meanwhile."""
+    mt = max_tokens or max_new_tokens(cluster)
+    client = httpx.Client(base_url=cluster.gateway_url, timeout=120.0)
+    cm = client.stream("POST", CHAT, json=_body(cluster, "Count slowly to ten thousand.", mt,
+                                                True))
+    try:
+        r = cm.__enter__()
+        if r.status_code != 200:
+            raise HarnessError(f"hold_stream: HTTP {r.status_code}: {r.read()[:300]!r}")
+        got = 0
+        # Keep the line iterator referenced: a dropped generator is closed, and closing it
+        # closes the response, which would cancel the request this is meant to hold.
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                got += 1
+                if got >= chunks:
+                    break
+        yield r
+        del lines
+    finally:
+        with contextlib.suppress(Exception):
+            cm.__exit__(None, None, None)
+        client.close()
+
+
+# -- leg loss ---------------------------------------------------------------------------------
+
+@dataclass
+class LegLoss:
+    role: str
+    killed: list[str]
+    requests: int
+    errors: int = 0
+    ok: int = 0
+    in_flight_at_kill: int = 0          # errors that ended after the kill
+    past_prefill_at_kill: int = 0       # first token seen before the kill
+    errors_before_first_token: int = 0  # errors of requests still in prefill at the kill
+    silent_errors: int = 0              # errors without a message
+    max_end_after_kill_s: float | None = None
+    error_after_kill_s: dict = field(default_factory=dict)   # percentiles of end - kill
+    max_error_after_kill_s: float | None = None
+    status_counts: dict = field(default_factory=dict)
+    first_errors: list[str] = field(default_factory=list)
+    dead: str | None = None
+    frozen_first: bool = False          # the role was SIGSTOPped before traffic (see leg_loss)
+    after_kill_request: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def signal_role(cluster, role: str, sig: int) -> list[str]:
+    """Send `sig` to every process of every worker of `role` (API server and engine
+    children); the workers' names."""
+    names = []
+    for w in cluster.role(role):
+        w.process.remember_descendants()
+        w.process.signal_tree(sig)
+        names.append(w.name)
+    if not names:
+        raise HarnessError(f"topology {cluster.topology.name} has no {role} workers")
+    return names
+
+
+def kill_role(cluster, role: str) -> list[str]:
+    """SIGKILL every process of every worker of `role`."""
+    return signal_role(cluster, role, signal.SIGKILL)
+
+
+def freeze_role(cluster, role: str) -> list[str]:
+    """SIGSTOP every process of every worker of `role`: it accepts connections (the kernel
+    does) but answers nothing, so whatever reaches it stays there until it is killed."""
+    return signal_role(cluster, role, signal.SIGSTOP)
+
+
+def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s: float = 3.0,
+             prompt_words: int = 0, hang_s: float = 120.0, freeze_first: bool = False) -> LegLoss:
+    """Stream `n` requests, SIGKILL every `role` worker `kill_after_s` into the run, and see
+    how each request ends (the client gives up only after `hang_s`). `prompt_words` > 0 sends
+    long unique prompts. `freeze_first` SIGSTOPs the role before the requests start, so that
+    every request is still waiting on that leg at the kill whatever the hardware's speed (on
+    an H200 a prefill is over in milliseconds, before any kill can land)."""
+    def content(i):
+        return (long_unique_prompt(prompt_words, seed=i) if prompt_words
+                else f"Request {i}: tell me a long story.")
+
+    reqs = [load.Request(CHAT, _body(cluster, content(i), max_tokens, False), tag=i)
+            for i in range(n)]
+    box: dict = {}
+
+    def drive():
+        box["t_run"] = time.monotonic()
+        box["report"] = load.run(cluster.gateway_url, reqs, concurrency=n, stream=True,
+                                 timeout=hang_s)
+
+    if freeze_first:
+        freeze_role(cluster, role)
+    th = threading.Thread(target=drive, daemon=True)
+    th.start()
+    time.sleep(kill_after_s)
+    t_kill = time.monotonic()
+    killed = kill_role(cluster, role)
+    th.join(hang_s + 30)
+    if th.is_alive():
+        raise HarnessError(f"leg loss ({role}): requests still open {hang_s + 30:.0f} s after "
+                           f"killing {', '.join(killed)}")
+    rep: load.RunReport = box["report"]
+    res = LegLoss(role, killed, n, status_counts=rep.status_counts(), frozen_first=freeze_first)
+    kill_rel = t_kill - box["t_run"]
+    ends, all_ends = [], []
+    for r in rep.results:
+        end = r.start_s + r.latency_s
+        all_ends.append(end - kill_rel)
+        if r.ttft_s is not None and r.start_s + r.ttft_s < kill_rel:
+            res.past_prefill_at_kill += 1
+        if r.ok:
+            res.ok += 1
+            continue
+        res.errors += 1
+        if end >= kill_rel:
+            res.in_flight_at_kill += 1
+            ends.append(end - kill_rel)
+        if not r.error.strip():
+            res.silent_errors += 1
+        if len(res.first_errors) < 3:
+            res.first_errors.append(f"status {r.status}: {r.error[:200]}")
+        if r.ttft_s is None or r.start_s + r.ttft_s >= kill_rel:
+            res.errors_before_first_token += 1
+    res.error_after_kill_s = load.percentiles(ends)
+    res.max_error_after_kill_s = round(max(ends), 3) if ends else None
+    res.max_end_after_kill_s = round(max(all_ends), 3) if all_ends else None
+    time.sleep(0.5)
+    res.dead = cluster.dead_processes()
+    res.after_kill_request = watched_request(cluster, _body(cluster, "Say OK.", 4, False),
+                                             timeout=hang_s)
+    return res
+
+
+def leg_loss_problems(loss: LegLoss, bound_s: float) -> list[str]:
+    """What a leg loss did wrong, one line each (empty: it behaved). The rules:
+    - none hangs: every request ended, ok or not, within `bound_s` of the kill;
+    - decode lost: every request streams from it, so all of them fail;
+    - prefill lost: it was frozen before the requests started (`freeze_first`), so every one
+      was waiting on it at the kill: all fail, none after a first token;
+    - no error without a message; the harness names every killed worker as dead;
+    - the next request after the kill is an error (never a 200) within `bound_s`."""
+    out = []
+    if loss.max_end_after_kill_s is None or loss.max_end_after_kill_s > bound_s:
+        out.append(f"a request was still open {loss.max_end_after_kill_s} s after the kill "
+                   f"(bound {bound_s} s)")
+    if loss.role == "decode":
+        if loss.ok or loss.in_flight_at_kill != loss.requests:
+            out.append(f"decode lost, yet {loss.ok}/{loss.requests} answered and "
+                       f"{loss.in_flight_at_kill} were in flight at the kill")
+    elif not loss.frozen_first:
+        out.append("prefill lost mid-traffic: whether a request still needed it is unknown "
+                   "(freeze_first=True makes every request wait on it)")
+    elif loss.ok or loss.errors_before_first_token != loss.requests:
+        out.append(f"prefill lost with every request waiting on it, yet {loss.ok}/"
+                   f"{loss.requests} answered and {loss.errors_before_first_token} failed "
+                   f"before a first token")
+    if loss.silent_errors:
+        out.append(f"{loss.silent_errors} error(s) without a message")
+    if not loss.dead or not all(f"{n} " in loss.dead for n in loss.killed):
+        out.append(f"the harness did not name {', '.join(loss.killed)} as dead: {loss.dead}")
+    after = loss.after_kill_request
+    if after.get("status") == 200:
+        out.append("the next request after the kill answered 200")
+    elif after.get("seconds") is None or after["seconds"] > bound_s:
+        out.append(f"the next request after the kill took {after.get('seconds')} s to fail "
+                   f"(bound {bound_s} s; gateway transport errors meanwhile: "
+                   f"{after.get('gateway_transport_errors')}; workers: {after.get('workers')})")
+    return out
+
+
+def watched_request(cluster, body: dict, timeout: float) -> dict:
+    """One request through the gateway, with where its time went: the gateway's log lines
+    written meanwhile that name a transport error (one per attempt: smg retries a PD pair on
+    one), and, per live worker, the tokens it processed and the seconds it had requests
+    running or waiting (its idle gauges, polled every 0.25 s). So a slow answer says whether
+    an engine was busy or the wait was elsewhere."""
+    gauges = idle.gauges_of(cluster) or {}
+    live = [w for w in cluster.workers if w.process is not None and w.process.alive()]
+    log0 = len(cluster.gateway.log_text(50_000_000)) if cluster.gateway else 0
+    work0 = {w.name: cluster.worker_work(w) for w in live}
+    busy = {w.name: 0.0 for w in live}
+    stop = threading.Event()
+
+    def poll():
+        last = time.monotonic()
+        while not stop.wait(0.25):
+            now = time.monotonic()
+            for w in live:
+                ld = idle.worker_load(w, gauges, timeout=1.0) if gauges else None
+                if ld is not None and not ld.error and ((ld.running or 0) + (ld.waiting or 0)) > 0:
+                    busy[w.name] += now - last
+            last = now
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    try:
+        r = cluster.client.post(CHAT, json=body, timeout=timeout)
+        out = {"status": r.status_code, "body": r.text[:300]}
+    except httpx.HTTPError as e:
+        out = {"status": None, "body": f"{type(e).__name__}: {e}"[:300]}
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    stop.set()
+    th.join(5)
+    text = cluster.gateway.log_text(50_000_000)[log0:] if cluster.gateway else ""
+    out["gateway_transport_errors"] = sum("transport error" in ln for ln in text.splitlines())
+    out["workers"] = {w.name: {"tokens": _delta(work0[w.name], cluster.worker_work(w)),
+                               "busy_s": round(busy[w.name], 2)} for w in live}
+    return out
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(b - a, 1)
+
+
+def selections(cluster) -> dict[str, float]:
+    """smg_worker_selection_total by worker_type (smg 1.13 labels it with connection_mode,
+    model, policy and worker_type: not with the worker's URL)."""
+    out: dict[str, float] = {}
+    for (name, labels), v in cluster.gateway_metrics().items():
+        if name == "smg_worker_selection_total":
+            key = dict(labels).get("worker_type", "?")
+            out[key] = out.get(key, 0.0) + v
+    return out
