@@ -14,6 +14,7 @@ from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.specs.model_specs import get_spec
 from e2e_test.infra.specs.plan import plan_cpu
 from e2e_test.infra.specs.topology import parse
+from e2e_test.infra.verdicts import oracle
 
 torch = pytest.importorskip("torch")
 
@@ -188,3 +189,26 @@ def test_on_the_decode_only():
         pd_commands(EngineOptions(state_dir="/s", engine_opts={"kv_corrupt": "zap"}))
     with pytest.raises(ConfigError):
         pd_commands(EngineOptions(engine_opts={"kv_corrupt": "zero_layer"}))      # no state folder
+
+
+def _pass(n, answered=True):
+    out = oracle.Pass()
+    for i in range(n):
+        out[i] = ([oracle.Step(" a", -0.1, {" a": -0.1, " b": -2.5})] if answered else None)
+    return out
+
+
+def test_a_kind_only_recorded_may_leave_nothing_answered_the_others_may_not():
+    """The CI run of d322f90: bitflip:0.1 made every recall request an HTTP error, and the
+    recorded-only case raised 'no item answered'. For such a kind that is recorded as request
+    errors; for `none` and the asserted kinds it stays an error (a verdict over nothing)."""
+    from e2e_test.router.test_kv_corrupt import _judged
+    control = oracle.ControlArm([oracle.compare("recall", "1", "1 second", _pass(4), _pass(4))])
+    v, counts = _judged("recall", "1", "1p1d", _pass(4), _pass(4, answered=False), control,
+                        recorded_only=True)
+    assert v is None and counts["error"] == 4
+    with pytest.raises(oracle.NoEvidenceError, match="no item answered"):
+        _judged("recall", "1", "1p1d", _pass(4), _pass(4, answered=False), control,
+                recorded_only=False)
+    v, counts = _judged("recall", "1", "1p1d", _pass(4), _pass(4), control, recorded_only=True)
+    assert v.ok and counts["identical"] == 4

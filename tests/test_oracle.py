@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from e2e_test.infra.stats import wilson_upper
+from e2e_test.infra.stats import excess_budget, fisher_greater, wilson_upper
 from e2e_test.infra.verdicts import oracle
 from e2e_test.infra.verdicts.oracle import Step, compare_item
 
@@ -160,8 +160,35 @@ def test_budget_comes_from_the_control_arm():
     quiet = oracle.ControlArm([_cmp(["identical"] * 32), _cmp(["identical"] * 32)])
     noisy = oracle.ControlArm([_cmp(["numerics"] * 4 + ["identical"] * 12)])
     assert quiet.budget(32) < noisy.budget(32)
-    assert quiet.budget(32) == math.ceil(32 * wilson_upper(0, 64))
+    assert quiet.budget(32) == excess_budget(32, 0, 64, oracle.ALPHA)
     assert wilson_upper(0, 64) < 0.1 < wilson_upper(4, 16)
+
+
+def test_budget_is_a_tail_over_both_samples_and_still_fails_an_excess():
+    """The CI case of 2026-12-02: 4 numerics of 8 against a control arm of 12/64 is what a
+    healthy candidate does 7 % of the time (Fisher p = 0.067): within the budget. The old
+    budget (8 x the control rate's 99 % upper bound = 3) failed it. An excess still fails:
+    every item numerics at n = 8, and at n = 32 a rate three times the control's."""
+    arm = oracle.ControlArm([_cmp(["numerics"] * 6 + ["identical"] * 26),
+                             _cmp(["numerics"] * 6 + ["identical"] * 26)])
+    assert math.ceil(8 * wilson_upper(12, 64) - 1e-9) == 3        # the rule it replaces
+    assert fisher_greater(4, 8, 12, 64) == pytest.approx(0.067, abs=0.001)
+    assert arm.budget(8) >= 4
+    assert arm.budget(8) < 8 and arm.budget(32) < 18
+    assert fisher_greater(arm.budget(32) + 1, 32, 12, 64) <= oracle.ALPHA
+    assert fisher_greater(arm.budget(32), 32, 12, 64) > oracle.ALPHA
+    # a quiet control arm leaves little room: 0/64 allows a handful of 32, never a third
+    assert excess_budget(32, 0, 64, oracle.ALPHA) <= 5
+
+
+def test_fisher_greater_matches_its_definition():
+    # symmetric case and the edges: nothing seen is p = 1; all seen when the reference saw none
+    assert fisher_greater(0, 8, 3, 8) == 1.0
+    assert fisher_greater(8, 8, 0, 8) == pytest.approx(1 / math.comb(16, 8))
+    # direct hypergeometric sum for a middle case
+    k, n, K, N = 3, 10, 2, 20
+    want = sum(math.comb(5, x) * math.comb(25, 10 - x) for x in range(3, 6)) / math.comb(30, 10)
+    assert fisher_greater(k, n, K, N) == pytest.approx(want)
 
 
 def test_judge_fails_on_mismatch_numerics_over_budget_and_bad_control():

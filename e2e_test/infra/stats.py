@@ -46,3 +46,25 @@ def derived_floor(k: int, N: int, n: int, alpha: float = 0.01) -> float:
     while q < n and binom_cdf(q, n, p) <= alpha:      # P[X < q+1] = cdf(q) <= alpha
         q += 1
     return q / n
+
+
+def fisher_greater(k: int, n: int, K: int, N: int) -> float:
+    """One-sided Fisher exact test: the p-value of k of n against K of N under equal rates,
+    for the alternative that the first rate is larger (hypergeometric P[X >= k] with k + K
+    successes among n + N, n drawn)."""
+    t, tot = k + K, n + N
+    if n <= 0 or k <= 0:
+        return 1.0
+    return sum(math.comb(t, x) * math.comb(tot - t, n - x)
+               for x in range(k, min(t, n) + 1)) / math.comb(tot, n)
+
+
+def excess_budget(n: int, K: int, N: int, alpha: float) -> int:
+    """The most events among n that the one-sided Fisher exact test at `alpha` still holds
+    consistent with a reference of K events in N (the largest b with p(b) > alpha): a count
+    above it says the rate is larger than the reference's, at a false-alarm rate <= alpha
+    whatever the common rate. Both samples' spread counts, not only the reference's."""
+    b = 0
+    while b < n and fisher_greater(b + 1, n, K, N) > alpha:
+        b += 1
+    return b

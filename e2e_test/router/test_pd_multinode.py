@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 
 import psutil
 import pytest
@@ -136,7 +137,11 @@ def test_pd_across_two_nodes(request, own_cluster, record, engine_name, oracle_s
                 msg2, detected2 = _kill_mid_burst(
                     c2, lambda: os.kill(raylet, signal.SIGKILL), "kill-raylet-b")
             finally:
-                rep2 = c2.stop(verify_strict=False)
+                # The lost node's "not verified" is this case's expected outcome (asserted
+                # below): kept here, not left as a session warning that reads as a leak.
+                with warnings.catch_warnings(record=True):
+                    warnings.simplefilter("always")
+                    rep2 = c2.stop(verify_strict=False)
             record["kill_raylet_detail"] = {"message": msg2.splitlines()[0],
                                             "detected_s": round(detected2, 2),
                                             "teardown": rep2.to_dict()}

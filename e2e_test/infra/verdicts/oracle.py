@@ -34,8 +34,9 @@ whatever the greedy token.
 
 A comparison fails on any mismatch, and on more numerics than the budget that the *control
 arm* allows: the baseline against itself in the same run (a second concurrent pass, a serial
-pass). The budget is the one-sided 99 % Wilson upper bound of the control arm's numerics rate,
-times the number of items compared; every item must be compared (a request error is a failed
+pass). The budget is the most numerics that a one-sided Fisher exact test at ALPHA holds
+consistent with the control arm's numerics count (more says the candidate's near-tie rate is
+larger than the control's); every item must be compared (a request error is a failed
 verdict, not an item left out). No tolerance is set by hand.
 """
 
@@ -45,10 +46,11 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import HarnessError
-from ..stats import wilson_upper
+from ..stats import excess_budget, wilson_upper
 
 # The false-alarm rate of each noise test against the control arm (the per-item tail bound of
-# all m items of a comparison together, and the rank test of its first-step deltas). On the
+# all m items of a comparison together, the numerics budget's Fisher test, and the rank test
+# of its first-step deltas, the last recorded only). On the
 # recorded H200 runs a healthy 1p1d's MMLU first-step deltas against the control gave p = 0.011
 # and 0.012 (PD recomputes the last prompt token in another batch shape), the two control
 # passes against each other p = 0.03 at worst: 0.001 keeps those apart from a real change
@@ -622,12 +624,17 @@ class ControlArm:
         k, n = self.numerics()
         return wilson_upper(k, n)
 
-    def budget(self, n_items: int) -> int:
-        """Numerics allowed in a comparison of n_items, from the control arm's noise."""
+    def budget(self, n_items: int, alpha: float = ALPHA) -> int:
+        """Numerics allowed in a comparison of n_items, from the control arm's noise: the most
+        that a one-sided Fisher exact test at `alpha` holds consistent with the control arm's
+        k of n (stats.excess_budget). Until 2026-12-02 it was n_items times the control rate's
+        99 % upper bound: the expected count at that rate, not a tail, so a healthy candidate
+        went over it 1-4 % of the time per comparison (one CI run: 4 numerics of 8 against
+        12/64, budget 3; Fisher p = 0.067)."""
         k, n = self.numerics()
         if n == 0:
             return 0
-        return math.ceil(n_items * wilson_upper(k, n) - 1e-9)
+        return excess_budget(n_items, k, n, alpha)
 
     def problems(self) -> list[str]:
         """A control arm with a mismatch (under its own bounds, where it has any noise) or a
@@ -704,7 +711,7 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA) -> 
     arm = control.classified(control.thresholds(max(c.compared for c in control.comparisons),
                                                 alpha))
     cmp = comparison.classified(th)
-    budget = arm.budget(n)
+    budget = arm.budget(n, alpha)
     c = cmp.counts()
     line = (cmp.line() + f" (numerics budget {budget} from the control arm; first-step bound "
             f"{th.first_step_max:.3f}, near-tie gap bound {th.gap_max:.3f} nats)")
