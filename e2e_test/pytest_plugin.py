@@ -315,9 +315,11 @@ class ClusterPool:
                                        "E2E_BOOT_SCHEDULE=together")
         gpus = sorted({g for _, p in keyed for g in p.devices}) if backend == "cuda" else []
         free = devices.gpu_free_share(gpus) if backend == "cuda" else None
-        alone = {k: why for k in keys
-                 if (why := for_topology(k[0], topologies.parse(k[1])).boots_beside_others)}
-        return coboot.schedule(keyed, backend, free, cores, alone=alone)
+        spec = get_spec(self.config.getoption("--model"))
+        drivers = {k: for_topology(k[0], topologies.parse(k[1])) for k in keys}
+        alone = {k: why for k in keys if (why := drivers[k].alone_reason(spec))}
+        held = {k: h for k, p in keyed if (h := drivers[k].held_share(p))}
+        return coboot.schedule(keyed, backend, free, cores, alone=alone, held=held)
 
     def _cobooted(self, key) -> bool:
         sched = self.boot_schedule()
@@ -365,7 +367,8 @@ class ClusterPool:
             self._start_wave(w)
         c, fut = self.boots[key]
         if c.stopped:      # stopped after a test broke it or leaked: a fresh one, beside the rest
-            c = _make_for_key(self.config, key, shared_devices=True)
+            c = _make_for_key(self.config, key, shared_devices=True,
+                              plan=self._wave_plan(key, w))
             state(self.config).clusters[c.name] = c
             fut = self._executor.submit(c.start)
             self.boots[key] = (c, fut)
@@ -382,6 +385,17 @@ class ClusterPool:
               f"{', '.join(coboot.key_name(k) for k in self.schedule.waves[w] if k != key)})")
         return c
 
+    def _wave_plan(self, key, w: int):
+        """The session's plan of `key`, as its engine takes it beside the rest of wave `w`
+        (Engine.beside: e.g. TokenSpeed's utilization is the wave's total share)."""
+        engine, topo, *_ = key
+        t = topologies.parse(topo)
+        backend = startup.resolve_backend(self.config.getoption("--backend"))
+        plan = reusable_plan(self.config, t, backend, engine)
+        if plan is None:
+            return None
+        return for_topology(engine, t).beside(plan, self.schedule.shares.get(w, {}))
+
     def _start_wave(self, w: int) -> None:
         """Every topology of wave `w` at once: constructed here (ports, plans), started each
         in a thread. Earlier waves are stopped first: the waves were packed to fit one by one."""
@@ -391,7 +405,7 @@ class ClusterPool:
         st = state(self.config)
         clusters = []
         for k in keys:
-            c = _make_for_key(self.config, k, shared_devices=True)
+            c = _make_for_key(self.config, k, shared_devices=True, plan=self._wave_plan(k, w))
             st.clusters[c.name] = c
             clusters.append((k, c))
         gpus = tuple(sorted({g for _, c in clusters for g in

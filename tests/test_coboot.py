@@ -44,10 +44,18 @@ def test_the_cpu_lane_keeps_todays_order_and_says_why():
     assert "backend cpu" in s.reason and "68-74 %" in s.reason
 
 
-def test_the_registry_fractions_fill_an_h200_in_two_waves():
-    """SmolLM2 takes 0.2 of a GPU per worker: `1` (0.2) and 1p1d (0.4) fit together under
-    0.9; the window 1p1d (0.4 more) does not, so it waves."""
+def test_the_registry_fractions_boot_the_pd_lane_at_once_on_an_h200():
+    """SmolLM2 takes 0.1 of a GPU per worker (its KV pinned by kv_budget_tokens): `1`, 1p1d
+    and the window 1p1d (5 workers, 0.5) fit under 0.9 together."""
     s = coboot.schedule(pd_lane(), "cuda", {0: 1.0}, cores=16)
+    assert s.mode == "together" and s.waves == ((ONE, PD, WINDOW),)
+    assert s.shares == {0: {0: 0.5}}
+
+
+def test_shares_that_do_not_fit_at_once_wave():
+    """At 0.2 a worker (SmolLM2's share while vLLM sized its KV from it): `1` (0.2) and 1p1d
+    (0.4) fit together under 0.9; the window 1p1d (0.4 more) does not, so it waves."""
+    s = coboot.schedule(pd_lane(0.2), "cuda", {0: 1.0}, cores=16)
     assert s.mode == "waves"
     assert s.waves == ((ONE, PD), (WINDOW,))
     assert s.shares == {0: {0: 0.6}, 1: {0: 0.4}}
@@ -61,7 +69,7 @@ def test_small_shares_boot_every_topology_at_once():
 
 
 def test_memory_held_by_others_keeps_them_apart():
-    s = coboot.schedule(pd_lane(), "cuda", {0: 0.5}, cores=16)
+    s = coboot.schedule(pd_lane(0.2), "cuda", {0: 0.5}, cores=16)
     assert s.mode == "serial" and s.waves == ((ONE,), (PD,), (WINDOW,))
     assert "no two topologies fit at once" in s.reason and "GPU 0 0.50 free" in s.reason
 
@@ -105,7 +113,7 @@ def test_nothing_to_decide_is_serial_with_its_reason(keyed, free, why):
 
 
 def test_the_record_names_the_keys():
-    s = coboot.schedule(pd_lane(), "cuda", {0: 1.0}, cores=16)
+    s = coboot.schedule(pd_lane(0.2), "cuda", {0: 1.0}, cores=16)
     d = s.to_dict()
     assert d["waves"] == [["vllm/1", "vllm/1p1d"], ["vllm/1p1d[window]"]]
     assert d["mode"] == "waves" and d["reason"] == s.reason
@@ -120,6 +128,8 @@ def test_an_engine_that_sizes_from_free_memory_boots_alone_and_says_why():
     from e2e_test.infra.engines.tokenspeed import ENGINE as TS
     assert TS.boots_beside_others and "free memory" in TS.boots_beside_others
     assert for_topology("vllm", topologies.parse("1")).boots_beside_others is None
+    unbounded = replace(SPEC, kv_budget_tokens=None)
+    assert TS.alone_reason(unbounded) == TS.boots_beside_others
     lane = [(("tokenspeed",) + k[1:], p) for k, p in pd_lane(0.05)]
     alone = {k: TS.boots_beside_others for k, _ in lane}
     s = coboot.schedule(lane, "cuda", {0: 1.0}, cores=16, alone=alone)
@@ -130,3 +140,43 @@ def test_an_engine_that_sizes_from_free_memory_boots_alone_and_says_why():
     s = coboot.schedule(mixed, "cuda", {0: 1.0}, cores=16,
                         alone={("tokenspeed", "1"): TS.boots_beside_others})
     assert s.waves == ((ONE, PD, WINDOW), (("tokenspeed", "1"),)) and s.mode == "waves"
+
+
+def test_vllm_boots_beside_others_only_with_its_kv_pinned():
+    """vLLM profiles device-wide memory to size its KV unless --kv-cache-memory-bytes pins it
+    (engines/vllm.py kv_cache_bytes): a model with kv_budget_tokens may co-boot, one without
+    boots alone and says why."""
+    vl = for_topology("vllm", topologies.parse("1"))
+    assert SPEC.kv_budget_tokens and vl.alone_reason(SPEC) is None
+    llama = get_spec("meta-llama/Llama-3.1-8B-Instruct")
+    assert not llama.kv_budget_tokens
+    assert "profiling device-wide memory" in vl.alone_reason(llama)
+
+
+def test_tokenspeed_with_its_pool_bounded_boots_beside_others_at_the_waves_share():
+    """With kv_budget_tokens (--max-total-tokens) a TokenSpeed worker holds about its share,
+    so it may co-boot; each of its workers then runs at the wave's total share on its device
+    (its pool budget is free_now - total x (1 - utilization): at least its own share whatever
+    the others hold), inside one topology as across topologies."""
+    from e2e_test.infra.engines.tokenspeed import ENGINE as TS
+    assert SPEC.kv_budget_tokens and TS.alone_reason(SPEC) is None
+    pd = placed("1p1d", engine="tokenspeed")
+    assert [e.mem_fraction for e in pd.entries] == [0.1, 0.2]      # packed_schedule
+    lane = [(("tokenspeed", "1"), placed("1", engine="tokenspeed")),
+            (("tokenspeed", "1p1d"), pd), (("tokenspeed", "1p1d", "window"), pd)]
+    # what 1p1d holds is its largest cumulative share (0.2), not their sum (0.3)
+    assert TS.held_share(pd) == {0: 0.2} and coboot.device_share(pd) == {0: 0.3}
+    s = coboot.schedule(lane, "cuda", {0: 1.0}, cores=16,
+                        alone={k: w for k, _ in lane if (w := TS.alone_reason(SPEC))},
+                        held={k: TS.held_share(p) for k, p in lane})
+    assert s.mode == "together" and s.shares == {0: {0: 0.5}}
+    got = TS.beside(pd, s.shares[0])
+    assert [e.mem_fraction for e in got.entries] == [0.5, 0.5]
+    assert TS.beside(pd, {}) is pd
+    # a worker on a device the wave does not share keeps its own
+    other = placed("1", devices=(1,), engine="tokenspeed")
+    assert TS.beside(other, {0: 0.7}).entries == other.entries
+    # vLLM's workers hold their own planned share (KV pinned): unchanged beside others
+    vl = placed("1p1d")
+    vdriver = for_topology("vllm", topologies.parse("1p1d"))
+    assert vdriver.beside(vl, {0: 0.5}) is vl and vdriver.held_share(vl) is None

@@ -79,15 +79,48 @@ def test_dp2_engine_gpu_worker():
     assert (cmd.worker_type, cmd.kv_connector) == ("regular", None)
 
 
-def test_gpu_tp_and_packed_fraction():
+def test_gpu_tp_and_packed_fraction(tmp_path):
     t, e = gpu_entries("1,tp=2", LLAMA, devices=(4, 5))
     cmd = vllm.build(LLAMA, t, e["worker-0"], Ports(api=1), "/m", CUDA)
     assert cmd.argv[cmd.argv.index("--tensor-parallel-size") + 1] == "2"
     assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "4,5"}
     t, e = gpu_entries("dp2", SMOL, devices=(0,))
-    cmd = vllm.build(SMOL, t, e["worker-1"], Ports(api=1), "/m", CUDA)
-    assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.2"
+    cmd = vllm.build(SMOL, t, e["worker-1"], Ports(api=1), smol_folder(tmp_path), CUDA)
+    assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.1"
     assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+# SmolLM2-135M's config.json, the fields the KV size reads.
+SMOL_CONFIG = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "hidden_size": 576, "torch_dtype": "bfloat16"}
+
+
+def smol_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMOL_CONFIG))
+    return str(tmp_path)
+
+
+def test_gpu_kv_cache_pinned_to_the_models_kv_budget(tmp_path):
+    """On a GPU the KV cache is kv_budget_tokens x the model's bytes per token, not what
+    profiling device-wide memory leaves (which counts other topologies' workers booting beside
+    it): 131072 x 23,040 B. A model without a budget is profiled as before; a budget whose
+    folder has no config.json is a one-line error before anything starts."""
+    t, e = gpu_entries("1", SMOL, devices=(0,))
+    cmd = vllm.build(SMOL, t, e["worker-0"], Ports(api=1), smol_folder(tmp_path), CUDA)
+    got = int(cmd.argv[cmd.argv.index("--kv-cache-memory-bytes") + 1])
+    assert got == 131072 * 30 * 2 * 3 * 64 * 2 == 3_019_898_880
+    t, e = gpu_entries("1", LLAMA, devices=(0,))
+    cmd = vllm.build(LLAMA, t, e["worker-0"], Ports(api=1), "/nonexistent", CUDA)
+    assert "--kv-cache-memory-bytes" not in cmd.argv
+    t, e = gpu_entries("1", SMOL, devices=(0,))
+    with pytest.raises(ConfigError, match=r"kv_budget_tokens 131072 needs the model's "
+                                          r"config.json .*/nope/config.json: FileNotFoundError"):
+        vllm.build(SMOL, t, e["worker-0"], Ports(api=1), "/nope", CUDA)
+    # the CPU backend sizes its KV by VLLM_CPU_KVCACHE_SPACE, never reads the folder
+    cpu_t, cpu_e = cpu_entries("1", cores=(0,))
+    assert "--kv-cache-memory-bytes" not in vllm.build(SMOL, cpu_t, cpu_e["worker-0"],
+                                                       Ports(api=1), "/nope",
+                                                       EngineOptions()).argv
 
 
 def test_max_num_seqs_enforce_eager_and_extra_args():

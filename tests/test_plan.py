@@ -9,7 +9,7 @@ from e2e_test.infra.specs.plan import make_plan, parse_device_list, plan_cpu, pl
 from e2e_test.infra.specs.topology import parse
 from e2e_test.infra.startup import resolve_devices
 
-SMALL = get_spec("SmolLM2-135M-Instruct")        # gpu_memory_fraction 0.2
+SMALL = get_spec("SmolLM2-135M-Instruct")        # gpu_memory_fraction 0.1
 LLAMA = get_spec("meta-llama/Llama-3.1-8B-Instruct")  # 0.85
 
 
@@ -70,7 +70,7 @@ def test_gpu_pd_spread_one_device_each():
     plan = plan_gpu(parse("1p1d"), SMALL, (0, 1))
     e = by_name(plan)
     assert e["prefill-0"].gpus == (0,) and e["decode-0"].gpus == (1,)
-    assert e["prefill-0"].mem_fraction == 0.2
+    assert e["prefill-0"].mem_fraction == 0.1
     assert not plan.packed and plan.devices == (0, 1) and plan.backend == "cuda"
 
 
@@ -119,9 +119,9 @@ def test_gpu_extra_devices_unused():
 def test_gpu_dp2_packed_on_one_device():
     plan = plan_gpu(parse("dp2"), SMALL, (0,))
     assert [e.gpus for e in plan.entries] == [(0,), (0,)]
-    assert [e.mem_fraction for e in plan.entries] == [0.2, 0.2]
+    assert [e.mem_fraction for e in plan.entries] == [0.1, 0.1]
     assert plan.packed
-    assert plan.notes == ("2 device(s) wanted, 1 available: packed by memory fraction 0.2",)
+    assert plan.notes == ("2 device(s) wanted, 1 available: packed by memory fraction 0.1",)
     assert "(packed)" in plan.describe()
 
 
@@ -195,7 +195,7 @@ def test_plan_to_dict_and_describe():
     assert d["topology"] == "1p1d" and d["entries"][1]["gpus"] == (1,)
     text = plan.describe()
     assert text.splitlines()[0] == "plan 1p1d on cuda devices 0,1"
-    assert "decode-0" in text and "gpu 1 mem 0.20" in text
+    assert "decode-0" in text and "gpu 1 mem 0.10" in text
     assert "cores 0" in plan_cpu(parse("1"), (0,)).describe()
 
 

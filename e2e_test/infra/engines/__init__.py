@@ -191,6 +191,22 @@ class Engine:
     # lane-level placement (coboot.py) then boots its topologies one at a time.
     boots_beside_others: str | None = None
 
+    def alone_reason(self, spec) -> str | None:
+        """Why this engine's workers must boot with no other topology beside them, serving
+        `spec` (None: they may); the default is the engine-wide boots_beside_others."""
+        return self.boots_beside_others
+
+    def held_share(self, plan) -> dict | None:
+        """The memory share its workers of `plan` hold on each device, where that is not the
+        sum of their planned fractions (coboot.device_share); None: that sum. Pure."""
+        return None
+
+    def beside(self, plan, device_shares: dict):
+        """The plan of one of its topologies booting beside others (coboot.py), where
+        `device_shares` (device -> share) is what the whole wave planned on each device. The
+        default: unchanged (a worker's memory is its own planned share). Pure."""
+        return plan
+
     def pd_proof(self, cluster, roles=None):
         """The proof that a PD topology's KV moved; returns a proof object (its to_dict() is
         the record's `pd_proof`). Raises HarnessError when the numbers do not show it.

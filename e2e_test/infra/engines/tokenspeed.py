@@ -241,6 +241,25 @@ def packed_schedule(entries, spec: ModelSpec | None = None) -> dict[str, tuple[i
     return out
 
 
+def beside(plan, device_shares: dict):
+    """The plan of a topology booting beside others (coboot.py), where `device_shares` is the
+    memory share that the whole wave planned on each device. Every worker on a shared device
+    gets that wave total as its --gpu-memory-utilization: TokenSpeed's pool budget is
+    free_now - total x (1 - utilization), and with every worker of the wave holding at most
+    its own planned share (the pool bounded by --max-total-tokens), free_now >= total x (1 -
+    W) + the worker's own share whatever the others have allocated yet, so the budget it sees
+    is at least its own share (W: the wave total). The cumulative shares of packed_schedule
+    are the same rule inside one topology. Pure."""
+    if not device_shares:
+        return plan
+    from dataclasses import replace
+    out = []
+    for e in plan.entries:
+        shared = [device_shares[g] for g in e.gpus if g in device_shares]
+        out.append(replace(e, mem_fraction=round(max(shared), 4)) if shared else e)
+    return replace(plan, entries=tuple(out))
+
+
 # -- PD on TokenSpeed -------------------------------------------------------------------------
 #
 # TokenSpeed's servicer serves no /metrics; with --enable-metrics its engine writes Prometheus
@@ -505,7 +524,7 @@ class TokenSpeedEngine(Engine):
     boots_beside_others = (
         "TokenSpeed sizes its KV pool from the device's free memory at start (free_now - total"
         " x (1 - utilization), packed_schedule), so another topology booting beside it would "
-        "change its budget; fractions cumulative across topologies are not measured yet")
+        "change its budget unless the model's kv_budget_tokens bounds the pool")
     # nothing moved: the gateway dispatched nothing to a prefill/decode (or encode) worker
     proof_misses = {"pd": r"the gateway picked prefill 0 and decode 0 times",
                     "epd": r"the gateway sent 0 of \d+ image items to an encode worker"}
@@ -518,6 +537,25 @@ class TokenSpeedEngine(Engine):
 
     def packed_schedule(self, entries, spec=None):
         return packed_schedule(entries, spec)
+
+    def alone_reason(self, spec):
+        # With the pool bounded (--max-total-tokens) a worker holds about its share, and
+        # beside() gives each the utilization of everything booting on its device.
+        if spec is not None and spec.kv_budget_tokens:
+            return None
+        return self.boots_beside_others
+
+    def beside(self, plan, device_shares):
+        return beside(plan, device_shares)
+
+    def held_share(self, plan):
+        # packed_schedule's fractions are cumulative (0.1, 0.2 for two workers at 0.1 each):
+        # what a device holds is the largest, not the sum.
+        out: dict = {}
+        for e in plan.entries:
+            for g in e.gpus:
+                out[g] = max(out.get(g, 0.0), e.mem_fraction)
+        return out
 
     def gateway_args(self, topology) -> tuple[str, ...]:
         return EPD_GATEWAY_ARGS if topology.kind == "epd" else ()

@@ -167,6 +167,39 @@ def kv_transfer_config(role: str, options: EngineOptions, worker: str = "") -> d
             "kv_role": "kv_producer" if producer else "kv_consumer"}
 
 
+# GPU KV cache: pinned to the model's KV budget where the registry gives one. Without it vLLM
+# sizes the cache by profiling: the KV share = fraction x total - (weights + activation peak +
+# the *device-wide* non-torch memory growth since the worker's first snapshot), so another
+# process allocating on the GPU meanwhile is counted as this worker's own (vLLM 0.26
+# utils/mem_utils.py MemorySnapshot.cuda_memory = total - free; v1/worker/gpu_worker.py
+# determine_available_memory), and one releasing memory trips its "Error in memory profiling"
+# assertion. Two PD workers profiling side by side on the H200 got 26.19 and 27.35 GiB
+# (docs/validation/h200-e2e-1gpu-pd-vllm-5b38e55): the peer's footprint went to one of them.
+# With --kv-cache-memory-bytes vLLM skips that measurement (the gpu_worker.py branch "reserved
+# X GiB memory for KV Cache as specified by kv_cache_memory_bytes config and skipped memory
+# profiling"), so workers of several topologies can boot beside each other (coboot.py), and
+# the cache is the size the suites need: SmolLM2's 131072 tokens x 23,040 B = 2.81 GiB
+# instead of 27 GiB. --gpu-memory-utilization then only gates the start (free >= fraction x
+# total, vLLM v1/worker/utils.py request_memory).
+def kv_cache_bytes(spec: ModelSpec, model_path) -> int | None:
+    """--kv-cache-memory-bytes for a GPU worker: the registry's kv_budget_tokens x the model's
+    KV bytes per token (config.json, the KV dtype from the registry's --dtype or the model's);
+    None without a budget. A budget whose model folder has no readable config.json is a
+    ConfigError naming it (reads that one file)."""
+    if not spec.kv_budget_tokens:
+        return None
+    cfg = Path(model_path) / "config.json"
+    try:
+        config = json.loads(cfg.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model {spec.id!r}: kv_budget_tokens {spec.kv_budget_tokens} needs "
+                          f"the model's config.json to size vLLM's KV cache ({cfg}: "
+                          f"{e.__class__.__name__})") from None
+    per_token, _ = kv_bytes_per_token(config, kv_dtype(None, list(spec.engine_args("vllm")),
+                                                       config))
+    return spec.kv_budget_tokens * per_token
+
+
 def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
           model_path: str, options: EngineOptions) -> WorkerCommand:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -189,6 +222,9 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                  "--data-parallel-rpc-port", str(ports.aux["dp_rpc"])]
     if options.backend == "cuda":
         argv += ["--gpu-memory-utilization", f"{entry.mem_fraction:g}"]
+        kv_bytes = kv_cache_bytes(spec, model_path)
+        if kv_bytes:
+            argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, entry.gpus))
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(opt(options, "cpu_kv_cache_gib"))
@@ -428,6 +464,13 @@ class VllmEngine(Engine):
 
     def aux_ports(self, topology, entry, options):
         return aux_ports(topology, entry, options)
+
+    def alone_reason(self, spec):
+        if spec is not None and not spec.kv_budget_tokens:
+            return (f"model {spec.id!r} has no kv_budget_tokens, so vLLM sizes its GPU KV cache "
+                    "by profiling device-wide memory, where a topology booting beside it "
+                    "counts as its own (kv_cache_bytes)")
+        return None
 
     def prepare(self, topology, spec, options, run_dir, allocate_block):
         if opt(options, "kv_connector") == "example" and not opt(options, "kv_shared_path"):

@@ -22,7 +22,7 @@ is one key per wave (today's order), "together" one wave holding every key. Rule
   its workers number at most cores // CORES_PER_WORKER (a boot is CPU-bound: tokenizer, weights,
   compilation); the next key starts the next wave. A key that does not fit alone is a wave of
   its own, planned for the device as it is today, and so is a key whose engine sizes its
-  memory from what the device has free when it starts (Engine.boots_beside_others: another
+  memory from what the device has free when it starts (Engine.alone_reason: another
   topology booting beside it would change its budget).
 
 The reason, in one line, goes into the session's time report (time_report.boot_schedule).
@@ -87,13 +87,15 @@ def serial(keys, reason: str) -> BootSchedule:
 def schedule(keyed_plans, backend: str, free_share: dict[int, float] | None,
              cores: int, headroom: float = HEADROOM,
              cores_per_worker: int = CORES_PER_WORKER,
-             alone: dict | None = None) -> BootSchedule:
+             alone: dict | None = None, held: dict | None = None) -> BootSchedule:
     """keyed_plans: [(key, Plan)] in test order. `alone`: key -> why it must boot with no
-    other topology beside it (its engine's Engine.boots_beside_others). See the module's doc
-    for the rules."""
+    other topology beside it (its engine's Engine.alone_reason). `held`: key -> the share
+    its workers hold on each device where that is not the sum of their planned fractions
+    (Engine.held_share; default device_share). See the module's doc for the rules."""
     keyed_plans = list(keyed_plans)
     keys = [k for k, _ in keyed_plans]
     alone = alone or {}
+    held = held or {}
     if len(keys) < 2:
         return serial(keys, f"{len(keys)} shared topology: nothing to boot together")
     if backend != "cuda":
@@ -107,7 +109,7 @@ def schedule(keyed_plans, backend: str, free_share: dict[int, float] | None,
     used: list[dict[int, float]] = []
     workers: list[int] = []
     for i, (key, plan) in enumerate(keyed_plans):
-        need = device_share(plan)
+        need = held.get(key) or device_share(plan)
         n = len(plan.entries)
         room = {d: free_share.get(d, 0.0) - headroom for d in need}
         fits = (waves and workers[-1] + n <= max_workers
