@@ -180,3 +180,13 @@ def test_tokenspeed_with_its_pool_bounded_boots_beside_others_at_the_waves_share
     vl = placed("1p1d")
     vdriver = for_topology("vllm", topologies.parse("1p1d"))
     assert vdriver.beside(vl, {0: 0.5}) is vl and vdriver.held_share(vl) is None
+
+
+def test_tokenspeed_serving_a_hybrid_model_boots_alone():
+    """The tiny VLM (Qwen3.5, Gated DeltaNet layers): TokenSpeed sizes its recurrent-state
+    pool from the utilization, unbounded by --max-total-tokens, so the EPD lane's topologies
+    boot one at a time even with a KV budget."""
+    from e2e_test.infra.engines.tokenspeed import ENGINE as TS
+    vlm = get_spec("tiny-random/Qwen3.5-VL")
+    assert vlm.kv_budget_tokens and "hybrid" in vlm.features
+    assert "hybrid" in TS.alone_reason(vlm)

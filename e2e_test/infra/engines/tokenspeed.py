@@ -540,7 +540,14 @@ class TokenSpeedEngine(Engine):
 
     def alone_reason(self, spec):
         # With the pool bounded (--max-total-tokens) a worker holds about its share, and
-        # beside() gives each the utilization of everything booting on its device.
+        # beside() gives each the utilization of everything booting on its device. Not for a
+        # hybrid model: its recurrent-state pool is the budget's share beside the KV
+        # (runtime/layers/attention/utils.py profile_cache_budget: mamba_memory = budget x
+        # ratio / (1 + ratio)), which --max-total-tokens does not bound, so at the wave's
+        # utilization it would take what the others were promised.
+        if spec is not None and "hybrid" in spec.features:
+            return (f"model {spec.id!r} is hybrid: TokenSpeed sizes its recurrent-state pool "
+                    "from the device's free memory at start, whatever --max-total-tokens")
         if spec is not None and spec.kv_budget_tokens:
             return None
         return self.boots_beside_others

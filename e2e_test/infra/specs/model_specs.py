@@ -18,7 +18,9 @@ from ..stats import derived_floor
 from .schema import check_type, mapping, str_list
 
 TOPOLOGY_KINDS = ("regular", "dp", "pd", "epd", "afd")
-FEATURES = ("chat", "moe", "reasoning", "multimodal")
+# hybrid: recurrent-state layers beside attention (Mamba, Gated DeltaNet): an engine may size
+# that state pool from its memory fraction whatever the KV budget (TokenSpeed does).
+FEATURES = ("chat", "moe", "reasoning", "multimodal", "hybrid")
 EVALS = ("gsm8k", "mmlu")
 WEIGHT_SOURCES = ("pypi", "hf", "path")
 VALID_TP = (1, 2, 4, 8, 16)
