@@ -165,28 +165,42 @@ def wait_gpu_baseline(baseline: dict[int, float], timeout: float = 20.0) -> dict
     return rep.gpu_leaks
 
 
+def _settle(report: TeardownReport, measure, timeout: float, poll: float) -> dict | None:
+    """Poll `measure()` ({device: what is still held}, or None when it cannot tell) until it
+    finds nothing or `timeout` passes, recording the wait on `report`. Returns the last
+    finding ({} once settled), or None when nothing could be measured."""
+    t0 = time.monotonic()
+    while True:
+        held = measure()
+        if held is None:
+            return None
+        report.gpu_checked = True
+        report.gpu_wait_s = timeout
+        if not held:
+            report.gpu_settle_s = round(time.monotonic() - t0, 2)
+            report.gpu_leaks = {}
+            return {}
+        if time.monotonic() - t0 > timeout:
+            report.gpu_leaks = held
+            return held
+        time.sleep(poll)
+
+
 def check_gpu(report: TeardownReport, baseline: dict[int, float], timeout: float = 20.0,
               poll: float = 0.25) -> None:
     """Wait (measured) for GPU memory to come back to the baseline; name what still holds it."""
     if not baseline:
         return
-    report.gpu_checked = True
-    report.gpu_wait_s = timeout
-    t0 = time.monotonic()
-    while True:
+
+    def leaks():
         now = gpu_memory_mib(baseline.keys())
-        leaks = {d: round(now[d] - baseline[d], 1) for d in baseline
-                 if d in now and now[d] - baseline[d] > GPU_TOLERANCE_MIB}
-        if not leaks:
-            report.gpu_settle_s = round(time.monotonic() - t0, 2)
-            report.gpu_leaks = {}
-            return
-        if time.monotonic() - t0 > timeout:
-            break
-        time.sleep(poll)
-    report.gpu_leaks = leaks
-    holders = gpu_holders(list(leaks)) or []
-    report.gpu_holders = {d: [str(h) for h in holders if h.device == d] for d in leaks}
+        return {d: round(now[d] - baseline[d], 1) for d in baseline
+                if d in now and now[d] - baseline[d] > GPU_TOLERANCE_MIB}
+
+    left = _settle(report, leaks, timeout, poll)
+    if left:
+        holders = gpu_holders(list(left)) or []
+        report.gpu_holders = {d: [str(h) for h in holders if h.device == d] for d in left}
 
 
 def check_gpu_own(report: TeardownReport, devices, pids: set[int], timeout: float = 20.0,
@@ -196,25 +210,21 @@ def check_gpu_own(report: TeardownReport, devices, pids: set[int], timeout: floa
     others' memory is theirs. Without NVML nothing is checked (as check_gpu)."""
     if not devices:
         return
-    t0 = time.monotonic()
-    while True:
+    seen: dict = {}
+
+    def held():
         procs = nvml_processes(devices)
         if procs is None:
-            return
-        report.gpu_checked = True
-        report.gpu_wait_s = timeout
-        held = {d: round(sum(m or 0.0 for pid, m in rows if pid in pids), 1)
+            return None
+        seen["procs"] = procs
+        return {d: round(sum(m or 0.0 for pid, m in rows if pid in pids), 1)
                 for d, rows in procs.items() if any(pid in pids for pid, _ in rows)}
-        if not held:
-            report.gpu_settle_s = round(time.monotonic() - t0, 2)
-            report.gpu_leaks = {}
-            return
-        if time.monotonic() - t0 > timeout:
-            break
-        time.sleep(poll)
-    report.gpu_leaks = held
-    report.gpu_holders = {d: [f"pid {pid} {m or 0:.0f} MiB on GPU {d} (this topology)"
-                              for pid, m in procs.get(d, []) if pid in pids] for d in held}
+
+    left = _settle(report, held, timeout, poll)
+    if left:
+        report.gpu_holders = {d: [f"pid {pid} {m or 0:.0f} MiB on GPU {d} (this topology)"
+                                  for pid, m in seen["procs"].get(d, []) if pid in pids]
+                              for d in left}
 
 
 def enforce(report: TeardownReport, what: str, strict: bool | None = None) -> None:
