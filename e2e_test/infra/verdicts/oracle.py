@@ -35,8 +35,8 @@ whatever the greedy token.
 A comparison fails on any mismatch, and on more numerics than the budget that the *control
 arm* allows: the baseline against itself in the same run (a second concurrent pass, a serial
 pass). The budget is the most numerics that a one-sided Fisher exact test at ALPHA holds
-consistent with the control arm's numerics count (more says the candidate's near-tie rate is
-larger than the control's); every item must be compared (a request error is a failed
+consistent with the control arm's numerics count on the same items (more says the candidate's
+near-tie rate is larger than the control's); every item must be compared (a request error is a failed
 verdict, not an item left out). No tolerance is set by hand.
 """
 
@@ -615,23 +615,27 @@ class ControlArm:
         th = th or self.thresholds(max(c.compared for c in self.comparisons))
         return ControlArm([c.classified(th) for c in self.comparisons])
 
-    def numerics(self) -> tuple[int, int]:
-        k = sum(c.counts()["numerics"] for c in self.comparisons)
-        n = sum(c.compared for c in self.comparisons)
-        return k, n
+    def numerics(self, indices=None) -> tuple[int, int]:
+        """(numerics, items compared) over the control passes; `indices`: only those items
+        (near-ties belong to items: a comparison of some items is held to the control's
+        rate on the same items)."""
+        items = [it for c in self.comparisons for it in c.items if it.verdict != "error"
+                 and (indices is None or it.index in indices)]
+        return sum(it.verdict == "numerics" for it in items), len(items)
 
     def rate_upper(self) -> float:
         k, n = self.numerics()
         return wilson_upper(k, n)
 
-    def budget(self, n_items: int, alpha: float = ALPHA) -> int:
+    def budget(self, n_items: int, alpha: float = ALPHA, indices=None) -> int:
         """Numerics allowed in a comparison of n_items, from the control arm's noise: the most
         that a one-sided Fisher exact test at `alpha` holds consistent with the control arm's
         k of n (stats.excess_budget). Until 2026-12-02 it was n_items times the control rate's
         99 % upper bound: the expected count at that rate, not a tail, so a healthy candidate
         went over it 1-4 % of the time per comparison (one CI run: 4 numerics of 8 against
-        12/64, budget 3; Fisher p = 0.067)."""
-        k, n = self.numerics()
+        12/64, budget 3; Fisher p = 0.067). `indices`: the control's rate on those items only
+        (numerics())."""
+        k, n = self.numerics(indices)
         if n == 0:
             return 0
         return excess_budget(n_items, k, n, alpha)
@@ -711,7 +715,15 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA) -> 
     arm = control.classified(control.thresholds(max(c.compared for c in control.comparisons),
                                                 alpha))
     cmp = comparison.classified(th)
-    budget = arm.budget(n, alpha)
+    # Near-ties belong to items (the same GSM8K items tie in every pass), so a comparison of
+    # some items is held to the control arm's rate on those items, not on all of them: the
+    # first 8 GSM8K items tied 6 times in 16 control answers on CI, all 32 items 12 in 64.
+    asked = {it.index for it in comparison.items if it.verdict != "error"}
+    if not arm.numerics(asked)[1]:
+        raise NoEvidenceError(f"{comparison.name} {comparison.b} vs {comparison.a}: the "
+                              f"control arm compared none of the {len(asked)} items compared "
+                              "here: no noise measured for them")
+    budget = arm.budget(n, alpha, asked)
     c = cmp.counts()
     line = (cmp.line() + f" (numerics budget {budget} from the control arm; first-step bound "
             f"{th.first_step_max:.3f}, near-tie gap bound {th.gap_max:.3f} nats)")
@@ -741,9 +753,9 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA) -> 
     # 2026-12-01): the control arm cannot hold that path difference, so a shift alone is no
     # bug. The bound from the control arm's tail, the mismatches and the budget decide.
     if c["numerics"] > budget:
-        k, m = arm.numerics()
+        k, m = arm.numerics(asked)
         return verdict(False, f"{line}; {c['numerics']} numerics > budget {budget} (control "
-                       f"arm {k}/{m})")
+                       f"arm {k}/{m} on the same items)")
     return verdict(True, line)
 
 
