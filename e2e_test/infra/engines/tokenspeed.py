@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import sys
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..cluster.readiness import GrpcHealth
 from ..errors import ConfigError, HarnessError
@@ -252,7 +252,6 @@ def beside(plan, device_shares: dict):
     are the same rule inside one topology. Pure."""
     if not device_shares:
         return plan
-    from dataclasses import replace
     out = []
     for e in plan.entries:
         shared = [device_shares[g] for g in e.gpus if g in device_shares]
