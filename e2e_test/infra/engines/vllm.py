@@ -181,9 +181,10 @@ def kv_transfer_config(role: str, options: EngineOptions, worker: str = "") -> d
 # the cache is the size the suites need: SmolLM2's 131072 tokens x 23,040 B = 2.81 GiB
 # instead of 27 GiB. --gpu-memory-utilization then only gates the start (free >= fraction x
 # total, vLLM v1/worker/utils.py request_memory).
-def kv_cache_bytes(spec: ModelSpec, model_path) -> int | None:
+def kv_cache_bytes(spec: ModelSpec, model_path, argv: list[str]) -> int | None:
     """--kv-cache-memory-bytes for a GPU worker: the registry's kv_budget_tokens x the model's
-    KV bytes per token (config.json, the KV dtype from the registry's --dtype or the model's);
+    KV bytes per token (config.json, the KV dtype from the worker's --dtype in `argv` or the
+    model's);
     None without a budget. A budget whose model folder has no readable config.json is a
     ConfigError naming it (reads that one file)."""
     if not spec.kv_budget_tokens:
@@ -195,8 +196,7 @@ def kv_cache_bytes(spec: ModelSpec, model_path) -> int | None:
         raise ConfigError(f"model {spec.id!r}: kv_budget_tokens {spec.kv_budget_tokens} needs "
                           f"the model's config.json to size vLLM's KV cache ({cfg}: "
                           f"{e.__class__.__name__})") from None
-    per_token, _ = kv_bytes_per_token(config, kv_dtype(None, list(spec.engine_args("vllm")),
-                                                       config))
+    per_token, _ = kv_bytes_per_token(config, kv_dtype(None, argv, config))
     return spec.kv_budget_tokens * per_token
 
 
@@ -222,9 +222,6 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                  "--data-parallel-rpc-port", str(ports.aux["dp_rpc"])]
     if options.backend == "cuda":
         argv += ["--gpu-memory-utilization", f"{entry.mem_fraction:g}"]
-        kv_bytes = kv_cache_bytes(spec, model_path)
-        if kv_bytes:
-            argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, entry.gpus))
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(opt(options, "cpu_kv_cache_gib"))
@@ -262,6 +259,11 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     elif topology.kind not in ("regular", "dp"):
         raise ConfigError(f"engines/vllm builds regular, dp and pd workers, not {topology.kind!r}")
     argv += list(spec.engine_args("vllm", entry.role)) + list(options.extra_args)
+    if options.backend == "cuda":
+        # sized from the worker's whole argv: a --dtype in the user's extra args counts
+        kv_bytes = kv_cache_bytes(spec, model_path, argv)
+        if kv_bytes:
+            argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
     return WorkerCommand(argv=argv, env=env,
                          readiness=HttpGet(ports.api, "/health", host=entry.host),
                          worker_type=worker_type, kv_connector=kv_connector)
