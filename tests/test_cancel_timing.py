@@ -2,6 +2,7 @@
 slow scrape cannot delay the cancel (pure asyncio logic; the scrape is a stand-in)."""
 
 import asyncio
+import contextlib
 import time
 
 from e2e_test.infra.load import serving_faults as sf
@@ -102,3 +103,67 @@ def test_prefill_case_without_a_natural_end_fails():
 def test_not_idle_or_next_request_failing_fails():
     assert "not idle within 30.0 s" in sf.cancel_problems(_done(idle=None), 30.0)[0]
     assert "1/2 next requests" in sf.cancel_problems(_done(ok=1), 30.0)[0]
+
+
+# --- the decode rate behind the natural end (serving_faults.until_rate_resolved) ----------
+
+async def _stalled_stream(case, t0, rate, first_at, stall_s):
+    """Tokens generated from `first_at` at `rate` per second; the client's loop is blocked
+    for `stall_s` just before the first token (as 2 busy cores did once), so it then reads
+    everything generated meanwhile at once, as the real consumer would."""
+    seen, stalled = 0, False
+    while True:
+        now = time.monotonic() - t0
+        if not stalled and now >= first_at - 0.02:
+            time.sleep(stall_s)             # blocks the loop: the watcher cannot tick either
+            stalled = True
+            now = time.monotonic() - t0
+        due = int((now - first_at) * rate) + 1 if now >= first_at else 0
+        while seen < due:
+            seen += 1
+            case.chunks_before_cancel += 1
+            case.last_token_s = round(now, 3)
+            if case.first_token_s is None:
+                case.first_token_s = case.last_token_s
+        await asyncio.sleep(0.005)
+
+
+def _measure(stop_for, rate=100.0, first_at=0.2, stall_s=0.3):
+    case = sf.CancelCase("cancel mid-stream", "1p1d", 3968, 8)
+
+    async def go():
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(_stalled_stream(case, t0, rate, first_at, stall_s))
+        await sf.watch(task, case, stop_for(case), t0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    return case
+
+
+def test_rate_outweighs_a_stall_before_the_first_token():
+    case = _measure(lambda c: sf.until_rate_resolved(c, 8))
+    assert case.first_token_gap_s >= 0.3
+    span = case.last_token_s - case.first_token_s
+    assert span >= sf.RATE_GAP_FACTOR * case.first_token_gap_s
+    assert 100.0 * 0.9 <= sf.decode_rate(case) <= 100.0 * 1.25 + 1, sf.decode_rate(case)
+
+
+def test_negative_control_eight_chunks_read_a_burst_as_the_rate():
+    """The rule this replaced (leave after 8 chunks): the chunks generated during the stall
+    come at once, and the rate they give is far above the real one (CI at 1c951df: 9 chunks
+    in 1 ms, 8000 tokens/s, a natural end 0.5 s away)."""
+    case = _measure(lambda c: (lambda n, _t: n >= 8))
+    rate = sf.decode_rate(case)
+    assert rate is None or rate > 3 * 100.0, rate
+
+
+def test_the_ci_burst_is_no_rate():
+    c = sf.CancelCase("cancel mid-stream", "1p1d", 3968, 8)
+    c.chunks_before_cancel, c.first_token_s, c.last_token_s, c.first_token_gap_s = (
+        9, 1.752, 1.753, 1.409)
+    assert sf.until_rate_resolved(c, 8)(9, 1.753) is False    # keeps reading: 5.6 s needed
+    c.last_token_s = 1.752
+    assert sf.decode_rate(c) is None                          # no span: no rate, no end

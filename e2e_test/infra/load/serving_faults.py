@@ -56,6 +56,11 @@ class CancelCase:
     chunks_before_cancel: int = 0
     seconds_before_cancel: float = 0.0
     first_token_s: float | None = None
+    # When the last chunk before the cancel came, and the longest the client's loop went
+    # unscheduled up to the first token (how late the first token may have been seen: the
+    # decode rate is measured over a span that outweighs it, see until_rate_resolved).
+    last_token_s: float | None = None
+    first_token_gap_s: float | None = None
     running_at_cancel: dict = field(default_factory=dict)   # role -> its load before the cancel
     idle_after_cancel_s: float | None = None
     # Seconds of decoding the request still had before it (max_tokens at the decode rate the
@@ -106,23 +111,64 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
                                            f"{json.dumps(chunk['error'])[:300]}")
                     if any(load.extract_text(c) for c in chunk.get("choices") or []):
                         case.chunks_before_cancel += 1
+                        case.last_token_s = round(time.monotonic() - t0, 3)
                         if case.first_token_s is None:
-                            case.first_token_s = round(time.monotonic() - t0, 3)
+                            case.first_token_s = case.last_token_s
             raise HarnessError(f"{case.case}: the stream ended before the cancel "
                                f"({case.chunks_before_cancel} chunks)")
 
         task = asyncio.ensure_future(consume())
-        last = time.monotonic()
-        while not task.done():
-            now = time.monotonic()
-            case.loop_gap_max_s = round(max(case.loop_gap_max_s, now - last), 3)
-            last = now
-            if stop_when(case.chunks_before_cancel, now - t0):
-                break
-            await asyncio.sleep(0.05)
+        await watch(task, case, stop_when, t0)
         if task.done():
             task.result()          # raises what went wrong
         return await drop(cluster, task, case, t0)
+
+
+async def watch(task, case: CancelCase, stop_when, t0: float) -> None:
+    """Every 50 ms until `task` is done or `stop_when(chunks, elapsed)`: note the longest the
+    loop went unscheduled (a stall delays the chunks seen during it), and that gap as it
+    stood when the first token was first seen."""
+    last = time.monotonic()
+    while not task.done():
+        now = time.monotonic()
+        case.loop_gap_max_s = round(max(case.loop_gap_max_s, now - last), 3)
+        last = now
+        if case.first_token_s is not None and case.first_token_gap_s is None:
+            case.first_token_gap_s = case.loop_gap_max_s
+        if stop_when(case.chunks_before_cancel, now - t0):
+            break
+        await asyncio.sleep(0.05)
+
+
+# The decode rate is measured from when chunks reached the client. A stall of the client's
+# loop (2 busy CPU cores: 1.4 s once) delays the first token and then delivers everything
+# generated meanwhile at once: 9 chunks within 1 ms read as 8000 tokens/s and put the
+# request's natural end 0.5 s away (a CI run of 2026-12-02 failed a healthy cancel on it).
+# The chunks read after a first token seen `g` late overstate the rate by at most
+# (span + g) / span, so the span must be RATE_GAP_FACTOR times `g` (at most 25 % high) and
+# at least RATE_MIN_SPAN_S (ten of the loop's 50 ms ticks).
+RATE_MIN_SPAN_S = 0.5
+RATE_GAP_FACTOR = 4.0
+
+
+def until_rate_resolved(case: CancelCase, chunks: int):
+    """A stop condition for `_stream_then_drop`: at least `chunks` chunks, over a span from
+    the first to the last that outweighs how late the first was seen (decode_rate)."""
+    def stop(n: int, _elapsed: float) -> bool:
+        if n < max(2, chunks) or case.first_token_s is None or case.last_token_s is None:
+            return False
+        need = max(RATE_MIN_SPAN_S, RATE_GAP_FACTOR * (case.first_token_gap_s or 0.0))
+        return case.last_token_s - case.first_token_s >= need
+    return stop
+
+
+def decode_rate(case: CancelCase) -> float | None:
+    """Tokens per second between the first and the last chunk the client saw; None with
+    fewer than 2 chunks or no span to divide by. Pure."""
+    if (case.chunks_before_cancel < 2 or case.first_token_s is None
+            or case.last_token_s is None or case.last_token_s <= case.first_token_s):
+        return None
+    return (case.chunks_before_cancel - 1) / (case.last_token_s - case.first_token_s)
 
 
 async def _post_then_drop(cluster, content: str, max_tokens: int, stop_when,
@@ -165,9 +211,8 @@ def _after(cluster, case: CancelCase, t_cancel: float, bound_s: float,
     rep = cluster.wait_idle(timeout=bound_s)
     case.idle_after_cancel_s = round(time.monotonic() - t_cancel, 3)
     case.idle = rep.to_dict()
-    if case.chunks_before_cancel >= 2 and case.first_token_s is not None:
-        rate = (case.chunks_before_cancel - 1) / max(
-            1e-3, case.seconds_before_cancel - case.first_token_s)
+    rate = decode_rate(case)
+    if rate:
         case.remaining_s = round((case.max_tokens - case.chunks_before_cancel) / rate, 1)
     case.next_requests = next_n
     for i in range(next_n):
@@ -183,7 +228,8 @@ def cancel_mid_stream(cluster, chunks: int = 8, bound_s: float = 30.0, next_n: i
     mt = max_new_tokens(cluster)
     case = CancelCase("cancel mid-stream", cluster.topology.name, mt, 8)
     t_cancel = asyncio.run(_stream_then_drop(cluster, "Tell me a very long story about the sea.",
-                                             mt, lambda n, _t: n >= chunks, case, timeout))
+                                             mt, until_rate_resolved(case, chunks), case,
+                                             timeout))
     return _after(cluster, case, t_cancel, bound_s, next_n)
 
 
@@ -232,11 +278,9 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
     mt = max_new_tokens(cluster, prompt_tokens_estimate=2 * prompt_words + 32)
     probe = CancelCase("prefill probe", cluster.topology.name, mt, prompt_words)
     asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
-                                  lambda n, _t: n >= probe_chunks, probe, timeout))
+                                  until_rate_resolved(probe, probe_chunks), probe, timeout))
     ttft = probe.first_token_s
-    rate = ((probe.chunks_before_cancel - 1)
-            / max(1e-3, probe.seconds_before_cancel - (ttft or 0.0))
-            if probe.chunks_before_cancel >= 2 and ttft is not None else 0.0)
+    rate = decode_rate(probe) or 0.0
     cluster.wait_idle(timeout=bound_s)
     case = CancelCase("cancel during prefill", cluster.topology.name, mt, prompt_words)
     delay = max(0.05, fraction * ttft)
