@@ -38,8 +38,9 @@ def test_regular():
     assert tokenspeed.aux_ports(t, e["worker"], CUDA) == []
     cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000), "/models/q", CUDA)
     assert cmd.argv == head(30000)
-    # No 1-token gRPC warmup (the gateway's ready probe is a real request).
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", "TOKENSPEED_SKIP_GRPC_WARMUP": "1"}
+    # The servicer's 1-token gRPC warmup stays on: smg's first deep health probe must not be
+    # the engine's first generation (it timed out at 5 s and smg waited 30 s to retry).
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4"}
     # SIGKILL after 1.5 s: the servicer's own SIGTERM path ends in a SIGKILL of itself.
     assert cmd.stop_grace_s == 1.5
     assert (cmd.protocol, cmd.worker_type, cmd.bootstrap_port) == ("grpc", "regular", None)
@@ -62,7 +63,7 @@ def test_engine_dp_needs_dist_init():
                            CUDA)
     assert cmd.argv == head(30000) + ["--data-parallel-size", "2",
                                       "--dist-init-addr", "127.0.0.1:30001"]
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5", "TOKENSPEED_SKIP_GRPC_WARMUP": "1"}
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5"}
 
 
 def test_prefill():
@@ -137,7 +138,7 @@ def test_spec_args_and_tp():
     assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.5"
     assert cmd.argv[-2:] == ["--disaggregation-layerwise-interval", "0"]
     assert "--max-model-len" not in cmd.argv and "--max-total-tokens" not in cmd.argv
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1", "TOKENSPEED_SKIP_GRPC_WARMUP": "1"}
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
 
 
 def test_kv_budget_bounds_the_pool():

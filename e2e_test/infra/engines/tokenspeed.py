@@ -15,7 +15,7 @@ flag's contract comes from:
   harness has none, and TokenSpeed's default grammar backend is none, so the flag is left out:
   a runner without xgrammar (0.2.2, 45 MB) still serves. Add it through the model's
   args (`args: {tokenspeed: [...]}`) or E2E_ENGINE_ARGS where structured output is tested.
-- Worker env for disaggregation roles (MC_INTRANODE_NVLINK=1, TOKENSPEED_SKIP_GRPC_WARMUP=1,
+- Worker env for disaggregation roles only (MC_INTRANODE_NVLINK=1, TOKENSPEED_SKIP_GRPC_WARMUP=1,
   NO_PROXY/no_proxy=*) and CUDA_VISIBLE_DEVICES: smg-project/smg e2e_test/infra/worker.py
   (Worker._build_env; smg uses setdefault, this builder returns plain overrides). Which ports a
   worker gets (bootstrap for prefill/encode, a dist-init port for every disaggregation role):
@@ -159,10 +159,18 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         # The pool from the model's KV budget, not from the memory fraction (a cap:
         # min(profiled, requested); TokenSpeed registry.py:76-90).
         argv += ["--max-total-tokens", str(spec.kv_budget_tokens)]
-    # The servicer's 1-token gRPC warmup before SERVING (server.py:220): the gateway's ready
-    # probe sends a real request anyway.
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus)),
-           "TOKENSPEED_SKIP_GRPC_WARMUP": "1"}
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus))}
+    if disagg:
+        # A disaggregated worker cannot run the servicer's standalone 1-token warmup (no peer
+        # to pair with), so it skips it, as smg's own harness does for these roles only
+        # (server.py:220). A regular or DP worker keeps it: SERVING then means one real
+        # generation ran. Without it, smg's first deep health probe (servicer.py HealthCheck:
+        # a 1-token generate for aggregated workers) was the engine's first generation, took
+        # more than smg's 5 s reachability timeout, and smg retried only after 30 s: the `1`
+        # gateways of the H200 lanes were ready in 38.5 s (pd, cdba3e8) and 38.7 s (chat,
+        # 5b38e55) against 4.5-6 s for every later gateway ("detect_connection_mode ... gRPC
+        # reachability timeout", "delay_ms=30000" in their gateway logs).
+        env["TOKENSPEED_SKIP_GRPC_WARMUP"] = "1"
     metrics_dir = None
     if options.state_dir:
         # The servicer has no /metrics: with --enable-metrics the engine writes Prometheus
@@ -492,8 +500,19 @@ HOPPER_ENV = (
 WORK_COUNTERS = ("tokenspeed:iteration_tokens_total_sum",)
 
 
+# Boot states in a TokenSpeed worker's log (progress.py): the servicer's first lines come once
+# its imports are done; the scheduler process's weights and its KV pool follow (the H200 log of
+# 2026-12-01: "Inferred world_size ...", "Launching TokenSpeed scheduler + AsyncLLM...",
+# "Loading safetensors checkpoint shards", "KVStore L2 cache ... (event_loop.py)").
+PROGRESS_MARKERS = (
+    (r"Inferred world_size|Launching TokenSpeed scheduler", "server imported, starting engine"),
+    (r"KVStore L2 cache|kv_cache_host\.py", "allocating KV cache"),
+)
+
+
 class TokenSpeedEngine(Engine):
     idle_gauges = IDLE_GAUGES
+    progress_markers = PROGRESS_MARKERS
     option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT}  # noqa: RUF012
     env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT"}  # noqa: RUF012
     packages = ("tokenspeed",)
