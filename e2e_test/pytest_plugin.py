@@ -652,3 +652,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"time: {time_report.headline(st.time_report)}", bold=True)
         if st.time_report.get("boot_schedule"):
             terminalreporter.write_line(f"boot schedule: {st.time_report['boot_schedule']['reason']}")
+        if time_report.phases_line(st.time_report):
+            terminalreporter.write_line(time_report.phases_line(st.time_report))

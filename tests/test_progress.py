@@ -110,3 +110,50 @@ def test_the_engine_phrases_come_from_the_engines():
     assert not any("vLLM" in p for p, _ in progress.MARKERS)
     assert set(vllm.ENGINE.progress_markers) <= set(progress.known_markers())
     assert progress.state_of(VLLM_LOG, progress.MARKERS) != "serving, waiting for health"
+
+
+def test_boot_phases_are_when_each_state_was_first_seen(tmp_path, monkeypatch):
+    """Every state in a read is noted with the time it was first seen (several in one read
+    share it), whatever was printed; later reads never move an earlier state."""
+    monkeypatch.setattr(progress, "sink", lambda line: None)
+    clock = Clock()
+    log = tmp_path / "w.log"
+    log.write_text("")
+    w = _worker("worker-0", log, started=100.0)
+    boot = progress.BootProgress("1", [w], every_s=10, clock=clock)
+    clock.t = 125.0
+    boot.tick([w])
+    assert boot.phases == {"worker-0": {}}           # nothing logged yet: still starting
+    log.write_text(VLLM_LOG.splitlines(keepends=True)[0])
+    boot.tick([w])
+    clock.t = 130.0
+    with open(log, "a") as f:
+        f.write("".join(VLLM_LOG.splitlines(keepends=True)[1:3]))
+    boot.tick([w])
+    clock.t = 150.0
+    with open(log, "a") as f:
+        f.write("".join(VLLM_LOG.splitlines(keepends=True)[3:]) + VLLM_LOG)
+    boot.tick([w])
+    assert boot.phases["worker-0"] == {
+        "initializing engine": 25.0, "loading weights": 30.0, "weights loaded": 30.0,
+        "compiling / warming up": 50.0, "engine initialized": 50.0,
+        "serving, waiting for health": 50.0}
+
+
+def test_states_in_order_of_first_occurrence():
+    assert progress.states_in(VLLM_LOG)[:3] == ["initializing engine", "loading weights",
+                                                 "weights loaded"]
+    assert progress.states_in("nothing here") == []
+
+
+def test_tokenspeed_boot_markers_read_its_h200_log():
+    from e2e_test.infra.engines import tokenspeed
+    log = ("[2026-12-01 22:49:54,587 None] - INFO - Inferred world_size (1) from attn_tp_size\n"
+           "2026-12-01 22:49:54,612 [smg_grpc_servicer.tokenspeed.server] INFO Launching "
+           "TokenSpeed scheduler + AsyncLLM...\n"
+           "Loading safetensors checkpoint shards:   0% Completed | 0/1\n"
+           "[2026-12-01 22:50:18,359  ATTN TP RANK 0] - WARNING - KVStore L2 cache will not be "
+           "used during normal execution (event_loop.py:277)\n")
+    assert set(tokenspeed.ENGINE.progress_markers) <= set(progress.known_markers())
+    assert progress.states_in(log) == ["server imported, starting engine", "loading weights",
+                                       "allocating KV cache"]

@@ -71,3 +71,25 @@ def test_afd_comparison_with_the_native_baseline_reads_in_both_record_shapes():
     old = {"native-dp2": {"same_text": 7, "prompts": 8, "same_first_token": 8}}
     assert report.details({"afd_vs_native": old}) == \
         "vs native-dp2: 7/8 identical outputs, 8/8 same first token"
+
+
+def test_the_report_carries_the_runs_time_report_and_its_boot_phases(tmp_path):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from e2e_test.infra.reports import report
+    src = Path(__file__).parent.parent / "docs/validation/h200-e2e-1gpu-pd-tokenspeed-cdba3e8"
+    text = report.render([src])
+    assert ("- time: boots 62 %, traffic 36 %, teardown 2 %, idle 0 % of 323 s (3 boots, "
+            "202 s; compile cache: 5 unknown)") in text
+    assert "boot phases" not in text                  # recorded before phases were
+    d = tmp_path / "run"
+    shutil.copytree(src, d)
+    rep = json.loads((d / "timing.json").read_text())
+    rep["boot_phases"] = {"boots": 5, "median_s": {"starting": 24.3, "loading weights": 20.1}}
+    (d / "timing.json").write_text(json.dumps(rep))
+    assert ("- boot phases (median of 5 worker boots): starting 24.3 s, loading weights "
+            "20.1 s") in report.render([d])
+    (d / "timing.json").unlink()
+    assert "- time:" not in report.render([d])

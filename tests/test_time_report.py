@@ -101,3 +101,44 @@ def test_cluster_entry_reads_timing_roles_and_the_engines_cache_verdict():
     assert rep["boot_by_role_s"] == {"prefill": 40.0, "decode": 41.0, "gateway": 2.0}
     c.options = EngineOptions(enforce_eager=True)
     assert tr.cluster_entry(c)["profile"] == "eager"
+
+
+def test_phase_durations_run_from_the_launch_to_ready():
+    seen = {"server imported, starting engine": 24.3, "loading weights": 44.0,
+            "allocating KV cache": 48.0, "ready": 51.4}
+    assert tr.phase_durations(seen) == [("starting", 24.3),
+                                        ("server imported, starting engine", 19.7),
+                                        ("loading weights", 4.0),
+                                        ("allocating KV cache", 3.4)]
+    # no marker at all: the whole boot is `starting`; not ready yet: the last state is open
+    assert tr.phase_durations({"ready": 9.0}) == [("starting", 9.0)]
+    assert tr.phase_durations({"loading weights": 3.0}) == [("starting", 3.0)]
+
+
+def test_boot_phases_are_medians_over_ready_boots_and_printed():
+    c1 = {"phases": {"worker-0": {"initializing engine": 30.0, "ready": 60.0}}}
+    c2 = {"phases": {"prefill-0": {"initializing engine": 20.0, "ready": 50.0},
+                     "decode-0": {"initializing engine": 26.0, "ready": 40.0},
+                     "decode-0#1": {"initializing engine": 25.0}}}     # never ready: left out
+    bp = tr.boot_phases([c1, c2])
+    assert bp == {"boots": 3, "median_s": {"starting": 26.0, "initializing engine": 30.0}}
+    rep = tr.compute([c1, c2], [], 0.0, 100.0)
+    assert rep["boot_phases"] == bp
+    assert tr.phases_line(rep) == ("boot phases (median of 3 worker boots): starting 26.0 s, "
+                                   "initializing engine 30.0 s")
+    assert tr.phases_line(tr.compute([], [], 0.0, 1.0)) is None       # no boots: no line
+
+
+def test_cluster_entry_carries_each_boots_phases():
+    from types import SimpleNamespace as NS
+
+    from e2e_test.infra.cluster.cluster import Timing
+    from e2e_test.infra.engines import EngineOptions, vllm
+    t = Timing(workers={"worker-0": 60.0}, total_ready_s=61.0,
+               phases={"worker-0": {"initializing engine": 30.0, "ready": 60.0}})
+    c = NS(name="vllm-1-1", topology=NS(name="1"), timing=t,
+           workers=[NS(name="worker-0", entry=NS(role="worker"), process=None)],
+           driver=vllm.ENGINE, options=EngineOptions())
+    e = tr.cluster_entry(c)
+    assert e["phases"] == {"worker-0": {"initializing engine": 30.0, "ready": 60.0}}
+    assert tr.compute([e], [], 0.0, 100.0)["clusters"][0]["phases"] == e["phases"]

@@ -125,6 +125,9 @@ class Timing:
     boot_started: float | None = None
     teardown_started: float | None = None
     restart_boots: list = field(default_factory=list)
+    # Per worker boot (a restart as NAME#N): seconds after its launch when each boot state of
+    # its log (progress.py's markers) was first seen, and `ready` (time_report.boot_phases).
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class Cluster:
@@ -310,6 +313,8 @@ class Cluster:
                 if w.command.readiness.ready(client):
                     w.ready_s = round(time.monotonic() - w.process.started_at, 2)
                     self.timing.workers[w.name] = w.ready_s
+                    key = f"{w.name}#{w.restarts}" if w.restarts else w.name
+                    self.timing.phases[key] = {**boot.phases.get(w.name, {}), "ready": w.ready_s}
                     pending.remove(w)
                 else:
                     w.process.remember_descendants()

@@ -76,6 +76,16 @@ def interval_s(environ: dict | None = None) -> float:
     return float(settings.get("E2E_PROGRESS_S", environ))
 
 
+def states_in(text: str, markers=None) -> list[str]:
+    """Every state whose marker occurs in `text`, in the order of their first occurrence."""
+    first: dict[str, int] = {}
+    for pattern, state in (known_markers() if markers is None else markers):
+        m = re.search(pattern, text, flags=re.IGNORECASE)
+        if m and (state not in first or m.start() < first[state]):
+            first[state] = m.start()
+    return sorted(first, key=first.get)
+
+
 def state_of(text: str, markers=None) -> str | None:
     """The state of the marker that occurs last in `text`, None when none does; `markers`:
     (regex, state) pairs, by default `known_markers()`."""
@@ -88,8 +98,11 @@ def state_of(text: str, markers=None) -> str | None:
 
 
 class BootProgress:
-    """Call `tick(pending)` from the readiness loop; it prints at most one line per interval.
-    Workers are duck-typed: name, ready_s, process.log_path, process.started_at, command."""
+    """Call `tick(pending)` from the readiness loop; it prints at most one line per interval,
+    and reads the pending workers' new log lines on every call, noting when each state was
+    first seen (`phases`: worker -> {state: seconds since its launch}; as fine as the loop's
+    poll, 0.25 s). Workers are duck-typed: name, ready_s, process.log_path,
+    process.started_at, command."""
 
     def __init__(self, topology: str, workers, every_s: float | None = None, clock=None):
         self.topology, self.workers = topology, list(workers)
@@ -99,7 +112,14 @@ class BootProgress:
         self.offsets: dict[str, int] = {}
         self.tails: dict[str, bytes] = {}
         self.states: dict[str, str] = {}
+        self.phases: dict[str, dict[str, float]] = {}
         self.markers = known_markers()
+
+    def observe(self, pending) -> None:
+        """Read every pending worker's new log lines: its state, and when each state was
+        first seen."""
+        for w in pending:
+            self._read_state(w)
 
     def _read_state(self, w) -> str:
         path = Path(getattr(w.process, "log_path", "") or "")
@@ -115,24 +135,32 @@ class BootProgress:
         except OSError:
             chunk = b""
         self.tails[w.name] = chunk[-200:]
-        found = state_of(chunk.decode(errors="replace"), markers)
+        text = chunk.decode(errors="replace")
+        found = state_of(text, markers)
         if found:
             self.states[w.name] = found
+        t0 = getattr(w.process, "started_at", None)
+        if t0 is not None:
+            seen = self.phases.setdefault(w.name, {})
+            for state in states_in(text, markers):
+                seen.setdefault(state, round(self.clock() - t0, 2))
         return self.states.get(w.name, "starting")
 
     def line(self, pending) -> str:
+        self.observe(pending)
         now = self.clock()
         parts = []
         for w in self.workers:
             if w in pending:
                 t0 = getattr(w.process, "started_at", None)
                 age = f", {now - t0:.0f} s" if t0 is not None else ""
-                parts.append(f"{w.name} {self._read_state(w)}{age}")
+                parts.append(f"{w.name} {self.states.get(w.name, 'starting')}{age}")
             elif getattr(w, "ready_s", None) is not None:
                 parts.append(f"{w.name} ready in {w.ready_s:.1f} s")
         return f"{self.topology} booting: " + "; ".join(parts)
 
     def tick(self, pending) -> str | None:
+        self.observe(pending)
         if not self.every or not pending or self.clock() < self.next_at:
             return None
         self.next_at = self.clock() + self.every

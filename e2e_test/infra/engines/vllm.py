@@ -446,6 +446,9 @@ WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
 # Its boot log's own phrases (progress.py reads them after the generic markers).
 PROGRESS_MARKERS = (
+    # the API server's first lines, once its imports are done; the engine process's own first
+    # line ("Initializing a V1 LLM engine") comes after that process's imports
+    (r"non-default args", "server imported, starting engine"),
     (r"Initializing a V1 LLM engine", "initializing engine"),
     (r"Starting vLLM server", "serving, waiting for health"),
 )

@@ -19,6 +19,12 @@ and idle-verification waits, unit tests, result files).
 Per role, `boot_by_role_s` sums each cluster's slowest worker of that role (the workers of a
 topology boot in parallel, so the roles overlap and do not add up to `boot_s`).
 
+Per worker boot, `phases` (in each cluster's entry) says when each state of its log was first
+seen (progress.py's markers: the engine's own, e.g. vLLM's "initializing engine" when the
+engine process logs its first line); `boot_phases` gives each state's median duration over the
+session's worker boots (from the state before it, or from the launch: `starting`), so a lane
+shows whether its boots go to imports, weights, KV allocation or warm-up.
+
 Written as timing.json next to summary.json; the plugin prints `headline()` at the end.
 """
 
@@ -112,7 +118,8 @@ def compute(clusters: list[dict], tests: list[Interval], t_start: float, t_end: 
                             "boot_s": c.get("total_ready_s"),
                             "teardown_s": c.get("teardown_s"),
                             "restarts_s": [round(t, 2) for _, t in c.get("restart_boots", ())],
-                            "compile_cache": c.get("compile_cache") or {}})
+                            "compile_cache": c.get("compile_cache") or {},
+                            "phases": c.get("phases") or {}})
 
     def pct(x: float) -> float:
         return round(100.0 * x / wall, 1) if wall > 0 else 0.0
@@ -125,8 +132,54 @@ def compute(clusters: list[dict], tests: list[Interval], t_start: float, t_end: 
                       "teardown": pct(down_s), "idle": pct(idle_s)},
         "boot_by_role_s": by_role,
         "compile_cache": {k: cache.count(k) for k in sorted(set(cache))},
+        "boot_phases": boot_phases(clusters),
         "clusters": per_cluster,
     }
+
+
+def phase_durations(seen: dict[str, float]) -> list[tuple[str, float]]:
+    """One worker boot's states in the order first seen, each with how long it lasted: from
+    the launch (`starting`) to the first state, and from each state to the next; `ready`
+    ends it. Pure."""
+    order = sorted(((t, s) for s, t in seen.items() if s != "ready"), key=lambda x: x[0])
+    end = seen.get("ready")
+    marks = [(0.0, "starting")] + order
+    out = []
+    for i, (t, state) in enumerate(marks):
+        nxt = marks[i + 1][0] if i + 1 < len(marks) else end
+        if nxt is not None:
+            out.append((state, round(max(0.0, nxt - t), 2)))
+    return out
+
+
+def boot_phases(clusters: list[dict]) -> dict:
+    """Each state's median duration over every worker boot of the session that has phases,
+    in the order states first occur: {"boots": N, "median_s": {state: s}}. Pure."""
+    spans: dict[str, list[float]] = {}
+    boots = 0
+    for c in clusters:
+        for seen in (c.get("phases") or {}).values():
+            if "ready" not in seen:
+                continue
+            boots += 1
+            for state, d in phase_durations(seen):
+                spans.setdefault(state, []).append(d)
+
+    def median(xs):
+        xs = sorted(xs)
+        n = len(xs)
+        return round(xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2, 2)
+    return {"boots": boots, "median_s": {s: median(v) for s, v in spans.items()}}
+
+
+def phases_line(rep: dict) -> str | None:
+    """`boot phases (median of N worker boots): starting 25.1 s, initializing engine ...`,
+    None without phases."""
+    bp = rep.get("boot_phases") or {}
+    if not bp.get("boots"):
+        return None
+    return (f"boot phases (median of {bp['boots']} worker boots): "
+            + ", ".join(f"{s} {d:.1f} s" for s, d in bp["median_s"].items()))
 
 
 def headline(rep: dict) -> str:
@@ -164,7 +217,7 @@ def cluster_entry(c) -> dict:
             "workers": dict(t.workers), "roles": {w.name: w.entry.role for w in c.workers},
             "gateway_ready_s": t.gateway_ready_s, "teardown_started": t.teardown_started,
             "teardown_s": t.teardown_s, "restart_boots": list(t.restart_boots),
-            "compile_cache": cache}
+            "compile_cache": cache, "phases": {k: dict(v) for k, v in t.phases.items()}}
 
 
 def write(rep: dict, root: Path) -> Path:
