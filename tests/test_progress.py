@@ -157,3 +157,17 @@ def test_tokenspeed_boot_markers_read_its_h200_log():
     assert set(tokenspeed.ENGINE.progress_markers) <= set(progress.known_markers())
     assert progress.states_in(log) == ["server imported, starting engine", "loading weights",
                                        "allocating KV cache"]
+
+
+def test_a_config_dump_is_no_compile():
+    """The engine's config line names compile settings long before anything compiles; only a
+    line that starts or reports a compile is that state."""
+    config = ("(EngineCore pid=1) INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) "
+              "with config: compilation_config={'compile_sizes': None, 'compile_mm_encoder': "
+              "False}\n(APIServer pid=2) WARNING Enforce eager set, disabling torch.compile and "
+              "CUDAGraphs.\n")
+    assert progress.states_in(config) == ["initializing engine"]
+    assert progress.state_of("INFO torch.compile takes 12.3 s in total") == \
+        "compiling / warming up"
+    assert progress.state_of("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE)") == \
+        "compiling / warming up"

@@ -29,8 +29,11 @@ MARKERS: tuple[tuple[str, str], ...] = (
     (r"Starting to load model|Loading safetensors|Load weight begin|loading weights",
      "loading weights"),
     (r"Loading weights took|Load weight end|Model loading took", "weights loaded"),
-    (r"Warming up model|torch\.compile|compil(e|ing)|Capturing (cuda |CUDA )?graph",
-     "compiling / warming up"),
+    # Lines that start or report a compile; not the bare word, which a worker's config dump
+    # (`compile_sizes`, "disabling torch.compile" under eager) carries long before any
+    # compiling (boot phases would date the compile from the config line).
+    (r"Warming up model|torch\.compile takes|Dynamo bytecode transform|\bcompiling\b"
+     r"|Capturing (cuda |CUDA )?graph", "compiling / warming up"),
     (r"KV cache size|Available KV cache|allocat\w* KV cache|Memory profiling",
      "allocating KV cache"),
     (r"init engine .* took|Warming up done|Graph capturing finished", "engine initialized"),
