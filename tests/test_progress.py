@@ -171,3 +171,23 @@ def test_a_config_dump_is_no_compile():
         "compiling / warming up"
     assert progress.state_of("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE)") == \
         "compiling / warming up"
+
+
+def test_a_worker_relaunched_into_a_new_log_is_read_from_its_start(tmp_path, monkeypatch):
+    """A worker moved to other ports (address in use) writes a new log: its state and phases
+    start over from that log and its own launch, not from the old log's offset."""
+    monkeypatch.setattr(progress, "sink", lambda line: None)
+    clock = Clock()
+    old, new = tmp_path / "w.log", tmp_path / "w.1.log"
+    old.write_text(VLLM_LOG)
+    w = _worker("worker-0", old, started=100.0)
+    boot = progress.BootProgress("1", [w], every_s=10, clock=clock)
+    clock.t = 110.0
+    boot.tick([w])
+    assert boot.states["worker-0"] == "serving, waiting for health"
+    new.write_text(VLLM_LOG.splitlines(keepends=True)[0])
+    w.process = SimpleNamespace(log_path=str(new), started_at=111.0)
+    clock.t = 115.0
+    boot.tick([w])
+    assert boot.states["worker-0"] == "initializing engine"
+    assert boot.phases["worker-0"] == {"initializing engine": 4.0}

@@ -116,6 +116,7 @@ class BootProgress:
         self.tails: dict[str, bytes] = {}
         self.states: dict[str, str] = {}
         self.phases: dict[str, dict[str, float]] = {}
+        self.paths: dict[str, Path] = {}
         self.markers = known_markers()
 
     def observe(self, pending) -> None:
@@ -128,6 +129,12 @@ class BootProgress:
         path = Path(getattr(w.process, "log_path", "") or "")
         markers = (getattr(getattr(w, "command", None), "metadata", None) or {}).get(
             "progress_markers") or self.markers
+        if self.paths.setdefault(w.name, path) != path:
+            # relaunched (a port taken meanwhile: Cluster._handle_early_exit) into a new log:
+            # read it from its start, and its phases from its own launch
+            self.paths[w.name] = path
+            for d in (self.offsets, self.tails, self.states, self.phases):
+                d.pop(w.name, None)
         try:
             with open(path, "rb") as f:
                 f.seek(self.offsets.get(w.name, 0))
