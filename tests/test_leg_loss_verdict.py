@@ -2,6 +2,17 @@
 lanes produced: each case below is a real run's LegLoss, and the broken ones are the negative
 controls of the rules the serving-fault test checks."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from e2e_test.infra.load import serving_faults as sf
 from e2e_test.infra.load.serving_faults import LegLoss, leg_loss_problems
 
 BOUND = 20.0
@@ -80,3 +91,109 @@ def test_a_frozen_prefill_whose_requests_all_fail_passes():
                            past_prefill_at_kill=0, errors_before_first_token=4,
                            status_counts={"502 prefill_request_failed": 4})
     assert leg_loss_problems(ok, BOUND) == []
+
+
+# -- when the killed worker was gone, and whether the harness could see --------------------
+# The CI run at 139e581 (2026-12-02): 4/4 decode streams ended with an error 28.971 s after the
+# SIGKILL, all within 0.1 ms of each other (other runs: 0.14 s); the next request came back 502
+# in 1.128 s. Two explanations fit that record, and the record could not tell them apart; the
+# harness now records what does (`gone_after_kill_s`, `seen_alive_until_s`, `harness_stalls`).
+CI_139E581 = {"max_end_after_kill_s": 28.971, "error_after_kill_s": {"max": 28.9712},
+              "after_kill_request": {**DECODE_502, "seconds": 1.128, "at_s": 29.5}}
+
+
+def test_a_worker_slow_to_die_is_not_the_gateway_wait():
+    # the host ended the SIGKILLed process 28.9 s late; the gateway saw its streams end then
+    loss = decode_loss(**CI_139E581, seen_alive_until_s=28.9, gone_after_kill_s=28.91)
+    assert sf.leg_loss_void(loss, BOUND) is None
+    assert leg_loss_problems(loss, BOUND) == []
+
+
+def test_a_stall_of_the_harness_itself_voids_the_measurement():
+    # the harness froze 28.95 s right after the kill: it read every end late
+    loss = decode_loss(**CI_139E581, seen_alive_until_s=0.01, gone_after_kill_s=28.96,
+                       harness_stalls=[[0.01, 28.95]])
+    why = sf.leg_loss_void(loss, BOUND)
+    assert why and "stalled 28.95 s" in why
+    assert any("still open 28.971 s" in p for p in leg_loss_problems(loss, BOUND))
+
+
+def test_a_gateway_that_holds_streams_of_a_dead_worker_fails():
+    loss = decode_loss(**CI_139E581, seen_alive_until_s=0.05, gone_after_kill_s=0.06,
+                       gateway_stream_failures=["09:57:04"] * 4, kill_utc="09:56:35.102")
+    assert sf.leg_loss_void(loss, BOUND) is None
+    problems = leg_loss_problems(loss, BOUND)
+    assert len(problems) == 1 and "still open 28.971 s" in problems[0]
+    assert "last seen alive 0.05 s" in problems[0] and "09:57:04" in problems[0]
+
+
+def test_a_stall_too_short_to_explain_the_excess_leaves_the_failure():
+    # negative control of the void rule: 8.9 s over the bound, a 0.4 s stall
+    loss = decode_loss(**CI_139E581, seen_alive_until_s=0.05, gone_after_kill_s=0.06,
+                       harness_stalls=[[5.0, 0.4]])
+    assert sf.leg_loss_void(loss, BOUND) is None
+    assert any("still open" in p for p in leg_loss_problems(loss, BOUND))
+
+
+def test_a_slow_next_request_is_void_only_under_a_stall_that_covers_it():
+    after = {**DECODE_502, "seconds": 29.689, "at_s": 0.7}
+    stalled = decode_loss(after_kill_request=after, harness_stalls=[[1.0, 29.0]])
+    assert "next request took 29.689 s" in sf.leg_loss_void(stalled, BOUND)
+    elsewhere = decode_loss(after_kill_request=after, harness_stalls=[[40.0, 29.0]])
+    assert sf.leg_loss_void(elsewhere, BOUND) is None
+    assert any("took 29.689 s to fail" in p for p in leg_loss_problems(elsewhere, BOUND))
+
+
+def test_a_worker_that_never_died_fails():
+    loss = decode_loss(seen_alive_until_s=121.2, gone_after_kill_s=None, max_end_after_kill_s=0.2)
+    assert any("still alive 121.2 s after SIGKILL" in p for p in leg_loss_problems(loss, BOUND))
+
+
+def test_killwatch_sees_a_process_end_as_a_zombie_and_when():
+    # a real process, ended 0.3 s after the watch starts and left unreaped (a zombie)
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        t0 = time.monotonic()
+        w = sf.KillWatch([psutil.Process(p.pid)], t0).start()
+        time.sleep(0.3)
+        os.kill(p.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while w.gone_s is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        w.stop()
+        assert psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE
+        assert w.gone_s is not None and 0.3 <= w.gone_s < 1.5, w.gone_s
+        assert 0.25 <= w.seen_alive_until_s < w.gone_s
+    finally:
+        p.kill()
+        p.wait()
+
+
+WATCHER = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from e2e_test.infra.load.serving_faults import KillWatch
+w = KillWatch([], time.monotonic()).start()
+print("ready", flush=True)
+time.sleep(1.5)
+print(json.dumps(w.stop().stalls), flush=True)
+"""
+
+
+def test_killwatch_records_a_frozen_harness():
+    # the watching process SIGSTOPped for 0.6 s (a frozen host, as seen from inside)
+    root = str(Path(__file__).resolve().parents[1])
+    p = subprocess.Popen([sys.executable, "-c", WATCHER, root], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.6)
+        os.kill(p.pid, signal.SIGCONT)
+        stalls = json.loads(p.stdout.readline())
+    finally:
+        p.kill()
+        p.wait()
+    assert len(stalls) == 1, stalls
+    assert 0.55 <= stalls[0][1] < 1.2, stalls

@@ -77,15 +77,32 @@ def test_cancel_during_decode(cluster, record):
     _check_cancel(sf.cancel_during_decode(cluster, bound_s=CANCEL_IDLE_S), record)
 
 
-def _check_leg_loss(loss: sf.LegLoss):
+def _leg_loss(c, role: str, record, **kw) -> sf.LegLoss:
+    """Kill the `role` leg mid-traffic and judge it. A measurement the harness's own stall
+    voids (sf.leg_loss_void: the stall alone explains the time over the bound) is taken once
+    more after restarting the leg; void twice is an error, never a pass."""
+    loss = sf.leg_loss(c, role, **kw)
+    why = sf.leg_loss_void(loss, LEG_LOSS_S)
+    if why:
+        record[f"{role}_leg_loss_void"] = loss.to_dict()
+        print(f"{role} leg loss void ({why}): restarting the leg and measuring again")
+        for w in c.role(role):
+            c.restart(w.name)
+        loss = sf.leg_loss(c, role, **kw)
+        why = sf.leg_loss_void(loss, LEG_LOSS_S)
+        if why:
+            raise HarnessError(f"{role} leg loss void twice, no verdict: {why}")
+    record[f"{role}_leg_loss"] = loss.to_dict()
     print(f"{loss.role} leg lost ({', '.join(loss.killed)} SIGKILL): {loss.errors}/"
           f"{loss.requests} ended with an error ({loss.past_prefill_at_kill} past prefill at "
           f"the kill), errors {loss.error_after_kill_s} s after the kill, every request ended "
-          f"within {loss.max_end_after_kill_s} s; statuses {loss.status_counts}; first: "
-          f"{loss.first_errors[:1]}; next request {loss.after_kill_request}; "
-          f"harness: {loss.dead}")
+          f"within {loss.max_end_after_kill_s} s; processes gone {loss.gone_after_kill_s} s "
+          f"after the kill; harness stalls {loss.harness_stalls or 'none'}; statuses "
+          f"{loss.status_counts}; first: {loss.first_errors[:1]}; next request "
+          f"{loss.after_kill_request}; harness: {loss.dead}")
     problems = sf.leg_loss_problems(loss, LEG_LOSS_S)
     assert not problems, f"{'; '.join(problems)}. {loss}"
+    return loss
 
 
 @pytest.mark.engines("vllm")
@@ -98,9 +115,7 @@ def test_pd_leg_loss_restart_rejoin(cluster, cluster_pool, record):
     restart it on its ports (re-registered with smg) and see it take traffic, then freeze
     the prefill leg, send requests to it and kill it."""
     c = cluster
-    decode = sf.leg_loss(c, "decode")
-    record["decode_leg_loss"] = decode.to_dict()
-    _check_leg_loss(decode)
+    _leg_loss(c, "decode", record)
 
     name = c.role("decode")[0].name
     before = sf.selections(c)
@@ -126,10 +141,8 @@ def test_pd_leg_loss_restart_rejoin(cluster, cluster_pool, record):
 
     # The prefill leg frozen (SIGSTOP) before the requests start and killed 1 s in: every
     # request is waiting on it at the kill, on any hardware.
-    prefill = sf.leg_loss(c, "prefill", max_tokens=64, prompt_words=400, kill_after_s=1.0,
-                          freeze_first=True)
-    record["prefill_leg_loss"] = prefill.to_dict()
-    _check_leg_loss(prefill)
+    _leg_loss(c, "prefill", record, max_tokens=64, prompt_words=400, kill_after_s=1.0,
+              freeze_first=True)
     rep = cluster_pool.release()
     record["teardown"] = rep.to_dict()
     assert rep.ok, rep.verdict()

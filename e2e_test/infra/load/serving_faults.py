@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+import psutil
 
 from ..cluster import idle
 from ..errors import HarnessError
@@ -369,6 +371,16 @@ class LegLoss:
     dead: str | None = None
     frozen_first: bool = False          # the role was SIGSTOPped before traffic (see leg_loss)
     after_kill_request: dict = field(default_factory=dict)
+    # When the killed processes were gone (KillWatch): the gateway cannot see a leg lost
+    # before its sockets close, so the bound counts from the last moment one was seen alive.
+    gone_after_kill_s: float | None = None
+    seen_alive_until_s: float | None = None
+    # This process's own stalls (KillWatch polls more than 0.25 s apart), [at s after the
+    # kill, length s]: while stalled the harness cannot see, and every time it took then is
+    # late by up to the stall.
+    harness_stalls: list = field(default_factory=list)
+    kill_utc: str = ""
+    gateway_stream_failures: list = field(default_factory=list)   # smg's log times (UTC, 1 s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -398,6 +410,81 @@ def freeze_role(cluster, role: str) -> list[str]:
     return signal_role(cluster, role, signal.SIGSTOP)
 
 
+def _gone(p: psutil.Process) -> bool:
+    """Ended: reaped, or a zombie (its files, sockets included, are closed by then)."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+class KillWatch:
+    """Polls processes every `every` s from a kill on, in a thread: when the last of them was
+    gone (`gone_s`), the last poll that still saw one alive (`seen_alive_until_s`), and the
+    gaps between polls longer than `stall_s` (`stalls`, [at, length], seconds after the
+    kill): this process stalled there (GIL, CPU starvation, a frozen host), and anything it
+    timed then is late by up to the gap. Times are seconds after `t_kill` (monotonic)."""
+
+    def __init__(self, procs: list, t_kill: float, every: float = 0.01, stall_s: float = 0.25):
+        self.procs, self.t_kill, self.every, self.stall_s = list(procs), t_kill, every, stall_s
+        self.gone_s: float | None = None
+        self.seen_alive_until_s: float = 0.0     # alive when signalled, by definition
+        self.stalls: list[list[float]] = []
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._run, daemon=True, name="kill-watch")
+
+    def start(self) -> "KillWatch":
+        self._th.start()
+        return self
+
+    def stop(self) -> "KillWatch":
+        self._stop.set()
+        self._th.join(5)
+        return self
+
+    def _run(self) -> None:
+        prev = self.t_kill
+        while True:
+            now = time.monotonic()
+            if now - prev > self.stall_s:
+                self.stalls.append([round(prev - self.t_kill, 3), round(now - prev, 3)])
+            prev = now
+            if self.gone_s is None:
+                if all(_gone(p) for p in self.procs):
+                    self.gone_s = round(now - self.t_kill, 3)
+                else:
+                    self.seen_alive_until_s = round(now - self.t_kill, 3)
+            if self._stop.wait(self.every):
+                return
+
+
+def _role_processes(cluster, role: str) -> list:
+    out = []
+    for w in cluster.role(role):
+        w.process.remember_descendants()
+        tree = getattr(w.process, "tree", None)
+        if tree is None:
+            continue
+        out += tree()
+    return out
+
+
+def _gateway_lines(cluster, offset: int, needle: str) -> list[str]:
+    """The UTC times (smg prints whole seconds) of gateway log lines past `offset` that
+    contain `needle`."""
+    if cluster.gateway is None:
+        return []
+    text = cluster.gateway.log_text(50_000_000)[offset:]
+    out = []
+    for ln in text.splitlines():
+        if needle in ln:
+            m = re.search(r"\d{4}-\d\d-\d\d[ T](\d\d:\d\d:\d\d)", re.sub(r"\x1b\[[0-9;]*m", "", ln))
+            out.append(m.group(1) if m else "?")
+    return out
+
+
 def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s: float = 3.0,
              prompt_words: int = 0, hang_s: float = 120.0, freeze_first: bool = False) -> LegLoss:
     """Stream `n` requests, SIGKILL every `role` worker `kill_after_s` into the run, and see
@@ -423,14 +510,21 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s
     th = threading.Thread(target=drive, daemon=True)
     th.start()
     time.sleep(kill_after_s)
+    procs = _role_processes(cluster, role)
+    log0 = len(cluster.gateway.log_text(50_000_000)) if cluster.gateway else 0
+    now = time.time()
+    kill_utc = time.strftime("%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}"
     t_kill = time.monotonic()
+    watch = KillWatch(procs, t_kill).start()
     killed = kill_role(cluster, role)
     th.join(hang_s + 30)
     if th.is_alive():
+        watch.stop()
         raise HarnessError(f"leg loss ({role}): requests still open {hang_s + 30:.0f} s after "
                            f"killing {', '.join(killed)}")
     rep: load.RunReport = box["report"]
-    res = LegLoss(role, killed, n, status_counts=rep.status_counts(), frozen_first=freeze_first)
+    res = LegLoss(role, killed, n, status_counts=rep.status_counts(), frozen_first=freeze_first,
+                  kill_utc=kill_utc)
     kill_rel = t_kill - box["t_run"]
     ends, all_ends = [], []
     for r in rep.results:
@@ -456,23 +550,76 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s
     res.max_end_after_kill_s = round(max(all_ends), 3) if all_ends else None
     time.sleep(0.5)
     res.dead = cluster.dead_processes()
+    t_after = time.monotonic() - t_kill
     res.after_kill_request = watched_request(cluster, _body(cluster, "Say OK.", 4, False),
                                              timeout=hang_s)
+    res.after_kill_request["at_s"] = round(t_after, 3)
+    watch.stop()
+    res.gone_after_kill_s = watch.gone_s
+    res.seen_alive_until_s = watch.seen_alive_until_s
+    res.harness_stalls = watch.stalls
+    res.gateway_stream_failures = _gateway_lines(cluster, log0, "Stream ended by the worker")
     return res
 
 
+def _stall_over(loss: LegLoss, start: float, end: float) -> float:
+    return max((g for at, g in loss.harness_stalls if at <= end and at + g >= start), default=0.0)
+
+
+def _open_after_gone(loss: LegLoss) -> float | None:
+    """How long the last request stayed open after the killed processes could have been gone
+    (the last moment one was seen alive; the kill itself where not watched)."""
+    if loss.max_end_after_kill_s is None:
+        return None
+    return round(loss.max_end_after_kill_s - (loss.seen_alive_until_s or 0.0), 3)
+
+
+def leg_loss_void(loss: LegLoss, bound_s: float) -> str | None:
+    """Why this measurement cannot judge the gateway (None: it can): a time over `bound_s`
+    that a stall of the harness itself, overlapping it, is long enough to explain (the
+    harness saw the end late, not the gateway). Measure again; a stall too short to explain
+    the excess leaves the verdict standing."""
+    out = []
+    open_s = _open_after_gone(loss)
+    if open_s is not None and open_s > bound_s:
+        start = loss.seen_alive_until_s or 0.0
+        stall = _stall_over(loss, start, loss.max_end_after_kill_s)
+        if stall >= open_s - bound_s:
+            out.append(f"a request ended {open_s} s after the leg could have been gone, while "
+                       f"the harness itself stalled {stall} s (stalls {loss.harness_stalls})")
+    after = loss.after_kill_request
+    secs, at = after.get("seconds"), after.get("at_s")
+    if secs is not None and at is not None and secs > bound_s and after.get("status") != 200:
+        stall = _stall_over(loss, at, at + secs)
+        if stall >= secs - bound_s:
+            out.append(f"the next request took {secs} s while the harness itself stalled "
+                       f"{stall} s")
+    return "; ".join(out) or None
+
+
 def leg_loss_problems(loss: LegLoss, bound_s: float) -> list[str]:
-    """What a leg loss did wrong, one line each (empty: it behaved). The rules:
-    - none hangs: every request ended, ok or not, within `bound_s` of the kill;
+    """What a leg loss did wrong, one line each (empty: it behaved); first ask
+    `leg_loss_void` whether the measurement can judge at all. The rules:
+    - none hangs: every request ended, ok or not, within `bound_s` of the killed processes
+      being gone (of the last poll that saw one alive: a host slow to end a SIGKILLed
+      process is not the gateway's wait), and they were gone at all;
     - decode lost: every request streams from it, so all of them fail;
     - prefill lost: it was frozen before the requests started (`freeze_first`), so every one
       was waiting on it at the kill: all fail, none after a first token;
     - no error without a message; the harness names every killed worker as dead;
     - the next request after the kill is an error (never a 200) within `bound_s`."""
     out = []
-    if loss.max_end_after_kill_s is None or loss.max_end_after_kill_s > bound_s:
+    open_s = _open_after_gone(loss)
+    if open_s is None or open_s > bound_s:
+        gone = ("" if not loss.seen_alive_until_s else
+                f"; {', '.join(loss.killed)} last seen alive {loss.seen_alive_until_s} s "
+                f"after the kill")
         out.append(f"a request was still open {loss.max_end_after_kill_s} s after the kill "
-                   f"(bound {bound_s} s)")
+                   f"(bound {bound_s} s{gone}; gateway saw streams end at "
+                   f"{loss.gateway_stream_failures or '-'} UTC, kill at {loss.kill_utc or '-'})")
+    if loss.gone_after_kill_s is None and loss.seen_alive_until_s:
+        out.append(f"{', '.join(loss.killed)} still alive {loss.seen_alive_until_s} s after "
+                   f"SIGKILL")
     if loss.role == "decode":
         if loss.ok or loss.in_flight_at_kill != loss.requests:
             out.append(f"decode lost, yet {loss.ok}/{loss.requests} answered and "
