@@ -405,9 +405,23 @@ def test_first_token_without_logprob_is_matched_by_text_and_the_rest_compared():
     assert it.first_step_delta == pytest.approx(0.0)      # ' pass' against ' pass'
     assert "matched by text" in c.line()
     # Negative controls: another first token, or a later divergence, are still seen.
+    # Another first token against a top-k-0 baseline is a possible near-tie, its gap at
+    # least logit(p) of the baseline's token: 'The' at p = 0.74 is 1.05 nats from any other.
     other = _pass({0: cand[0]}, {0: "A pass code is 0-3"})
     bad = oracle.compare("recall", "ts/1", "ts/1p1d", base, other).items[0]
-    assert bad.verdict == "mismatch" and "'A'" in bad.reason and "text" in bad.reason
+    assert (bad.divergence, bad.position, bad.tokens) == ("bound", 0, ("The", "A"))
+    assert bad.gap == pytest.approx(oracle._logit_floor(-0.3)) and "text" in bad.reason
+    assert oracle.classify(bad, 0.728, 1.0).verdict == "mismatch"      # not a tie
+    assert oracle.classify(bad, 1.2, 1.0).verdict == "numerics"
+    # ...and a baseline token of p = 0.5 could tie with anything: numerics under any bound.
+    even = _pass({0: sampled_only(("The", math.log(0.5)), *[(s.token, s.logprob)
+                                                            for s in base[0][1:]])}, {0: text})
+    tie = oracle.compare("recall", "ts/1", "ts/1p1d", even, other).items[0]
+    assert tie.gap == pytest.approx(0.0) and oracle.classify(tie, 0.1, 1.0).verdict == "numerics"
+    # A side that reports top-k keeps the text mismatch (its alternatives would say).
+    topk = _pass({0: [Step("The", -0.3, {"The": -0.3, "A": -1.5})] + base[0][1:]}, {0: text})
+    tk = oracle.compare("recall", "ts/1", "ts/1p1d", topk, other).items[0]
+    assert tk.verdict == "mismatch" and tk.divergence == "outside" and "'A'" in tk.reason
     late = _pass({0: sampled_only((" pass", -0.2), (" code", -0.1), (" was", -0.01),
                                   (" 0-3", -0.5))}, {0: "The pass code was 0-3"})
     lv = oracle.compare("recall", "ts/1", "ts/1p1d", base, late).items[0]

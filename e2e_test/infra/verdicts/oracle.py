@@ -523,6 +523,30 @@ def align_lead(base: list[Step], cand: list[Step], lead_a: str, lead_b: str
     return (base[k:], cand, k) if steps is base else (base, cand[k:], k)
 
 
+def lead_divergence(index, base: list[Step], cand: list[Step], lead_a: str, lead_b: str
+                    ) -> ItemVerdict | None:
+    """An answer whose first token came without a logprob (its `lead`, text only) and differs
+    from the other side's first step, where that step reports its sampled token's logprob
+    alone (top-k 0): a possible near-tie like any other top-k-0 divergence (`_structural`),
+    its gap at least logit(p) of the step's token. The lead's own logprob is not reported,
+    so it adds nothing to that lower bound. None where this does not apply (a divergence
+    after the first token, or a side that reports top-k: `align_lead`'s text mismatch
+    stands)."""
+    long_, short = (lead_a, lead_b) if len(lead_a) > len(lead_b) else (lead_b, lead_a)
+    steps = base if long_ is lead_b else cand
+    if short or not steps or steps[0].top_reported or long_.startswith(steps[0].token):
+        return None
+    first = steps[0]
+    gap = _logit_floor(first.logprob)
+    tokens = (first.token, long_) if steps is base else (long_, first.token)
+    who = "baseline" if steps is base else "candidate"
+    return ItemVerdict(index=index, verdict="numerics", position=0, tokens=tokens, gap=gap,
+                       compared=1, divergence="bound", text_only=1,
+                       reason=(f"token 0: possible near-tie {tokens[0]!r}/{tokens[1]!r} (text, "
+                               f"no logprob reported on one side; top-k not reported; gap at "
+                               f"least {gap:.3f} nats from the {who}'s p)"))
+
+
 def _evidence(side: str, name: str, label: str, steps: dict) -> None:
     """Every answered item of a pass must carry per-token logprobs: else one sentence. An
     item whose only tokens came without logprobs (a `lead` checked against its text) counts
@@ -566,11 +590,13 @@ def compare(name: str, a_label: str, b_label: str, base: dict, cand: dict, **kw)
                                                f"request failed on {where}")))
             continue
         a, b = base[idx], cand[idx]
-        aligned = align_lead(a, b, getattr(base, "lead", {}).get(idx) or "",
-                             getattr(cand, "lead", {}).get(idx) or "")
+        lead_a = getattr(base, "lead", {}).get(idx) or ""
+        lead_b = getattr(cand, "lead", {}).get(idx) or ""
+        aligned = align_lead(a, b, lead_a, lead_b)
         if isinstance(aligned, str):
-            c.items.append(ItemVerdict(index=idx, verdict="mismatch", position=0,
-                                       divergence="outside", reason=aligned))
+            c.items.append(lead_divergence(idx, a, b, lead_a, lead_b) or ItemVerdict(
+                index=idx, verdict="mismatch", position=0, divergence="outside",
+                reason=aligned))
             continue
         a, b, k = aligned
         if not a and not b:
