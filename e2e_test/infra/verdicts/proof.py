@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
 import httpx
@@ -160,9 +160,12 @@ def image_chat_body(model: str, text: str, image_uri: str, max_tokens: int = 8) 
 @dataclass
 class LegsProof:
     """Per worker of a PD topology, what its counters moved over `requests` prompts through
-    the gateway: {worker: {"role": role, counter: delta, ...}}."""
+    the gateway: {worker: {"role": role, counter: delta, ...}}; `gateway`: smg's own counts
+    over the same prompts (gateway_dispatch), with its selection totals before and after by
+    every label set, so a count that did not move says which series it read."""
     requests: int
     legs: dict
+    gateway: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -225,5 +228,9 @@ def legs_traffic(cluster, own: dict, foreign: dict, n: int | None = None,
     legs, problems = legs_problems(named, before, after, own, foreign)
     gw = gateway_dispatch(b_g, a_g)
     problems = dispatch_problems(SimpleNamespace(**gw), n) + problems
-    return verdict(f"PD legs ({n} requests)", cluster, problems, LegsProof(n, legs))
+    sel = {when: {",".join(f"{k}={v}" for k, v in labels): value
+                  for (name, labels), value in g.items() if name == "smg_worker_selection_total"}
+           for when, g in (("before", b_g), ("after", a_g))}
+    return verdict(f"PD legs ({n} requests)", cluster, problems,
+                   LegsProof(n, legs, dict(gw, selection_series=sel)))
 
