@@ -144,17 +144,21 @@ class ManagedProcess:
                 continue
         return [p for p in found.values() if reaper.running(p)]
 
-    def signal_tree(self, sig: int) -> None:
+    def signal_tree(self, sig: int) -> list[psutil.Process]:
+        """Send `sig` to the session's group, then to every process of the tree still running;
+        those processes."""
         if self.pid > 0:
             try:
                 os.killpg(self.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        for p in self.tree():
+        procs = self.tree()
+        for p in procs:
             try:
                 p.send_signal(sig)
             except psutil.Error:
                 pass
+        return procs
 
     def kill(self) -> None:
         """SIGKILL the whole tree at once, no grace (the second Ctrl-C)."""

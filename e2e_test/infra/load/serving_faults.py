@@ -386,22 +386,25 @@ class LegLoss:
         return asdict(self)
 
 
-def signal_role(cluster, role: str, sig: int) -> list[str]:
+def signal_role(cluster, role: str, sig: int, signalled: list | None = None) -> list[str]:
     """Send `sig` to every process of every worker of `role` (API server and engine
-    children); the workers' names."""
+    children); the workers' names. `signalled`, where given, receives the processes that
+    were still running when signalled (what a KillWatch watches)."""
     names = []
     for w in cluster.role(role):
         w.process.remember_descendants()
-        w.process.signal_tree(sig)
+        procs = w.process.signal_tree(sig)
+        if signalled is not None:
+            signalled += procs or []
         names.append(w.name)
     if not names:
         raise HarnessError(f"topology {cluster.topology.name} has no {role} workers")
     return names
 
 
-def kill_role(cluster, role: str) -> list[str]:
+def kill_role(cluster, role: str, signalled: list | None = None) -> list[str]:
     """SIGKILL every process of every worker of `role`."""
-    return signal_role(cluster, role, signal.SIGKILL)
+    return signal_role(cluster, role, signal.SIGKILL, signalled)
 
 
 def freeze_role(cluster, role: str) -> list[str]:
@@ -435,11 +438,11 @@ class KillWatch:
         self._stop = threading.Event()
         self._th = threading.Thread(target=self._run, daemon=True, name="kill-watch")
 
-    def start(self) -> "KillWatch":
+    def start(self) -> KillWatch:
         self._th.start()
         return self
 
-    def stop(self) -> "KillWatch":
+    def stop(self) -> KillWatch:
         self._stop.set()
         self._th.join(5)
         return self
@@ -460,25 +463,16 @@ class KillWatch:
                 return
 
 
-def _role_processes(cluster, role: str) -> list:
-    out = []
-    for w in cluster.role(role):
-        w.process.remember_descendants()
-        tree = getattr(w.process, "tree", None)
-        if tree is None:
-            continue
-        out += tree()
-    return out
+def _gateway_log(cluster, offset: int = 0) -> str:
+    """The gateway's log past `offset` ("" without a gateway); len() of it is the next offset."""
+    return cluster.gateway.log_text(50_000_000)[offset:] if cluster.gateway else ""
 
 
 def _gateway_lines(cluster, offset: int, needle: str) -> list[str]:
     """The UTC times (smg prints whole seconds) of gateway log lines past `offset` that
     contain `needle`."""
-    if cluster.gateway is None:
-        return []
-    text = cluster.gateway.log_text(50_000_000)[offset:]
     out = []
-    for ln in text.splitlines():
+    for ln in _gateway_log(cluster, offset).splitlines():
         if needle in ln:
             m = re.search(r"\d{4}-\d\d-\d\d[ T](\d\d:\d\d:\d\d)", re.sub(r"\x1b\[[0-9;]*m", "", ln))
             out.append(m.group(1) if m else "?")
@@ -510,13 +504,15 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int = 512, kill_after_s
     th = threading.Thread(target=drive, daemon=True)
     th.start()
     time.sleep(kill_after_s)
-    procs = _role_processes(cluster, role)
-    log0 = len(cluster.gateway.log_text(50_000_000)) if cluster.gateway else 0
+    log0 = len(_gateway_log(cluster))
     now = time.time()
     kill_utc = time.strftime("%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}"
     t_kill = time.monotonic()
+    procs: list = []
+    killed = kill_role(cluster, role, procs)
+    # started after the kill's own walk of the process table: a poll gap from t_kill on
+    # records the time that walk took as a stall, as it is (the harness could not see then)
     watch = KillWatch(procs, t_kill).start()
-    killed = kill_role(cluster, role)
     th.join(hang_s + 30)
     if th.is_alive():
         watch.stop()
@@ -653,7 +649,7 @@ def watched_request(cluster, body: dict, timeout: float) -> dict:
     an engine was busy or the wait was elsewhere."""
     gauges = idle.gauges_of(cluster) or {}
     live = [w for w in cluster.workers if w.process is not None and w.process.alive()]
-    log0 = len(cluster.gateway.log_text(50_000_000)) if cluster.gateway else 0
+    log0 = len(_gateway_log(cluster))
     work0 = {w.name: cluster.worker_work(w) for w in live}
     busy = {w.name: 0.0 for w in live}
     stop = threading.Event()
@@ -679,7 +675,7 @@ def watched_request(cluster, body: dict, timeout: float) -> dict:
     out["seconds"] = round(time.monotonic() - t0, 3)
     stop.set()
     th.join(5)
-    text = cluster.gateway.log_text(50_000_000)[log0:] if cluster.gateway else ""
+    text = _gateway_log(cluster, log0)
     out["gateway_transport_errors"] = sum("transport error" in ln for ln in text.splitlines())
     out["workers"] = {w.name: {"tokens": _delta(work0[w.name], cluster.worker_work(w)),
                                "busy_s": round(busy[w.name], 2)} for w in live}
