@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,16 +32,15 @@ from .infra.engines import (
     kind_engines,
 )
 from .infra.errors import HarnessError
+from .infra.lifecycle import teardown
+from .infra.lifecycle.launcher import Baseline, LocalLauncher
 from .infra.reports import results, time_report
-from .infra.specs import settings
+from .infra.specs import coboot, devices, settings
 from .infra.specs import topology as topologies
 from .infra.specs.model_specs import DEFAULT_MODEL, get_spec
 from .infra.specs.settings import options_from_env
 from .infra.specs.topology import Topology
 from .infra.verdicts import datasets
-from .infra.lifecycle import teardown
-from .infra.lifecycle.launcher import Baseline, LocalLauncher
-from .infra.specs import coboot, devices
 from .pytest_lanes import device_shortfall, require_devices, reusable_plan  # noqa: F401  (public helpers)
 from .pytest_state import OUTCOME, RECORDED, state
 
@@ -94,18 +95,56 @@ _DEFAULTS = {"--engine": ",".join(engine_names()), "--topology": DEFAULT_TOPOLOG
              "--model": settings.DEFAULT_MODEL}
 
 
+_PENDING: list[tuple] = []     # (config, line) of other threads, for the main thread to write
+
+
 def _live_lines(config):
     """Progress lines (infra/cluster/progress.py) past pytest's output capture: a lane's log shows
-    them while a topology boots or an eval runs, not only when a test fails."""
+    them while a topology boots or an eval runs, not only when a test fails. Only the main
+    thread may suspend the capture (pytest's capture is not thread-safe): a line from a boot
+    or a pass ahead waits in _PENDING until the main thread writes it (flush_lines: at each
+    test's start and end, and every second while it waits for a boot or a pass)."""
     def write(line: str) -> None:
-        capman = config.pluginmanager.get_plugin("capturemanager")
-        tr = config.pluginmanager.get_plugin("terminalreporter")
-        if capman is None or tr is None:
-            print(line, file=sys.stderr, flush=True)
+        if threading.current_thread() is not threading.main_thread():
+            _PENDING.append((config, line))
             return
-        with capman.global_and_fixture_disabled():
-            tr.write_line(line)
+        flush_lines()
+        _write_line(config, line)
     return write
+
+
+def flush_lines() -> None:
+    """Write the other threads' pending progress lines (main thread only)."""
+    while _PENDING:
+        _write_line(*_PENDING.pop(0))
+
+
+def wait_flushing(fut):
+    """fut.result(), writing the other threads' progress lines every second meanwhile."""
+    while True:
+        try:
+            return fut.result(timeout=1.0)
+        except FutureTimeout:
+            if threading.current_thread() is threading.main_thread():
+                flush_lines()
+
+
+def _write_line(config, line: str) -> None:
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if capman is None or tr is None:
+        print(line, file=sys.stderr, flush=True)
+        return
+    with capman.global_and_fixture_disabled():
+        tr.write_line(line)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    flush_lines()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    flush_lines()
 
 
 def pytest_configure(config):
@@ -212,13 +251,88 @@ def pytest_collection_modifyitems(session, config, items):
 
     items.sort(key=key)
     # The shared topologies in the order their tests run: what the lane-level placement
-    # (ClusterPool.boot_schedule) decides over.
+    # (coboot.py, decide_schedule) decides over.
     keys = []
     for item in items:
-        ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key")
-        if ck and "own_cluster" not in getattr(item, "fixturenames", ()) and ck not in keys:
+        ck = _shared_key(item)
+        if ck and ck not in keys:
             keys.append(ck)
-    state(config).cluster_keys = keys
+    st = state(config)
+    st.cluster_keys = keys
+    if not keys:
+        return
+    try:
+        sched = st.schedule = decide_schedule(config)
+    except HarnessError:    # e.g. cuda asked of a machine with no GPU: the tests' own fixtures
+        return              # say it (the pool decides again at the first test, and raises)
+    # Traffic ahead (coboot.py): a regular topology booted together with topologies judged
+    # against it sends its tests' passes from a thread while their tests run.
+    steps: dict = {}
+    for item in items:
+        ck, m = _shared_key(item), item.get_closest_marker("ahead")
+        if ck and m:
+            params = {k: v for k, v in item.callspec.params.items() if k != "cluster_key"}
+            steps.setdefault(ck, []).append((item.nodeid, m.args[0], params))
+    ahead = ()
+    if settings.get("E2E_TRAFFIC_AHEAD") == "auto":
+        ahead = coboot.ahead_keys(sched, {k: k[1].kind for k in steps})
+    if ahead:
+        def wave_key(item):
+            ck = _shared_key(item)
+            if not ck or ck not in keys:
+                return key(item)
+            w = sched.wave_of(ck)
+            return (1, w, *coboot.wave_order(
+                ck, sched.waves[w], ahead, breaks=bool(item.get_closest_marker("breaks_cluster")),
+                needs_baseline=bool(item.get_closest_marker("needs_baseline"))),
+                mod[id(item)], pos[id(item)])
+        items.sort(key=wave_key)
+    st.ahead = {k: steps[k] for k in ahead}
+    st.key_items = {}
+    for item in items:
+        if (ck := _shared_key(item)):
+            st.key_items.setdefault(ck, []).append(item.nodeid)
+
+
+def _shared_key(item):
+    """The shared topology's key of a test (engine, topology, profile...); None for a test
+    with no shared topology or with its own (own_cluster)."""
+    ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key")
+    if not ck or "own_cluster" in getattr(item, "fixturenames", ()):
+        return None
+    return ck
+
+
+def decide_schedule(config) -> coboot.BootSchedule:
+    """The lane-level placement of the session's shared topologies (coboot.py), from the keys
+    collected, their plans, the backend, the GPUs' free memory and the cores;
+    E2E_BOOT_SCHEDULE overrides. Decided at collection: the order of the tests follows it."""
+    keys = list(state(config).cluster_keys)
+    backend = startup.resolve_backend(config.getoption("--backend"))
+    how = settings.get("E2E_BOOT_SCHEDULE")
+    if how == "serial":
+        return coboot.serial(keys, "E2E_BOOT_SCHEDULE=serial")
+    keyed = []
+    for k in keys:
+        engine, topo, *_ = k
+        plan = None
+        if settings.get("E2E_LAUNCHER") == "local":
+            plan = reusable_plan(config, topologies.parse(topo), backend, engine)
+        if plan is None:
+            return coboot.serial(keys, f"{coboot.key_name(k)} is placed when it boots "
+                                       "(nodes, launcher or too few devices): one at a time")
+        keyed.append((k, plan))
+    cores = len(devices.affinity())
+    if how == "together":
+        return coboot.BootSchedule("together", (tuple(keys),) if keys else (),
+                                   "E2E_BOOT_SCHEDULE=together")
+    gpus = sorted({g for _, p in keyed for g in p.devices}) if backend == "cuda" else []
+    free = devices.gpu_free_share(gpus) if backend == "cuda" else None
+    spec = get_spec(config.getoption("--model"))
+    drivers = {k: for_topology(k[0], topologies.parse(k[1])) for k in keys}
+    alone = {k: why for k in keys if (why := drivers[k].alone_reason(spec))}
+    held = {k: h for k, p in keyed if (h := drivers[k].held_share(p))}
+    return coboot.schedule(keyed, backend, free, cores, alone=alone, held=held)
 
 
 @dataclass(frozen=True)
@@ -282,44 +396,25 @@ class ClusterPool:
         self.waves_started: set[int] = set()
         self.wave_base: dict[int, Baseline] = {}
         self.wave_left: dict[int, set] = {}      # wave -> keys not yet stopped
+        self.chains: dict = {}                   # key -> Future of its passes ahead
         self._executor: ThreadPoolExecutor | None = None
+        self._ahead_executor: ThreadPoolExecutor | None = None
 
     # -- the schedule ---------------------------------------------------------------------------
     def boot_schedule(self) -> coboot.BootSchedule:
         if self.schedule is None:
-            self.schedule = self._decide()
             st = state(self.config)
+            if st.schedule is None:        # keys known only now (a nested or partial session)
+                st.schedule = decide_schedule(self.config)
+            self.schedule = st.schedule
             st.boot_schedule = self.schedule.to_dict()
-            print(f"\nboot schedule: {self.schedule.mode}: {self.schedule.reason}")
+            if st.ahead:
+                st.boot_schedule["ahead"] = {coboot.key_name(k): len(v)
+                                             for k, v in st.ahead.items()}
+            print(f"\nboot schedule: {self.schedule.mode}: {self.schedule.reason}"
+                  + (f"; passes ahead: {', '.join(coboot.key_name(k) for k in st.ahead)}"
+                     if st.ahead else ""))
         return self.schedule
-
-    def _decide(self) -> coboot.BootSchedule:
-        keys = list(state(self.config).cluster_keys)
-        backend = startup.resolve_backend(self.config.getoption("--backend"))
-        how = settings.get("E2E_BOOT_SCHEDULE")
-        if how == "serial":
-            return coboot.serial(keys, "E2E_BOOT_SCHEDULE=serial")
-        keyed = []
-        for k in keys:
-            engine, topo, *_ = k
-            plan = None
-            if settings.get("E2E_LAUNCHER") == "local":
-                plan = reusable_plan(self.config, topologies.parse(topo), backend, engine)
-            if plan is None:
-                return coboot.serial(keys, f"{coboot.key_name(k)} is placed when it boots "
-                                           "(nodes, launcher or too few devices): one at a time")
-            keyed.append((k, plan))
-        cores = len(devices.affinity())
-        if how == "together":
-            return coboot.BootSchedule("together", (tuple(keys),) if keys else (),
-                                       "E2E_BOOT_SCHEDULE=together")
-        gpus = sorted({g for _, p in keyed for g in p.devices}) if backend == "cuda" else []
-        free = devices.gpu_free_share(gpus) if backend == "cuda" else None
-        spec = get_spec(self.config.getoption("--model"))
-        drivers = {k: for_topology(k[0], topologies.parse(k[1])) for k in keys}
-        alone = {k: why for k in keys if (why := drivers[k].alone_reason(spec))}
-        held = {k: h for k, p in keyed if (h := drivers[k].held_share(p))}
-        return coboot.schedule(keyed, backend, free, cores, alone=alone, held=held)
 
     def _cobooted(self, key) -> bool:
         sched = self.boot_schedule()
@@ -337,9 +432,10 @@ class ClusterPool:
                 self.release()
                 raise
             return self.current
-        self.release()
         if self._cobooted(key) and self._wave_open(key):
+            self._set_aside()
             return self._get_cobooted(key)
+        self.release()
         self._stop_waves_before(None)
         c = make()
         state(self.config).clusters[c.name] = c
@@ -361,11 +457,45 @@ class ClusterPool:
         w = self.schedule.wave_of(key)
         return w not in self.waves_started or bool(self.wave_left.get(w))
 
+    def tests_left(self, key) -> bool:
+        """Whether a test of `key` is still to run (the plugin's final order)."""
+        st = state(self.config)
+        return any(n not in st.finished for n in st.key_items.get(key, ()))
+
+    def _set_aside(self) -> None:
+        """Moving to another co-booted topology: the current one stays up while a test of it
+        is still to come (a wave's tests interleave where passes run ahead), else stopped."""
+        if self.current is not None and not self.current.stopped and self.tests_left(self.key):
+            self.current, self.key = None, None
+        else:
+            self.release()
+
+    def finished(self, item) -> None:
+        """After each test: a shared topology whose last test this was is stopped now."""
+        st = state(self.config)
+        st.finished.add(item.nodeid)
+        key = _shared_key(item)
+        if key is None or self.tests_left(key):
+            return
+        if self.key == key:
+            self.release()
+        elif key in self.boots and not self.boots[key][0].stopped:
+            c, fut = self.boots[key]
+            if fut.done():
+                self._stop(key, c)
+
     def _get_cobooted(self, key) -> Cluster:
         w = self.schedule.wave_of(key)
         if w not in self.waves_started:
             self._start_wave(w)
         c, fut = self.boots[key]
+        if not c.stopped and fut.done() and fut.exception() is None and c.gateway is not None:
+            try:                        # up since an earlier test of it: a worker may have died
+                c.check_alive()
+            except HarnessError as e:
+                self.failed[key] = e
+                self._stop(key, c)
+                raise
         if c.stopped:      # stopped after a test broke it or leaked: a fresh one, beside the rest
             c = _make_for_key(self.config, key, shared_devices=True,
                               plan=self._wave_plan(key, w))
@@ -374,13 +504,15 @@ class ClusterPool:
             self.boots[key] = (c, fut)
             self.wave_left[w].add(key)
         try:
-            fut.result()
+            wait_flushing(fut)
         except BaseException as e:
             self._stop(key, c)
             if isinstance(e, HarnessError):
                 self.failed[key] = e
             raise
         self.key, self.current = key, c
+        if key in self.chains:          # its own tests start once its passes ahead are done
+            wait_flushing(self.chains[key])
         print(f"\n{c.plan.describe()}\nready: {c.timing} (booted with "
               f"{', '.join(coboot.key_name(k) for k in self.schedule.waves[w] if k != key)})")
         return c
@@ -417,6 +549,38 @@ class ClusterPool:
         for k, c in clusters:
             self.boots[k] = (c, self._executor.submit(c.start))
         print(f"\nbooting together: {', '.join(coboot.key_name(k) for k in keys)}")
+        for k, c in clusters:
+            if k in st.ahead:
+                self._start_ahead(k, c, self.boots[k][1])
+
+    def _start_ahead(self, key, c: Cluster, booted) -> None:
+        """The passes of `key`'s tests, in their order, from a thread once `key` is ready
+        (coboot.py: traffic ahead). Each test's result or error waits in the session's
+        OracleStore under its node id; the `ahead` fixture hands it to the test."""
+        store = oracle_store_of(self.config)
+        steps = state(self.config).ahead[key]
+        for nodeid, _, _ in steps:
+            store.ahead[nodeid] = Future()
+        if self._ahead_executor is None:
+            self._ahead_executor = ThreadPoolExecutor(max_workers=4,
+                                                      thread_name_prefix="e2e-ahead")
+
+        def run():
+            try:
+                booted.result()
+            except BaseException as e:     # noqa: BLE001 - each test says it as its own error
+                for nodeid, _, _ in steps:
+                    store.ahead[nodeid].set_exception(e)
+                return
+            t0 = time.time()
+            for nodeid, fn, params in steps:
+                try:
+                    store.ahead[nodeid].set_result(fn(c, store, **params))
+                except BaseException as e:  # noqa: BLE001 - the test raises it
+                    store.ahead[nodeid].set_exception(e)
+            store.ahead_spans[coboot.key_name(key)] = (t0, time.time())
+        self.chains[key] = self._ahead_executor.submit(run)
+        store.chains[key] = self.chains[key]
 
     # -- stopping -----------------------------------------------------------------------------------
     def _stop(self, key, c: Cluster):
@@ -464,10 +628,16 @@ class ClusterPool:
         return None
 
     def release_all(self):
+        for fut in self.chains.values():    # passes still running ahead: done before the stops
+            try:
+                fut.result()
+            except BaseException:       # noqa: BLE001 - its tests said it
+                pass
         self.release()
         self._stop_waves_before(None)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        for ex in (self._ahead_executor, self._executor):
+            if ex is not None:
+                ex.shutdown(wait=True)
 
 
 @pytest.fixture(scope="session")
@@ -515,12 +685,20 @@ def _e2e_idle_after(request):
     a leaked request fails the test that leaked it. The leaking topology is then stopped, so
     the next test gets a fresh one instead of inheriting the leak."""
     yield
-    if "cluster" in request.fixturenames and request.node.get_closest_marker("breaks_cluster"):
+    if "cluster" in request.fixturenames:
+        try:
+            _idle_after(request)
+        finally:       # the topology's last test: it is stopped now (its order: the plugin's)
+            request.getfixturevalue("cluster_pool").finished(request.node)
+
+
+def _idle_after(request) -> None:
+    if request.node.get_closest_marker("breaks_cluster"):
         # It broke its topology on purpose (and may have stopped it to check the teardown):
         # no idle check; stopped here in any case, so the next test gets a fresh one.
         request.getfixturevalue("cluster_pool").release()
         return
-    if "cluster" not in request.fixturenames or not settings.get("E2E_IDLE_AFTER_TEST"):
+    if not settings.get("E2E_IDLE_AFTER_TEST"):
         return
     try:
         c = request.getfixturevalue("cluster")
@@ -575,11 +753,53 @@ class OracleStore:
     control: dict = field(default_factory=dict)
     # (engine, topology) -> indices of the recall prompts whose pass code came back
     recall: dict = field(default_factory=dict)
+    # traffic ahead (coboot.py): test node id -> Future of its `ahead` function's result
+    ahead: dict = field(default_factory=dict)
+    # key -> Future of a regular topology's passes ahead; key name -> (start, end) epoch s
+    chains: dict = field(default_factory=dict)
+    ahead_spans: dict = field(default_factory=dict)
+
+    def settled(self, engine: str) -> OracleStore:
+        """This store, once `engine`'s passes ahead (if any) are done: what a test judged
+        against the regular topology reads (its tests are marked needs_baseline)."""
+        for key, fut in list(self.chains.items()):
+            if key[0] == engine:
+                try:
+                    wait_flushing(fut)
+                except BaseException:    # noqa: BLE001 - the regular topology's tests say it
+                    pass
+        return self
+
+
+def oracle_store_of(config) -> OracleStore:
+    st = state(config)
+    if st.oracle is None:
+        st.oracle = OracleStore()
+    return st.oracle
 
 
 @pytest.fixture(scope="session")
-def oracle_store() -> OracleStore:
-    return OracleStore()
+def oracle_store(request) -> OracleStore:
+    return oracle_store_of(request.config)
+
+
+@pytest.fixture
+def ahead(request, cluster, oracle_store):
+    """A callable that gives the result of the test's traffic (`@pytest.mark.ahead.with_args(fn)`)
+    in the test's body: what the passes ahead measured where they ran (waited for; their error
+    raised as the test's own), else fn(cluster, oracle_store, **params) run now."""
+    m = request.node.get_closest_marker("ahead")
+    if m is None:
+        raise HarnessError(f"{request.node.name}: the `ahead` fixture needs "
+                           "@pytest.mark.ahead.with_args(fn)")
+    params = {k: v for k, v in request.node.callspec.params.items() if k != "cluster_key"}
+
+    def result():
+        fut = oracle_store.ahead.get(request.node.nodeid)
+        if fut is not None:
+            return wait_flushing(fut)
+        return m.args[0](cluster, oracle_store, **params)
+    return result
 
 
 @pytest.fixture
@@ -633,9 +853,13 @@ def pytest_sessionfinish(session, exitstatus):
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write
     st.summary = results.write_session(st.records, st.clusters,
                                        wall_s=time.monotonic() - st.t0)
+    spans = dict(st.oracle.ahead_spans) if st.oracle is not None else {}
     st.time_report = time_report.with_schedule(
         time_report.compute([time_report.cluster_entry(c) for c in st.clusters.values()],
-                            st.calls, st.t0_epoch, time.time()), st.boot_schedule)
+                            st.calls + list(spans.values()), st.t0_epoch, time.time()),
+        st.boot_schedule)
+    if spans:
+        st.time_report["ahead"] = time_report.ahead_entry(spans, st.calls)
     time_report.write(st.time_report, Path(st.summary["dir"]))
 
 

@@ -26,6 +26,11 @@ class SessionState:
     min_tests_line: str | None = None                      # --e2e-min-tests: too few ran
     cluster_keys: list = field(default_factory=list)       # shared topologies, in test order
     boot_schedule: dict | None = None                      # coboot.BootSchedule.to_dict()
+    schedule: object | None = None                         # coboot.BootSchedule (collection)
+    ahead: dict = field(default_factory=dict)              # key -> [(nodeid, fn, params)] ahead
+    key_items: dict = field(default_factory=dict)          # key -> its tests' nodeids, in order
+    finished: set = field(default_factory=set)             # nodeids of the tests that ended
+    oracle: object | None = None                           # the session's OracleStore
 
 
 STATE = pytest.StashKey[SessionState]()

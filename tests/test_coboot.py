@@ -190,3 +190,36 @@ def test_tokenspeed_serving_a_hybrid_model_boots_alone():
     vlm = get_spec("tiny-random/Qwen3.5-VL")
     assert vlm.kv_budget_tokens and "hybrid" in vlm.features
     assert "hybrid" in TS.alone_reason(vlm)
+
+
+# -- traffic ahead -------------------------------------------------------------------------------
+ONE, PD, WIN, DP = ("vllm", "1"), ("vllm", "1p1d"), ("vllm", "1p1d", "window"), ("vllm", "dp2")
+KINDS = {ONE: "regular", PD: "pd", WIN: "pd", DP: "dp", ("tokenspeed", "1"): "regular"}
+
+
+def test_the_regular_topology_runs_ahead_only_beside_topologies_of_its_engine():
+    together = coboot.BootSchedule("together", ((ONE, PD, WIN),), "")
+    assert coboot.ahead_keys(together, KINDS) == (ONE,)
+    # serial: nothing booted beside it, its tests run first as today
+    assert coboot.ahead_keys(coboot.serial([ONE, PD, WIN], ""), KINDS) == ()
+    # another engine's `1` judges nothing of vLLM's: not ahead
+    mixed = coboot.BootSchedule("together", ((("tokenspeed", "1"), PD),), "")
+    assert coboot.ahead_keys(mixed, KINDS) == ()
+    # a key with no pass marked ahead is not in `kinds` (the plugin's filter): not ahead
+    assert coboot.ahead_keys(together, {k: v for k, v in KINDS.items() if k != ONE}) == ()
+
+
+def test_a_waves_order_puts_the_others_beside_the_passes_and_breaking_tests_last():
+    wave, ahead = (ONE, PD, WIN), (ONE,)
+
+    def order(key, breaks=False, needs=False):
+        return coboot.wave_order(key, wave, ahead, breaks=breaks, needs_baseline=needs)
+    tests = {"pd plain": order(PD), "window plain": order(WIN), "1 pass": order(ONE),
+             "pd judged": order(PD, needs=True), "pd breaks": order(PD, breaks=True, needs=True),
+             "window breaks": order(WIN, breaks=True), "1 breaks": order(ONE, breaks=True)}
+    assert sorted(tests, key=tests.get) == ["pd plain", "window plain", "1 pass", "pd judged",
+                                            "1 breaks", "pd breaks", "window breaks"]
+    # no key ahead in the wave: grouped by key, breaking tests at each group's end (today)
+    plain = {(k, b): coboot.wave_order(k, (PD, WIN), (), breaks=b, needs_baseline=False)
+             for k in (PD, WIN) for b in (False, True)}
+    assert sorted(plain.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]

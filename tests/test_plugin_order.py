@@ -74,3 +74,91 @@ def test_unknown_profile_is_a_usage_error(pytester, monkeypatch):
                                                              'cluster_profile("windw")'))
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*cluster_profile('windw'): no such profile (known: kv_corrupt, window)*"])
+
+
+# Traffic ahead (coboot.py): booted together, `1`'s passes run from a thread while the other
+# topologies' tests run; the order is what makes that overlap and keeps it safe.
+AHEAD_TESTS = '''
+import pytest
+
+def _pass(cluster, store):
+    return 1
+
+@pytest.mark.topology_kinds("regular")
+@pytest.mark.ahead.with_args(_pass)
+def test_a_regular_pass(cluster, ahead):
+    pass
+
+@pytest.mark.topology_kinds("regular")
+def test_b_regular_plain(cluster):
+    pass
+
+@pytest.mark.topology_kinds("pd")
+@pytest.mark.needs_baseline
+def test_c_pd_judged(cluster):
+    pass
+
+@pytest.mark.topology_kinds("pd")
+@pytest.mark.breaks_cluster
+def test_d_pd_breaks(cluster):
+    pass
+
+@pytest.mark.topology_kinds("pd")
+def test_e_pd_plain(cluster):
+    pass
+
+@pytest.mark.cluster_profile("window")
+@pytest.mark.topology_kinds("pd")
+@pytest.mark.breaks_cluster
+def test_f_window_breaks(cluster):
+    pass
+
+@pytest.mark.cluster_profile("window")
+@pytest.mark.topology_kinds("pd")
+def test_g_window(cluster):
+    pass
+'''
+
+
+def _order(pytester, monkeypatch, tests, **env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    result = _collected(pytester, monkeypatch, tests)
+    return [line.split("::")[1] for line in result.outlines if line.startswith("test_x.py::")]
+
+
+TODAY = ["test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",
+         "test_c_pd_judged[vllm-1p1d]", "test_e_pd_plain[vllm-1p1d]",
+         "test_d_pd_breaks[vllm-1p1d]",
+         "test_g_window[vllm-1p1d]", "test_f_window_breaks[vllm-1p1d]"]
+
+
+def test_booted_together_the_regular_passes_run_ahead_of_its_tests(pytester, monkeypatch):
+    ids = _order(pytester, monkeypatch, AHEAD_TESTS, E2E_BOOT_SCHEDULE="together")
+    assert ids == ["test_e_pd_plain[vllm-1p1d]", "test_g_window[vllm-1p1d]",   # beside the passes
+                   "test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",  # `1`, after them
+                   "test_c_pd_judged[vllm-1p1d]",                     # judged against `1`
+                   "test_d_pd_breaks[vllm-1p1d]", "test_f_window_breaks[vllm-1p1d]"], ids
+    # every topology's breaking test is its last: nothing runs on a broken topology
+    for topo in ("[vllm-1p1d]",):
+        mine = [i for i in ids if i.endswith(topo) and not i.startswith(("test_f", "test_g"))]
+        assert mine[-1] == "test_d_pd_breaks[vllm-1p1d]", mine
+
+
+def test_serial_or_ahead_off_keeps_todays_order(pytester, monkeypatch):
+    # The negative controls: the same tests, booted serially or with the passes ahead turned
+    # off, run in today's order (grouped by topology, `1` first, breaking tests last).
+    assert _order(pytester, monkeypatch, AHEAD_TESTS, E2E_BOOT_SCHEDULE="serial") == TODAY
+    assert _order(pytester, monkeypatch, AHEAD_TESTS, E2E_BOOT_SCHEDULE="together",
+                  E2E_TRAFFIC_AHEAD="off") == TODAY
+
+
+def test_nothing_ahead_without_passes_marked_ahead(pytester, monkeypatch):
+    ids = _order(pytester, monkeypatch, AHEAD_TESTS.replace("@pytest.mark.ahead.with_args(_pass)\n", ""),
+                 E2E_BOOT_SCHEDULE="together")
+    assert ids == TODAY, ids
+
+
+def test_the_cpu_lane_decides_serial_and_keeps_todays_order(pytester, monkeypatch):
+    # auto on a CPU backend: serial (coboot.py), so no pass runs ahead
+    assert _order(pytester, monkeypatch, AHEAD_TESTS) == TODAY

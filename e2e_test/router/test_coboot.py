@@ -2,7 +2,10 @@
 ClusterPool): a nested pytest session told to boot `1` and `dp2` together
 (E2E_BOOT_SCHEDULE=together) serves a chat on each, records the decision and its reason in its
 time report, boots them overlapping, and tears each down clean: each topology's own
-processes first, the devices and /dev/shm once the wave's last has stopped.
+processes first, the devices and /dev/shm once the wave's last has stopped. `1`'s passes
+(scored evals, control arms, negative control; n=2) run ahead in a thread while dp2's tests
+run, `1`'s tests then judge what the thread measured, and dp2's workers are judged against
+that control arm after them (docs/lanes.md, "Passes ahead").
 
 On the CPU lane the plugin decides serial by itself (the cores are shared); this test forces
 the machinery that a GPU runner uses by choice, at the cost of two overlapping boots on the
@@ -34,9 +37,12 @@ def test_topologies_booted_together_serve_and_tear_down_apart(engine_name, e2e_b
     res = tmp_path / "results"
     env = {**os.environ, "E2E_BOOT_SCHEDULE": "together", "E2E_TOPOLOGIES": "1,dp2",
            "E2E_ENGINES": engine_name, "E2E_BACKEND": e2e_backend, "E2E_ENFORCE_EAGER": "1",
-           "E2E_RESULTS_DIR": str(res), "PYTHONPATH": extend_pythonpath(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "e2e_test/router/test_chat.py", "-q",
-                        "-p", "no:cacheprovider", "-k", "non_streaming"],
+           "E2E_RESULTS_DIR": str(res), "PYTHONPATH": extend_pythonpath(ROOT),
+           "E2E_GSM8K_N": "2", "E2E_MMLU_N": "2"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "e2e_test/router/test_chat.py",
+                        "e2e_test/router/test_evals.py", "e2e_test/router/test_oracle.py", "-v",
+                        "-p", "no:cacheprovider", "-k", "(non_streaming or test_eval or "
+                        "control_arm or negative_control or dp_workers_agree) and not recall"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
                        check=False)
     out = r.stdout + r.stderr
@@ -57,7 +63,19 @@ def test_topologies_booted_together_serve_and_tear_down_apart(engine_name, e2e_b
     record["coboot"]["boot_overlap_s"] = round(overlap, 1)
     print(f"booted together: overlap {overlap:.1f} s; {sched['reason']}")
     assert overlap > 0, clusters
-    outcomes = [json.loads(f.read_text())["outcome"] for f in (res / "tests").glob("*.json")]
-    assert len(outcomes) == 2 and set(outcomes) == {"passed"}, outcomes
+    outcomes = {f.stem: json.loads(f.read_text())["outcome"] for f in (res / "tests").glob("*.json")}
+    assert len(outcomes) == 11 and set(outcomes.values()) == {"passed"}, outcomes
+    # The passes of `1` ran ahead, beside dp2's tests, and were what `1`'s tests judged.
+    ahead = timing.get("ahead") or {}
+    record["coboot"]["ahead"] = ahead
+    assert sched.get("ahead") == {f"{engine_name}/1": 5}, sched
+    assert ahead.get(f"{engine_name}/1", {}).get("overlap_s", 0) > 0, ahead
+    ran = [ln.split(" ")[0].split("::")[-1] for ln in out.splitlines()
+           if ("PASSED" in ln or "FAILED" in ln or "ERROR" in ln) and "::" in ln]
+    first_one = min(i for i, t in enumerate(ran) if f"[{engine_name}-1-" in t or
+                    t.endswith(f"[{engine_name}-1]"))
+    assert all(f"{engine_name}-dp2" in t for t in ran[:first_one]) and first_one >= 2, ran
+    assert ran[-2:] == [f"test_dp_workers_agree[{engine_name}-dp2-gsm8k]",
+                        f"test_dp_workers_agree[{engine_name}-dp2-mmlu]"], ran
     for topo, c in clusters.items():
         assert c["teardown"] and c["teardown"]["ok"], (topo, c["teardown"])

@@ -40,21 +40,27 @@ def oracle_pass(cluster, oracle_store, name):
     return oracle_store.passes[key]
 
 
-@pytest.mark.parametrize("name,module", [("gsm8k", gsm8k), ("mmlu", mmlu)], ids=["gsm8k", "mmlu"])
-def test_eval(eval_data, cluster, record, oracle_store, name, module):
-    n = eval_n(cluster, name)
+def scored_pass(cluster, oracle_store, name, module):
+    """test_eval's traffic: the scored pass, stored as the oracle's evidence too where the
+    engine returns logprobs on completions (otherwise it asks none, and oracle_pass runs the
+    oracle's own pass). On `1` booted with others it runs ahead (pytest_plugin.ahead)."""
     mpt = max_prompt_tokens(cluster, name)
-    # The scored pass is the oracle's evidence too where the engine returns logprobs on
-    # completions; otherwise it asks none, and oracle_pass runs the oracle's own pass.
     scored_lp = cluster.driver.logprobs_api == "completions"
-    res = module.run(cluster.gateway_url, cluster.model_name, n=n, concurrency=CONCURRENCY,
-                     watchdog=cluster.watchdog(name),
+    res = module.run(cluster.gateway_url, cluster.model_name, n=eval_n(cluster, name),
+                     concurrency=CONCURRENCY, watchdog=cluster.watchdog(name),
                      logprobs=cluster.driver.top_logprobs if scored_lp else None,
                      **({"max_prompt_tokens": mpt} if mpt else {}))
-    record.setdefault("evals", {})[name] = res.summary()
-    record.setdefault("eval_items", {})[name] = without_logprobs(res.items)
     if scored_lp:
         oracle_store.passes[(cluster.engine, cluster.topology.name, name)] = \
             oracle.steps_by_index(res.items)
+    return res
+
+
+@pytest.mark.ahead.with_args(scored_pass)
+@pytest.mark.parametrize("name,module", [("gsm8k", gsm8k), ("mmlu", mmlu)], ids=["gsm8k", "mmlu"])
+def test_eval(eval_data, cluster, record, oracle_store, name, module, ahead):
+    res = ahead()
+    record.setdefault("evals", {})[name] = res.summary()
+    record.setdefault("eval_items", {})[name] = without_logprobs(res.items)
     print(f"{name} on {cluster.topology.name}: {res.summary()}")
     res.check_spec(cluster.spec.accuracy.get(name))

@@ -75,9 +75,11 @@ def _reset_prefix_cache(cluster):
         assert r.status_code == 200, f"{w.name} /reset_prefix_cache: {r.status_code} {r.text}"
 
 
+@pytest.mark.needs_baseline
 @pytest.mark.parametrize("kind", KINDS)
 def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
     eng = cluster.engine
+    oracle_store.settled(eng)
     base = oracle_store.passes.get((eng, "1", "gsm8k"))
     control = oracle_store.control.get((eng, "gsm8k"))
     rbase = oracle_store.passes.get((eng, "1", "recall"))

@@ -21,10 +21,9 @@ def _label(cluster, suffix=""):
     return f"{cluster.engine}/{cluster.topology.name}{suffix}"
 
 
-@pytest.mark.eval
-@pytest.mark.topology_kinds("regular")
-@pytest.mark.parametrize("name", EVALS)
-def test_control_arm(cluster, record, oracle_store, name):
+def control_arm_pass(cluster, oracle_store, name):
+    """test_control_arm's traffic (the oracle's pass where the scored one is not its evidence,
+    then a second pass and a serial one), stored as the session's control arm."""
     base = oracle_pass(cluster, oracle_store, name)
     arm = comparisons.control_arm(cluster.gateway_url, cluster.model_name, name, base,
                                   _label(cluster), eval_n(cluster, name), concurrency=CONCURRENCY,
@@ -33,6 +32,15 @@ def test_control_arm(cluster, record, oracle_store, name):
                                   logprobs=cluster.driver.top_logprobs,
                                   api=cluster.driver.logprobs_api)
     oracle_store.control[(cluster.engine, name)] = arm
+    return arm
+
+
+@pytest.mark.eval
+@pytest.mark.topology_kinds("regular")
+@pytest.mark.ahead.with_args(control_arm_pass)
+@pytest.mark.parametrize("name", EVALS)
+def test_control_arm(cluster, record, ahead, name):
+    arm = ahead()
     record["oracle_control"] = {name: arm.to_dict()}
     for c in arm.comparisons:
         print(c.line(), f"(max first-step delta {c.summary()['max_first_step_delta']})")
@@ -42,18 +50,26 @@ def test_control_arm(cluster, record, oracle_store, name):
     assert not problems, problems[0]
 
 
-@pytest.mark.eval
-@pytest.mark.topology_kinds("regular")
-def test_oracle_negative_control(cluster, record, oracle_store):
-    """Other few-shot exemplars (train rows 5-9 instead of 0-4) make other prompts: the
-    oracle must call that a mismatch, or it cannot fail at all."""
+def other_exemplars_pass(cluster, oracle_store):
+    """test_oracle_negative_control's traffic: the oracle's GSM8K pass, and GSM8K again with
+    other few-shot exemplars."""
     base = oracle_pass(cluster, oracle_store, "gsm8k")
-    n = eval_n(cluster, "gsm8k")
-    other = comparisons.eval_pass(cluster.gateway_url, cluster.model_name, "gsm8k", n,
-                                  concurrency=CONCURRENCY, shot_offset=5,
+    other = comparisons.eval_pass(cluster.gateway_url, cluster.model_name, "gsm8k",
+                                  eval_n(cluster, "gsm8k"), concurrency=CONCURRENCY,
+                                  shot_offset=5,
                                   watchdog=cluster.watchdog("gsm8k negative control"),
                                   logprobs=cluster.driver.top_logprobs,
                                   api=cluster.driver.logprobs_api)
+    return base, other
+
+
+@pytest.mark.eval
+@pytest.mark.topology_kinds("regular")
+@pytest.mark.ahead.with_args(other_exemplars_pass)
+def test_oracle_negative_control(cluster, record, oracle_store, ahead):
+    """Other few-shot exemplars (train rows 5-9 instead of 0-4) make other prompts: the
+    oracle must call that a mismatch, or it cannot fail at all."""
+    base, other = ahead()
     # No tokens on either side, or no control arm: an error (NoEvidenceError), never a pass:
     # a negative control over nothing would pass for the wrong reason.
     cmp = oracle.compare("gsm8k", _label(cluster), _label(cluster, " other exemplars"), base, other)
@@ -69,10 +85,12 @@ def test_oracle_negative_control(cluster, record, oracle_store):
 
 
 @pytest.mark.topology_kinds("dp")
+@pytest.mark.needs_baseline
 @pytest.mark.parametrize("name", EVALS)
 def test_dp_workers_agree(cluster, record, oracle_store, name):
     """Each DP worker, asked directly, against worker 0; a single engine with internal DP
     ranks (`dpN-engine`) has one endpoint, so its gateway pass is held against `1` instead."""
+    oracle_store.settled(cluster.engine)
     control = oracle_store.control.get((cluster.engine, name))
     if control is None:
         pytest.skip(f"needs the control arm of `1` in this session (select `1` with "
@@ -108,13 +126,9 @@ def test_dp_workers_agree(cluster, record, oracle_store, name):
 RECALL_N = 8
 
 
-@pytest.mark.eval
-@pytest.mark.topology_kinds("regular")
-def test_kv_recall_baseline(cluster, record, oracle_store):
-    """A ~2k-token prompt hiding a pass code (evals/recall.py), on `1`: how reliably the model
-    copies it, and the control arm of these long prompts. test_pd.py then requires every code
-    that `1` reproduced of the disaggregated topology, whose decode sees the code only in the
-    transferred KV."""
+def recall_baseline_pass(cluster, oracle_store):
+    """test_kv_recall_baseline's traffic: the recall prompts on `1`, then their control arm;
+    stored as the session's recall baseline (the codes every pass copied)."""
     texts: dict = {}
     reqs = comparisons.requests("recall", cluster.model_name, RECALL_N,
                                 logprobs=cluster.driver.top_logprobs,
@@ -134,10 +148,24 @@ def test_kv_recall_baseline(cluster, record, oracle_store):
     oracle_store.passes[(cluster.engine, cluster.topology.name, "recall")] = base
     oracle_store.control[(cluster.engine, "recall")] = arm
     oracle_store.recall[(cluster.engine, cluster.topology.name)] = copied
-    prompt_tokens = len(comparisons.prompt_text(reqs[0]).split())
+    return {"texts": texts, "control_texts": control_texts, "arm": arm, "copied": copied,
+            "unstable": unstable, "prompt_words": len(comparisons.prompt_text(reqs[0]).split())}
+
+
+@pytest.mark.eval
+@pytest.mark.topology_kinds("regular")
+@pytest.mark.ahead.with_args(recall_baseline_pass)
+def test_kv_recall_baseline(cluster, record, ahead):
+    """A ~2k-token prompt hiding a pass code (evals/recall.py), on `1`: how reliably the model
+    copies it, and the control arm of these long prompts. test_pd.py then requires every code
+    that `1` reproduced of the disaggregated topology, whose decode sees the code only in the
+    transferred KV."""
+    got = ahead()
+    texts, control_texts, arm = got["texts"], got["control_texts"], got["arm"]
+    copied, unstable = got["copied"], got["unstable"]
     record["kv_recall"] = {"copied": copied, "unstable": unstable, "of": RECALL_N,
                            "outputs": texts, "control_outputs": control_texts,
-                           "prompt_words": prompt_tokens, "control": arm.to_dict()}
+                           "prompt_words": got["prompt_words"], "control": arm.to_dict()}
     print(f"recall on {cluster.topology.name}: {len(copied)}/{RECALL_N} pass codes copied in "
           f"every pass" + (f" (copied in the baseline only: {unstable})" if unstable else "")
           + "; " + "; ".join(c.line() for c in arm.comparisons))

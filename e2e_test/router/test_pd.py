@@ -78,8 +78,10 @@ def test_pd_proof_fails_where_nothing_moved(cluster, record):
 
 
 @pytest.mark.pd_sweep
+@pytest.mark.needs_baseline
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
 def test_pd_answers_match_regular(cluster, record, oracle_store, name):
+    oracle_store.settled(cluster.engine)
     base = oracle_store.passes.get((cluster.engine, "1", name))
     control = oracle_store.control.get((cluster.engine, name))
     if base is None or control is None:
@@ -96,10 +98,12 @@ def test_pd_answers_match_regular(cluster, record, oracle_store, name):
 
 
 @pytest.mark.pd_sweep
+@pytest.mark.needs_baseline
 def test_pd_kv_recall(cluster, record, oracle_store):
     """The long pass-code prompts of test_oracle.py through the disaggregated topology: the
     oracle's verdict against `1` (first step included), and every pass code that `1` copied
     must come back here too, where the decode sees it only in the transferred KV."""
+    oracle_store.settled(cluster.engine)
     base = oracle_store.passes.get((cluster.engine, "1", "recall"))
     control = oracle_store.control.get((cluster.engine, "recall"))
     if base is None or control is None:

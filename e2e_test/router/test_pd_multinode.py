@@ -190,6 +190,7 @@ def _running(pid: int) -> bool:
 def _recall_against_one(c, record, oracle_store) -> None:
     """The oracle's verdict on the pass-code prompts against `1`, where this session has
     `1`'s baseline (test_oracle.py runs before this file); recorded as skipped otherwise."""
+    oracle_store.settled(c.engine)
     base = oracle_store.passes.get((c.engine, "1", "recall"))
     control = oracle_store.control.get((c.engine, "recall"))
     if base is None or control is None:

@@ -12,9 +12,10 @@ Inputs are plain data, so the arithmetic is pure (tests/test_time_report.py):
 
 The four shares partition the session's wall time, each second counted once, in this order:
 boot (any cluster booting or a worker restarting), teardown (any cluster stopping, outside a
-boot), traffic (a test body running, outside boots and teardowns: the window tests and the
-fault tests boot inside their body; that part is a boot), idle (the rest: collection, fixture
-and idle-verification waits, unit tests, result files).
+boot), traffic (a test body running or a regular topology's passes running ahead of its tests
+(coboot.py), outside boots and teardowns: the window tests and the fault tests boot inside
+their body; that part is a boot), idle (the rest: collection, fixture and idle-verification
+waits, unit tests, result files).
 
 Per role, `boot_by_role_s` sums each cluster's slowest worker of that role (the workers of a
 topology boot in parallel, so the roles overlap and do not add up to `boot_s`).
@@ -189,7 +190,9 @@ def headline(rep: dict) -> str:
             f"{s['teardown']:.0f} %, idle {s['idle']:.0f} % of {rep['wall_s']:.0f} s "
             f"({rep['boots']} boots, {rep['boot_s']:.0f} s"
             + (f"; compile cache: {cache}" if cache else "") + ")"
-            + (f"; booted {rep['boot_schedule']['mode']}" if rep.get("boot_schedule") else ""))
+            + (f"; booted {rep['boot_schedule']['mode']}" if rep.get("boot_schedule") else "")
+            + "".join(f"; passes of {k} ahead {v['s']:.0f} s ({v['overlap_s']:.0f} s beside "
+                      f"other tests)" for k, v in (rep.get("ahead") or {}).items()))
 
 
 def with_schedule(rep: dict, schedule: dict | None) -> dict:
@@ -198,6 +201,16 @@ def with_schedule(rep: dict, schedule: dict | None) -> dict:
     if schedule:
         rep["boot_schedule"] = schedule
     return rep
+
+
+def ahead_entry(spans: dict, tests: list[Interval]) -> dict:
+    """key name -> {"s": how long its passes ran ahead, "overlap_s": the part of it during
+    which a test body ran}. Pure."""
+    out = {}
+    for name, (a, b) in spans.items():
+        out[name] = {"s": round(b - a, 1),
+                     "overlap_s": round(length(clip(tests, a, b)), 1)}
+    return out
 
 
 def cluster_entry(c) -> dict:

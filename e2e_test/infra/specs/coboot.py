@@ -146,3 +146,45 @@ def schedule(keyed_plans, backend: str, free_share: dict[int, float] | None,
 
 def _shares(used: dict[int, float]) -> str:
     return ", ".join(f"GPU {d} {s:.2f}" for d, s in sorted(used.items()))
+
+
+# -- traffic ahead: the order of a wave's tests ------------------------------------------------
+# Booted together, a lane still ran its traffic one topology after another: on the H200 the
+# regular topology's passes (scored evals, the control arms' second and serial passes, the
+# negative control's pass, the recall baseline) were 40-95 s of a 213-287 s lane while the
+# other topologies stood idle. Those passes are the session's baseline: the disaggregated
+# topologies are judged against them, so they run first in today's order. In a wave that boots
+# together they can run ahead instead: a thread sends them, in their tests' order, as soon as
+# the regular topology is ready, while the tests of the wave's other topologies run; the
+# regular topology's own tests then read what the thread measured. No two passes ever share a
+# topology at once (its tests start once its passes are done), so what each pass measures,
+# a serial pass included, is what it measured before.
+
+# A wave's tests run in these phases (within a phase: the wave's key order, then file order).
+PLAIN, AHEAD, NEEDS_BASELINE, BREAKS = range(4)
+
+
+def ahead_keys(schedule: BootSchedule, kinds: dict) -> tuple:
+    """The keys whose passes run ahead: a regular topology (kinds: key -> topology kind) in a
+    wave with another topology of its engine, the ones judged against it."""
+    out = []
+    for w in schedule.waves:
+        for k in w:
+            if kinds.get(k) == "regular" and any(o[0] == k[0] and o != k for o in w):
+                out.append(k)
+    return tuple(out)
+
+
+def wave_order(key, wave: tuple, ahead: tuple, *, breaks: bool, needs_baseline: bool) -> tuple:
+    """Where a test of `key` runs within its wave (sorts before file order). A wave with a key
+    that runs ahead: the other topologies' tests first (their traffic overlaps the passes
+    ahead), then the ahead key's own tests (its passes are done by then, or the wait is what
+    is left of them), then the tests judged against its baseline, then every test that breaks
+    its topology, so a broken topology has no test after it. Any other wave: today's order,
+    grouped by key, the breaking tests at each group's end."""
+    idx = wave.index(key)
+    if not any(k in ahead for k in wave):
+        return (idx, int(breaks))
+    phase = (BREAKS if breaks else AHEAD if key in ahead
+             else NEEDS_BASELINE if needs_baseline else PLAIN)
+    return (phase, idx)

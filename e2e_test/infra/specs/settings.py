@@ -309,6 +309,7 @@ _add("E2E_CANCEL_IDLE_S", Float(0), 30.0, "bound for every role to be idle after
 _add("E2E_LEG_LOSS_S", Float(0), 20.0, "bound for every in-flight request to end with an error after a whole leg is lost")
 _add("E2E_IDLE_AFTER_TEST", Bool(), True, "after each test on a shared topology, wait for every role to be idle again (a leak fails the test that caused it)")
 _add("E2E_BOOT_SCHEDULE", Choice("auto", "serial", "together"), "auto", "how a session's shared topologies boot: decided by the machine (auto: together where GPU memory and cores allow, else in waves or one after another; coboot.py, the reason in the time report), one after another (serial: what `together` is measured against), or all at once (together)")
+_add("E2E_TRAFFIC_AHEAD", Choice("auto", "off"), "auto", "booted together, the regular topology's passes (scored evals, control arms, negative control, recall baseline) run ahead in a thread while the other topologies' tests run (auto; coboot.py), or its tests run first as when serial (off)")
 _add("E2E_PREFLIGHT", Choice("clear", "fail", "off"), "clear", "before a topology starts: clear what a dead earlier run left (clear), name it and fail (fail), or skip the checks (off)")
 _add("E2E_RUN_ID", Text(), None, "set by the harness on every process it starts: the ownership marker sweeps look for (never set it yourself)")
 _add("E2E_DRIVER_PID", Text(), None, "set by the harness beside E2E_RUN_ID: the pid of the driver that owns the process")
