@@ -284,7 +284,8 @@ def pytest_collection_modifyitems(session, config, items):
             w = sched.wave_of(ck)
             return (1, w, *coboot.wave_order(
                 ck, sched.waves[w], ahead, breaks=bool(item.get_closest_marker("breaks_cluster")),
-                needs_baseline=bool(item.get_closest_marker("needs_baseline"))),
+                needs_baseline=bool(item.get_closest_marker("needs_baseline")
+                                    or item.get_closest_marker("quiet"))),
                 mod[id(item)], pos[id(item)])
         items.sort(key=wave_key)
     st.ahead = {k: steps[k] for k in ahead}
@@ -796,6 +797,8 @@ def ahead(request, cluster, oracle_store):
 
     def result():
         fut = oracle_store.ahead.get(request.node.nodeid)
+        if "record" in request.fixturenames:      # where the traffic ran, in the test's record
+            request.getfixturevalue("record")["traffic_ahead"] = fut is not None
         if fut is not None:
             return wait_flushing(fut)
         return m.args[0](cluster, oracle_store, **params)

@@ -107,6 +107,11 @@ def test_d_pd_breaks(cluster):
 def test_e_pd_plain(cluster):
     pass
 
+@pytest.mark.topology_kinds("pd")
+@pytest.mark.quiet
+def test_ea_pd_timed(cluster):
+    pass
+
 @pytest.mark.cluster_profile("window")
 @pytest.mark.topology_kinds("pd")
 @pytest.mark.breaks_cluster
@@ -129,7 +134,7 @@ def _order(pytester, monkeypatch, tests, **env):
 
 TODAY = ["test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",
          "test_c_pd_judged[vllm-1p1d]", "test_e_pd_plain[vllm-1p1d]",
-         "test_d_pd_breaks[vllm-1p1d]",
+         "test_ea_pd_timed[vllm-1p1d]", "test_d_pd_breaks[vllm-1p1d]",
          "test_g_window[vllm-1p1d]", "test_f_window_breaks[vllm-1p1d]"]
 
 
@@ -138,6 +143,7 @@ def test_booted_together_the_regular_passes_run_ahead_of_its_tests(pytester, mon
     assert ids == ["test_e_pd_plain[vllm-1p1d]", "test_g_window[vllm-1p1d]",   # beside the passes
                    "test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",  # `1`, after them
                    "test_c_pd_judged[vllm-1p1d]",                     # judged against `1`
+                   "test_ea_pd_timed[vllm-1p1d]",                     # timed: nothing beside
                    "test_d_pd_breaks[vllm-1p1d]", "test_f_window_breaks[vllm-1p1d]"], ids
     # every topology's breaking test is its last: nothing runs on a broken topology
     for topo in ("[vllm-1p1d]",):

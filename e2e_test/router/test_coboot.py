@@ -65,11 +65,23 @@ def test_topologies_booted_together_serve_and_tear_down_apart(engine_name, e2e_b
     assert overlap > 0, clusters
     outcomes = {f.stem: json.loads(f.read_text())["outcome"] for f in (res / "tests").glob("*.json")}
     assert len(outcomes) == 11 and set(outcomes.values()) == {"passed"}, outcomes
-    # The passes of `1` ran ahead, beside dp2's tests, and were what `1`'s tests judged.
+    # The passes of `1` ran ahead, in the thread, and were what `1`'s tests judged. (How much
+    # of them overlapped dp2's tests is recorded, not asserted: on 2 cores dp2 may be done
+    # with its own tests before `1` is even ready.)
     ahead = timing.get("ahead") or {}
     record["coboot"]["ahead"] = ahead
     assert sched.get("ahead") == {f"{engine_name}/1": 5}, sched
-    assert ahead.get(f"{engine_name}/1", {}).get("overlap_s", 0) > 0, ahead
+    assert ahead.get(f"{engine_name}/1", {}).get("s", 0) > 0, ahead
+    recs = [json.loads(f.read_text()) for f in (res / "tests").glob("*.json")]
+    from_ahead = {r["test"].split("::")[-1]: r.get("traffic_ahead") for r in recs
+                  if "traffic_ahead" in r}
+    assert from_ahead == {
+        f"test_eval[{engine_name}-1-gsm8k]": True, f"test_eval[{engine_name}-1-mmlu]": True,
+        f"test_control_arm[{engine_name}-1-gsm8k]": True,
+        f"test_control_arm[{engine_name}-1-mmlu]": True,
+        f"test_oracle_negative_control[{engine_name}-1]": True,
+        f"test_eval[{engine_name}-dp2-gsm8k]": False,       # dp2's own: run in its test
+        f"test_eval[{engine_name}-dp2-mmlu]": False}, from_ahead
     ran = [ln.split(" ")[0].split("::")[-1] for ln in out.splitlines()
            if ("PASSED" in ln or "FAILED" in ln or "ERROR" in ln) and "::" in ln]
     first_one = min(i for i, t in enumerate(ran) if f"[{engine_name}-1-" in t or

@@ -27,6 +27,11 @@ CANCEL_IDLE_S = settings.get("E2E_CANCEL_IDLE_S")
 # Losing a leg: every request in flight must end with an error within this (smg's sweep: 20 s).
 LEG_LOSS_S = settings.get("E2E_LEG_LOSS_S")
 SHARED = pytest.mark.topology_kinds("regular", "pd")
+# Timed against the engine's own pace (the probe's time to first token, the decode rate): with
+# nothing else on the device. H200 at 9d80458, booted together: the prefill probe's first token
+# took 0.346 s while `1`'s passes ran ahead beside it, the cancelled request's 0.181 s, so the
+# cancel came after the prefill and the case could not be made (skipped, a failure on the lane).
+QUIET = pytest.mark.quiet
 
 
 def _check_cancel(case: sf.CancelCase, record):
@@ -43,6 +48,7 @@ def _check_cancel(case: sf.CancelCase, record):
 
 
 @SHARED
+@QUIET
 def test_idle_negative_control_held_stream(cluster, record):
     """Idle verification fails, naming the role and its numbers, while a stream is held
     open; and passes once the client lets go."""
@@ -57,11 +63,13 @@ def test_idle_negative_control_held_stream(cluster, record):
 
 
 @SHARED
+@QUIET
 def test_cancel_mid_stream(cluster, record):
     _check_cancel(sf.cancel_mid_stream(cluster, bound_s=CANCEL_IDLE_S), record)
 
 
 @SHARED
+@QUIET
 def test_cancel_during_prefill(cluster, record):
     try:
         case = sf.cancel_during_prefill(cluster, bound_s=CANCEL_IDLE_S)
@@ -73,6 +81,7 @@ def test_cancel_during_prefill(cluster, record):
 
 
 @SHARED
+@QUIET
 def test_cancel_during_decode(cluster, record):
     _check_cancel(sf.cancel_during_decode(cluster, bound_s=CANCEL_IDLE_S), record)
 

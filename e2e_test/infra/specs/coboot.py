@@ -179,8 +179,10 @@ def wave_order(key, wave: tuple, ahead: tuple, *, breaks: bool, needs_baseline: 
     """Where a test of `key` runs within its wave (sorts before file order). A wave with a key
     that runs ahead: the other topologies' tests first (their traffic overlaps the passes
     ahead), then the ahead key's own tests (its passes are done by then, or the wait is what
-    is left of them), then the tests judged against its baseline, then every test that breaks
-    its topology, so a broken topology has no test after it. Any other wave: today's order,
+    is left of them), then the tests judged against its baseline and those timed against an
+    engine's own pace (`needs_baseline`: the plugin passes the `quiet` tests here too: no pass
+    runs beside them), then every test that breaks its topology, so a broken topology has no
+    test after it. Any other wave: today's order,
     grouped by key, the breaking tests at each group's end."""
     idx = wave.index(key)
     if not any(k in ahead for k in wave):
