@@ -246,3 +246,36 @@ def test_options_from_env():
     assert o.extra_args == ("--sampling-backend", "triton", "--x", "a b")
     d = options_from_env({})
     assert (d.enforce_eager, d.opt("mooncake_transport"), d.extra_args) == (False, "nvlink", ())
+
+
+def test_dist_init_is_a_block_no_other_server_gets_a_port_of():
+    """TokenSpeed binds the ports right above --dist-init-addr's (SGLang's PortArgs: +1 ...);
+    the H200 run at 9d80458 handed dist_init + 1 to the gateway of the same 1p1d, whose bind
+    failed. The cluster allocates dist_init as a block: every port the session hands out after
+    it (the gateway's, the next worker's) lies outside it."""
+    from types import SimpleNamespace
+
+    from e2e_test.infra.cluster.cluster import Cluster
+    from e2e_test.infra.engines import for_topology
+    from e2e_test.infra.lifecycle import ports
+    from e2e_test.infra.lifecycle.launcher import LocalLauncher
+
+    t, e = entries("1p1d")
+    driver = for_topology("tokenspeed", t)
+    span = driver.aux_port_span("dist_init", e["decode"])
+    assert span >= 1 + tokenspeed.DIST_INIT_DERIVED + 1
+    assert driver.aux_port_span("bootstrap", e["prefill"]) == 1
+    me = SimpleNamespace(driver=driver, topology=t, options=CUDA, launcher=LocalLauncher(),
+                         spec=SPEC, model_path="/models/q", dir=None)
+    workers = [Cluster._make_worker(me, e[r]) for r in ("prefill", "decode")]
+    later = set(ports.allocate(200))             # the gateway's and whatever comes after
+    for w in workers:
+        base = w.ports.aux["dist_init"]
+        block = set(range(base, base + span))
+        others = {w2.ports.api for w2 in workers} | {p for w2 in workers for n, p in
+                                                      w2.ports.aux.items() if n != "dist_init"}
+        assert not block & later and not block & others, (base, sorted(block & (later | others)))
+        # what keeps them apart, deterministically: the whole block is handed out (before,
+        # only the base port was, and dist_init + 1 could go to the gateway)
+        assert block <= ports._handed_out, sorted(block - ports._handed_out)
+        assert f"127.0.0.1:{base}" in w.command.argv

@@ -206,9 +206,15 @@ class Cluster:
     def _make_worker(self, entry: PlanEntry) -> Worker:
         names = self.driver.aux_ports(self.topology, entry, self.options)
         preset = self.driver.fixed_ports(self.options)
-        fresh = [n for n in names if n not in preset]
+        spans = {n: self.driver.aux_port_span(n, entry) for n in names if n not in preset}
+        # A port that stands for several (the worker binds the ones above it too): a block of
+        # free ports on the local launcher, so nothing else of the session gets one of them.
+        blocks = {n: ports.allocate_block(k) for n, k in spans.items()
+                  if k > 1 and isinstance(self.launcher, LocalLauncher)}
+        fresh = [n for n in names if n not in preset and n not in blocks]
         allocated = self.launcher.allocate_ports(entry, 1 + len(fresh))
-        aux = {**dict(zip(fresh, allocated[1:])), **{n: preset[n] for n in names if n in preset}}
+        aux = {**dict(zip(fresh, allocated[1:])), **blocks,
+               **{n: preset[n] for n in names if n in preset}}
         p = Ports(api=allocated[0], aux=aux)
         cmd = self.driver.worker_command(self.spec, self.topology, entry, p,
                                          str(self.model_path), self.options, self.dir)

@@ -150,6 +150,12 @@ class Engine:
         """Names of the extra ports a worker needs, allocated by the cluster."""
         return []
 
+    def aux_port_span(self, name: str, entry) -> int:
+        """How many consecutive ports aux port `name` stands for (the worker binds the ones
+        right above it too): the cluster allocates it as a block, so no other server of the
+        session (a gateway, another worker) is handed one of them. 1: the port alone."""
+        return 1
+
     def fixed_ports(self, options: EngineOptions) -> dict[str, int]:
         """Aux ports already chosen in `prepare` (shared by several workers): not allocated
         again per worker."""

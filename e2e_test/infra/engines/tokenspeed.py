@@ -125,6 +125,20 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
     return names
 
 
+# TokenSpeed derives its control-plane ports from --dist-init-addr's port as SGLang does
+# (server_args PortArgs: port_base = dist_init + 1, then the detokenizer, RPC, metrics and
+# load-collector ports above it, and one scheduler input port per DP rank). H200, 2026-12-02,
+# 9d80458: the harness handed dist_init + 1 to the gateway of the same 1p1d, whose bind then
+# failed ("Address already in use") and with it the topology's 15 tests. The cluster allocates
+# dist_init as a block this wide.
+DIST_INIT_DERIVED = 8
+
+
+def dist_init_span(entry: PlanEntry) -> int:
+    """Ports from --dist-init-addr's port up that a TokenSpeed worker may bind."""
+    return 1 + DIST_INIT_DERIVED + max(1, entry.dp)
+
+
 def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
           model_path: str, options: EngineOptions) -> WorkerCommand:
     if topology.kind not in KINDS:
@@ -549,6 +563,9 @@ class TokenSpeedEngine(Engine):
 
     def aux_ports(self, topology, entry, options):
         return aux_ports(topology, entry, options)
+
+    def aux_port_span(self, name, entry):
+        return dist_init_span(entry) if name == "dist_init" else 1
 
     def build(self, spec, topology, entry, ports, model_path, options):
         return build(spec, topology, entry, ports, model_path, options)
