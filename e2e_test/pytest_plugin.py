@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -271,8 +272,7 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         ck, m = _shared_key(item), item.get_closest_marker("ahead")
         if ck and m:
-            params = {k: v for k, v in item.callspec.params.items() if k != "cluster_key"}
-            steps.setdefault(ck, []).append((item.nodeid, m.args[0], params))
+            steps.setdefault(ck, []).append((item.nodeid, m.args[0], _test_params(item)))
     ahead = ()
     if settings.get("E2E_TRAFFIC_AHEAD") == "auto":
         ahead = coboot.ahead_keys(sched, {k: k[1].kind for k in steps})
@@ -293,6 +293,12 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         if (ck := _shared_key(item)):
             st.key_items.setdefault(ck, []).append(item.nodeid)
+
+
+def _test_params(item) -> dict:
+    """A test's own parameters (its callspec less the shared topology's key): what its
+    `ahead` function is called with."""
+    return {k: v for k, v in item.callspec.params.items() if k != "cluster_key"}
 
 
 def _shared_key(item):
@@ -397,7 +403,6 @@ class ClusterPool:
         self.waves_started: set[int] = set()
         self.wave_base: dict[int, Baseline] = {}
         self.wave_left: dict[int, set] = {}      # wave -> keys not yet stopped
-        self.chains: dict = {}                   # key -> Future of its passes ahead
         self._executor: ThreadPoolExecutor | None = None
         self._ahead_executor: ThreadPoolExecutor | None = None
 
@@ -512,8 +517,9 @@ class ClusterPool:
                 self.failed[key] = e
             raise
         self.key, self.current = key, c
-        if key in self.chains:          # its own tests start once its passes ahead are done
-            wait_flushing(self.chains[key])
+        chain = oracle_store_of(self.config).chains.get(key)
+        if chain is not None:           # its own tests start once its passes ahead are done
+            wait_flushing(chain)
         print(f"\n{c.plan.describe()}\nready: {c.timing} (booted with "
               f"{', '.join(coboot.key_name(k) for k in self.schedule.waves[w] if k != key)})")
         return c
@@ -580,8 +586,7 @@ class ClusterPool:
                 except BaseException as e:  # noqa: BLE001 - the test raises it
                     store.ahead[nodeid].set_exception(e)
             store.ahead_spans[coboot.key_name(key)] = (t0, time.time())
-        self.chains[key] = self._ahead_executor.submit(run)
-        store.chains[key] = self.chains[key]
+        store.chains[key] = self._ahead_executor.submit(run)
 
     # -- stopping -----------------------------------------------------------------------------------
     def _stop(self, key, c: Cluster):
@@ -629,11 +634,8 @@ class ClusterPool:
         return None
 
     def release_all(self):
-        for fut in self.chains.values():    # passes still running ahead: done before the stops
-            try:
-                fut.result()
-            except BaseException:       # noqa: BLE001 - its tests said it
-                pass
+        # passes still running ahead: done before the stops (run() never raises)
+        futures_wait(oracle_store_of(self.config).chains.values())
         self.release()
         self._stop_waves_before(None)
         for ex in (self._ahead_executor, self._executor):
@@ -765,10 +767,7 @@ class OracleStore:
         against the regular topology reads (its tests are marked needs_baseline)."""
         for key, fut in list(self.chains.items()):
             if key[0] == engine:
-                try:
-                    wait_flushing(fut)
-                except BaseException:    # noqa: BLE001 - the regular topology's tests say it
-                    pass
+                wait_flushing(fut)      # never raises: each step's error is its own test's
         return self
 
 
@@ -793,7 +792,7 @@ def ahead(request, cluster, oracle_store):
     if m is None:
         raise HarnessError(f"{request.node.name}: the `ahead` fixture needs "
                            "@pytest.mark.ahead.with_args(fn)")
-    params = {k: v for k, v in request.node.callspec.params.items() if k != "cluster_key"}
+    params = _test_params(request.node)
 
     def result():
         fut = oracle_store.ahead.get(request.node.nodeid)
