@@ -9,6 +9,8 @@
 #   - the engine's environment: the env file its staging wrote (vllm: /root/stage/env.sh,
 #     tokenspeed: /root/stage/ts-env.sh; E2E_STAGE_ENV overrides), sourced, so PYTHONPATH is
 #     extended, never replaced;
+#   - py-spy for the stall reports' stacks: from a carried wheel (E2E_PYSPY_WHEEL, default
+#     .whl/py_spy-*.whl) into /tmp/pyspy-only when none is on PATH;
 #   - smg: from the engine's site when it has it, else installed once from a carried wheel
 #     (E2E_SMG_WHEEL, default .whl/smg-*.whl) into /tmp/smg-only, appended to PYTHONPATH (after
 #     the engine's site: TokenSpeed's grpc/protobuf win);
@@ -47,6 +49,17 @@ if ! "$py" -c "import smg" 2>/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/smg-only "$whl" || exit 2
   fi
   export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/smg-only
+fi
+# py-spy (the stall diagnostics' stack dumps: infra/cluster/diagnostics.py) where a wheel was
+# carried (E2E_PYSPY_WHEEL, default .whl/py_spy-*.whl) and none is on PATH: without it a stall
+# report says "py-spy not installed" where the stacks should be.
+if ! command -v py-spy >/dev/null 2>&1; then
+  spy=${E2E_PYSPY_WHEEL:-$(ls .whl/py_spy-*.whl 2>/dev/null | head -1)}
+  if [ -n "$spy" ] && [ -f "$spy" ]; then
+    [ -x /tmp/pyspy-only/bin/py-spy ] || "$py" -m pip install -q --no-index --no-deps \
+      --no-compile --target /tmp/pyspy-only "$spy" || exit 2
+    export PATH=$PATH:/tmp/pyspy-only/bin
+  fi
 fi
 if [ "$eng" = tokenspeed ]; then
   export E2E_ENGINE_ARGS="${E2E_ENGINE_ARGS:---sampling-backend triton}"
