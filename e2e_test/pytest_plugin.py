@@ -225,7 +225,8 @@ def cluster_key(request):
 def pytest_collection_modifyitems(session, config, items):
     """Tests on a shared topology run grouped by its key (engine, topology, profile), so each
     key boots once; within a group, tests marked `breaks_cluster` run last (after them the
-    topology is stopped). Tests that bring up their own topology (own_cluster) run after
+    topology is stopped), after a test marked `restarting` (it leaves a worker restarting in
+    the background for them). Tests that bring up their own topology (own_cluster) run after
     every shared one, so a private topology never overlaps with a shared one."""
     selected = _topologies(config)
     engines = _csv(config.getoption("--engine"))
@@ -246,9 +247,10 @@ def pytest_collection_modifyitems(session, config, items):
         # with it), each profile of a topology right after its plain group, each group in
         # file order with the tests that break it at its end.
         breaks = 1 if item.get_closest_marker("breaks_cluster") else 0
+        restarting = 1 if item.get_closest_marker("restarting") else 0
         return (1, engines.index(engine) if engine in engines else 99,
                 selected.index(topo) if topo in selected else 99,
-                profile[0] if profile else "", breaks, mod[id(item)], pos[id(item)])
+                profile[0] if profile else "", breaks, restarting, mod[id(item)], pos[id(item)])
 
     items.sort(key=key)
     # The shared topologies in the order their tests run: what the lane-level placement
@@ -277,6 +279,8 @@ def pytest_collection_modifyitems(session, config, items):
     if settings.get("E2E_TRAFFIC_AHEAD") == "auto":
         ahead = coboot.ahead_keys(sched, {k: k[1].kind for k in steps})
     if ahead:
+        early = {_shared_key(i) for i in items if i.get_closest_marker("restarting")}
+
         def wave_key(item):
             ck = _shared_key(item)
             if not ck or ck not in keys:
@@ -285,7 +289,8 @@ def pytest_collection_modifyitems(session, config, items):
             return (1, w, *coboot.wave_order(
                 ck, sched.waves[w], ahead, breaks=bool(item.get_closest_marker("breaks_cluster")),
                 needs_baseline=bool(item.get_closest_marker("needs_baseline")
-                                    or item.get_closest_marker("quiet"))),
+                                    or item.get_closest_marker("quiet")),
+                early=ck in early, restarting=bool(item.get_closest_marker("restarting"))),
                 mod[id(item)], pos[id(item)])
         items.sort(key=wave_key)
     st.ahead = {k: steps[k] for k in ahead}
@@ -679,7 +684,12 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
         pytest.skip("no topology")
     engine, topo, *_ = cluster_key
     require_devices(request.config, topo, e2e_backend, engine)
-    return cluster_pool.get(cluster_key, lambda: _make_for_key(request.config, cluster_key))
+    c = cluster_pool.get(cluster_key, lambda: _make_for_key(request.config, cluster_key))
+    if request.node.get_closest_marker("quiet"):
+        # timed against an engine's own pace: no worker boots beside it (a fault test's
+        # restart in the background, marker `restarting`)
+        Cluster.settle_restarts()
+    return c
 
 
 @pytest.fixture(autouse=True)
@@ -696,6 +706,8 @@ def _e2e_idle_after(request):
 
 
 def _idle_after(request) -> None:
+    if request.node.get_closest_marker("restarting"):
+        return      # a worker of its topology boots again in the background: not idle-able
     if request.node.get_closest_marker("breaks_cluster"):
         # It broke its topology on purpose (and may have stopped it to check the teardown):
         # no idle check; stopped here in any case, so the next test gets a fresh one.

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import psutil
@@ -21,7 +22,7 @@ import pytest
 from e2e_test.infra import engines
 from e2e_test.infra.cluster import cluster as cluster_mod
 from e2e_test.infra.cluster.cluster import Cluster
-from e2e_test.infra.errors import StartupError
+from e2e_test.infra.errors import HarnessError, StartupError, WorkerDied
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_engine
@@ -142,6 +143,39 @@ def test_a_port_collision_restarts_on_new_ports(fake, weights, tmp_path):
     assert "Address already in use" in (logs / "worker-0.log").read_text()
     assert (logs / "worker-0.1.log").is_file()
     assert c.teardown_report.ok, c.teardown_report.verdict()
+
+
+def test_a_restart_in_the_background_boots_while_the_caller_goes_on(fake, weights, tmp_path):
+    """Cluster.restart_in_background (a fault test's lost leg, booting beside other tests):
+    it returns before the worker is back; await_restart gives the worker (once);
+    settle_restarts waits for every one in flight; stop() waits for one still booting, so the
+    process it launches is stopped with the rest."""
+    fake.env = {"worker-0": {"FAKE_ENGINE_DELAY_S": "1.0"}}
+    c = make(weights, tmp_path)
+    with c:
+        old = c.workers[0].process.pid
+        os.kill(old, signal.SIGKILL)                        # the leg lost
+        assert _gone([old])
+        with pytest.raises(WorkerDied, match="worker-0"):
+            c.check_alive()
+        c._restarting["worker-0"] = Future()                # while its restart is in flight,
+        c.check_alive()                                     # its old process is no death
+        c._restarting.clear()
+        fut = c.restart_in_background("worker-0")
+        assert not fut.done() and c.restarts_in_flight() == ["worker-0"]
+        with pytest.raises(HarnessError, match="in flight already"):
+            c.restart_in_background("worker-0")
+        assert Cluster.settle_restarts() == [f"{c.name}/worker-0"]
+        assert c.restarts_in_flight() == []
+        w = c.await_restart("worker-0")
+        assert w.process.pid != old and w.restarts == 1
+        assert c.await_restart("worker-0") is None         # taken: none left
+        assert c.chat("x")["choices"]
+        assert len(c.timing.restart_boots) == 1 and c.timing.restart_boots[0][1] >= 1.0
+        c.restart_in_background("worker-0")                  # still booting at the stop
+    assert c.workers[0].restarts == 2
+    assert c.teardown_report.ok, c.teardown_report.verdict()
+    assert _gone([c.workers[0].process.pid])
 
 
 def test_stop_report_names_a_worker_that_needed_sigkill(fake, weights, tmp_path, monkeypatch):

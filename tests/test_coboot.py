@@ -222,4 +222,30 @@ def test_a_waves_order_puts_the_others_beside_the_passes_and_breaking_tests_last
     # no key ahead in the wave: grouped by key, breaking tests at each group's end (today)
     plain = {(k, b): coboot.wave_order(k, (PD, WIN), (), breaks=b, needs_baseline=False)
              for k in (PD, WIN) for b in (False, True)}
-    assert sorted(plain.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(plain.values()) == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+
+
+def test_a_topology_with_a_restarting_test_runs_it_first_and_breaks_last():
+    """A test that leaves a worker restarting in the background (the window's lost decode
+    leg): its topology's tests up to it run first (`early`), so the restart boots beside the
+    others' tests; its breaking test (the rejoin) still runs last."""
+    wave, ahead = (ONE, PD, WIN), (ONE,)
+
+    def order(key, breaks=False, needs=False, restarting=False):
+        return coboot.wave_order(key, wave, ahead, breaks=breaks, needs_baseline=needs,
+                                 early=key == WIN, restarting=restarting)
+    tests = {"pd plain": order(PD), "window plain": order(WIN),
+             "window restarting": order(WIN, restarting=True), "1 pass": order(ONE),
+             "pd timed": order(PD, needs=True), "pd breaks": order(PD, breaks=True),
+             "window breaks": order(WIN, breaks=True)}
+    assert sorted(tests, key=tests.get) == ["window plain", "window restarting", "pd plain",
+                                            "1 pass", "pd timed", "pd breaks", "window breaks"]
+    # the ahead key itself is never early (its tests wait for its passes)
+    assert (coboot.wave_order(ONE, wave, ahead, breaks=False, needs_baseline=False, early=True)
+            == order(ONE))
+    # no key ahead: today's order, the restarting test after its key's others, before its
+    # breaking ones
+    today = {r: coboot.wave_order(WIN, (PD, WIN), (), breaks=b, needs_baseline=False,
+                                  early=True, restarting=r == "restarting")
+             for r, b in (("plain", False), ("restarting", False), ("breaks", True))}
+    assert sorted(today, key=today.get) == ["plain", "restarting", "breaks"]

@@ -165,6 +165,38 @@ def test_nothing_ahead_without_passes_marked_ahead(pytester, monkeypatch):
     assert ids == TODAY, ids
 
 
+RESTARTING = AHEAD_TESTS + '''
+@pytest.mark.cluster_profile("window")
+@pytest.mark.topology_kinds("pd")
+@pytest.mark.restarting
+def test_h_window_restarting(cluster):
+    pass
+'''
+
+
+def test_booted_together_a_restarting_test_runs_first_and_its_breaking_test_last(pytester,
+                                                                                  monkeypatch):
+    """The window's lost leg restarts in the background (marker `restarting`): its topology's
+    tests up to it run first, so the restart boots beside the other tests; the window's
+    breaking test (the rejoin) stays last."""
+    ids = _order(pytester, monkeypatch, RESTARTING, E2E_BOOT_SCHEDULE="together")
+    assert ids == ["test_g_window[vllm-1p1d]", "test_h_window_restarting[vllm-1p1d]",
+                   "test_e_pd_plain[vllm-1p1d]",
+                   "test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",
+                   "test_c_pd_judged[vllm-1p1d]", "test_ea_pd_timed[vllm-1p1d]",
+                   "test_d_pd_breaks[vllm-1p1d]", "test_f_window_breaks[vllm-1p1d]"], ids
+    # serially: today's order, the restarting test after its group's others, before the
+    # breaking one
+    serial = _order(pytester, monkeypatch, RESTARTING, E2E_BOOT_SCHEDULE="serial")
+    assert serial == TODAY[:-1] + ["test_h_window_restarting[vllm-1p1d]", TODAY[-1]], serial
+    # the negative control: without the marker it is a plain test, after the pd tests, so a
+    # restart it started would boot after them
+    plain = _order(pytester, monkeypatch, RESTARTING.replace("@pytest.mark.restarting\n", ""),
+                   E2E_BOOT_SCHEDULE="together")
+    assert plain.index("test_h_window_restarting[vllm-1p1d]") > plain.index(
+        "test_e_pd_plain[vllm-1p1d]"), plain
+
+
 def test_the_cpu_lane_decides_serial_and_keeps_todays_order(pytester, monkeypatch):
     # auto on a CPU backend: serial (coboot.py), so no pass runs ahead
     assert _order(pytester, monkeypatch, AHEAD_TESTS) == TODAY

@@ -4,8 +4,9 @@ idle, a lost leg errors fast, a restarted worker rejoins.
 The cancellation cases and the idle negative control run on the lane's shared `1` and `1p1d`
 topologies (no extra boot). Leg loss and restart-rejoin break their topology: they run last on
 the shared small-window `1p1d` (profile `window`, after its window burst; no boot of their
-own): decode killed mid-traffic, restarted, takes traffic again; then prefill frozen with
-requests waiting on it, and killed.
+own): decode killed mid-traffic and restarted in the background (booted together, the restart
+boots beside the other topologies' tests), then, as the topology's last test, it takes traffic
+again; then prefill frozen with requests waiting on it, and killed.
 Every bound is stated here and measured figures land in the result records
 (docs/lifecycle.md has them).
 """
@@ -117,27 +118,42 @@ def _leg_loss(c, role: str, record, **kw) -> sf.LegLoss:
 @pytest.mark.engines("vllm")
 @pytest.mark.topology_kinds("pd")
 @pytest.mark.cluster_profile("window")
-@pytest.mark.breaks_cluster
-def test_pd_leg_loss_restart_rejoin(cluster, cluster_pool, record):
+@pytest.mark.restarting
+def test_pd_decode_leg_loss(cluster, record):
     """On the shared small-window PD topology, after its window burst (no boot of its own):
-    kill the decode leg mid-traffic (every in-flight request errors within LEG_LOSS_S),
-    restart it on its ports (re-registered with smg) and see it take traffic, then freeze
-    the prefill leg, send requests to it and kill it."""
+    kill the decode leg mid-traffic (every in-flight request errors within LEG_LOSS_S), then
+    start its restart on its ports in the background (marker `restarting`): booted together,
+    it boots beside the other topologies' tests; test_pd_restart_rejoin_prefill_loss, this
+    topology's last test, waits for it."""
     c = cluster
     _leg_loss(c, "decode", record)
-
     name = c.role("decode")[0].name
-    before = sf.selections(c)
+    c.restart_in_background(name)
+    record["restart_started"] = {"worker": name, "epoch": round(time.time(), 2)}
+
+
+@pytest.mark.engines("vllm")
+@pytest.mark.topology_kinds("pd")
+@pytest.mark.cluster_profile("window")
+@pytest.mark.breaks_cluster
+def test_pd_restart_rejoin_prefill_loss(cluster, cluster_pool, record):
+    """The decode worker test_pd_decode_leg_loss restarted (re-registered with smg) takes
+    traffic again; then freeze the prefill leg, send requests to it and kill it."""
+    c = cluster
+    name = c.role("decode")[0].name
     t0 = time.monotonic()
-    c.restart(name)
-    restart_s = round(time.monotonic() - t0, 2)
+    if c.await_restart(name) is None:     # the leg-loss test did not get as far: restart now
+        c.restart(name)
+    waited_s = round(time.monotonic() - t0, 2)
+    restart_s = c.timing.restart_boots[-1][1]
+    before = sf.selections(c)
     answers = [c.chat(f"After the restart {i}: say OK.", max_tokens=8) for i in range(4)]
     after = sf.selections(c)
     picked = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    record["restart"] = {"worker": name, "seconds": restart_s, "selections": picked,
-                         "answers": len(answers)}
-    print(f"restart {name}: ready and registered in {restart_s} s; selections since "
-          f"{picked}")
+    record["restart"] = {"worker": name, "seconds": restart_s, "waited_s": waited_s,
+                         "selections": picked, "answers": len(answers)}
+    print(f"restart {name}: ready and registered in {restart_s} s ({waited_s} s of it "
+          f"waited for here); selections since {picked}")
     assert all(a["choices"][0]["message"]["content"] for a in answers)
     # smg counts selections per worker type; the restarted worker is the only decode
     # worker, so every decode selection since the restart went to it.

@@ -24,7 +24,8 @@ import json
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,7 +34,7 @@ import httpx
 
 from .. import engines, startup
 from ..engines import DEFAULT_ENGINE, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
-from ..errors import ConfigError, StartupError, UpstreamBug, WorkerDied
+from ..errors import ConfigError, HarnessError, StartupError, UpstreamBug, WorkerDied
 from ..lifecycle import ports, reaper, teardown
 from ..lifecycle.launcher import Baseline, Handle, Launcher, LocalLauncher
 from ..lifecycle.process import StopReport, classify_log
@@ -198,6 +199,8 @@ class Cluster:
         self.shared_devices = shared_devices
         self.stopped = False
         self._client: httpx.Client | None = None
+        # worker name -> Future of its restart_in_background (await_restart takes it)
+        self._restarting: dict = {}
         self._extra_ports: set[int] = set()          # extra_gateway's
         self._extra_gateways: list[Handle] = []      # ... running
         self._extra_stops: list[StopReport] = []     # ... stopped
@@ -430,6 +433,9 @@ class Cluster:
         if self.stopped:
             return self.teardown_report
         self.stopped = True
+        # A restart in flight launches its process at any moment: waited for (it ends by its
+        # own deadline), so the tree collected below is the whole tree.
+        futures_wait(list(self._restarting.values()))
         t0 = time.monotonic()
         self.timing.teardown_started = time.time()
         if self._client:
@@ -496,11 +502,13 @@ class Cluster:
 
     def _dead(self) -> list[tuple[str, KnownCrash | None]]:
         """(line, the known upstream crash it shows or None) for every worker (or gateway)
-        that exited."""
+        that exited; not a worker restarting in the background (its old process is gone on
+        purpose, and its restart fails by itself if the new one dies: await_restart)."""
         out = []
         roles = {id(w.process): w.entry.role for w in self.workers}
+        booting = set(self.restarts_in_flight())
         for name, p in ([("gateway", self.gateway)] + [(h.name, h) for h in self._extra_gateways]
-                        + [(w.name, w.process) for w in self.workers]):
+                        + [(w.name, w.process) for w in self.workers if w.name not in booting]):
             if p is not None and p.started_at is not None and not p.alive():
                 known = (self.driver.known_crash(roles[id(p)], p.log_text(200_000))
                          if id(p) in roles else None)
@@ -567,6 +575,43 @@ class Cluster:
                 return w
         raise ConfigError(f"topology {self.topology.name}: no worker {name!r} "
                           f"(workers: {', '.join(w.name for w in self.workers)})")
+
+    def restart_in_background(self, name: str) -> Future:
+        """restart(name) in a thread: the worker boots while the caller goes on (a fault test
+        that lost a leg lets it boot beside other topologies' tests). Its result or its error
+        is await_restart(name)'s; stop() waits for it first, so no process starts after the
+        teardown collected the tree; a test timed against an engine's own pace waits for every
+        restart in flight (settle_restarts)."""
+        fut = self._restarting.get(name)
+        if fut is not None and not fut.done():
+            raise HarnessError(f"restart {name}: a restart of it is in flight already")
+        ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"restart-{name}")
+        fut = self._restarting[name] = ex.submit(self.restart, name)
+        ex.shutdown(wait=False)
+        return fut
+
+    def await_restart(self, name: str) -> Worker | None:
+        """The worker its background restart brought back (its StartupError raised here);
+        None where none was started."""
+        fut = self._restarting.pop(name, None)
+        return None if fut is None else fut.result()
+
+    def restarts_in_flight(self) -> list[str]:
+        return [n for n, f in self._restarting.items() if not f.done()]
+
+    @classmethod
+    def settle_restarts(cls) -> list[str]:
+        """Wait for every live topology's background restarts (their errors stay theirs, for
+        await_restart); the names of the workers waited for."""
+        with cls.live_lock:
+            live = list(cls.live)
+        waited = []
+        for c in live:
+            for n, f in list(c._restarting.items()):
+                if not f.done():
+                    waited.append(f"{c.name}/{n}")
+                futures_wait([f])
+        return waited
 
     def restart(self, name: str, timeout: float | None = None) -> Worker:
         """Stop worker `name` (dead or alive), start it again with the same command and ports,

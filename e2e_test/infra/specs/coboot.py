@@ -161,7 +161,11 @@ def _shares(used: dict[int, float]) -> str:
 # a serial pass included, is what it measured before.
 
 # A wave's tests run in these phases (within a phase: the wave's key order, then file order).
-PLAIN, AHEAD, NEEDS_BASELINE, BREAKS = range(4)
+# EARLY: a topology with a test that leaves a worker restarting in the background (marker
+# `restarting`: a fault test that lost a leg) runs its tests up to that one first, so the
+# restart (50-58 s of vLLM on the H200 at 9d80458, run last and alone before) boots beside
+# the other topologies' tests; its breaking tests still run last.
+EARLY, PLAIN, AHEAD, NEEDS_BASELINE, BREAKS = range(5)
 
 
 def ahead_keys(schedule: BootSchedule, kinds: dict) -> tuple:
@@ -175,18 +179,22 @@ def ahead_keys(schedule: BootSchedule, kinds: dict) -> tuple:
     return tuple(out)
 
 
-def wave_order(key, wave: tuple, ahead: tuple, *, breaks: bool, needs_baseline: bool) -> tuple:
+def wave_order(key, wave: tuple, ahead: tuple, *, breaks: bool, needs_baseline: bool,
+               early: bool = False, restarting: bool = False) -> tuple:
     """Where a test of `key` runs within its wave (sorts before file order). A wave with a key
-    that runs ahead: the other topologies' tests first (their traffic overlaps the passes
-    ahead), then the ahead key's own tests (its passes are done by then, or the wait is what
-    is left of them), then the tests judged against its baseline and those timed against an
-    engine's own pace (`needs_baseline`: the plugin passes the `quiet` tests here too: no pass
-    runs beside them), then every test that breaks its topology, so a broken topology has no
-    test after it. Any other wave: today's order,
-    grouped by key, the breaking tests at each group's end."""
+    that runs ahead: first the topologies with a restarting test (`early`: the key has one; not the
+    ahead key, whose tests wait for its passes),
+    their tests up to it (`restarting` last); then the other topologies' tests (their traffic
+    overlaps the passes ahead and the restarts), then the ahead key's own tests (its passes are
+    done by then, or the wait is what is left of them), then the tests judged against its
+    baseline and those timed against an engine's own pace (`needs_baseline`: the plugin passes
+    the `quiet` tests here too: no pass runs beside them, and they wait for the restarts),
+    then every test that breaks its topology, so a broken topology has no test after it. Any
+    other wave: today's order, grouped by key, a restarting test after its key's other tests,
+    the breaking tests at each group's end."""
     idx = wave.index(key)
     if not any(k in ahead for k in wave):
-        return (idx, int(breaks))
-    phase = (BREAKS if breaks else AHEAD if key in ahead
+        return (idx, int(breaks), int(restarting))
+    phase = (BREAKS if breaks else EARLY if early and key not in ahead else AHEAD if key in ahead
              else NEEDS_BASELINE if needs_baseline else PLAIN)
-    return (phase, idx)
+    return (phase, idx, int(restarting))
