@@ -9,6 +9,9 @@
 #   - the engine's environment: the env file its staging wrote (vllm: /root/stage/env.sh,
 #     tokenspeed: /root/stage/ts-env.sh; E2E_STAGE_ENV overrides), sourced, so PYTHONPATH is
 #     extended, never replaced;
+#   - bytecode for every folder on PYTHONPATH and the interpreter's site, compiled once per
+#     machine (E2E_BYTECODE=0: not): the staging installs with --no-compile and the image sets
+#     PYTHONDONTWRITEBYTECODE, so without it every worker compiles its imports from source;
 #   - py-spy for the stall reports' stacks: from a carried wheel (E2E_PYSPY_WHEEL, default
 #     .whl/py_spy-*.whl) into /tmp/pyspy-only when none is on PATH;
 #   - smg: from the engine's site when it has it, else installed once from a carried wheel
@@ -92,6 +95,21 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export E2E_GIT_SHA=${E2E_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export E2E_BACKEND=cuda CI=${CI:-true} E2E_ENFORCE_EAGER=${E2E_ENFORCE_EAGER:-1}
+# Bytecode, once per machine and folder: the staged sites are installed with --no-compile and
+# the device image sets PYTHONDONTWRITEBYTECODE (its multiprocessing children run with -B), so
+# every worker process compiled every module it imported from source, every time (py-spy on
+# the H200, 75a6d0f: a vLLM engine core in SourceLoader.source_to_code under torch's import;
+# `import vllm.entrypoints.openai.api_server` 25-28 s, twice per worker). Python reads .pyc files
+# under that variable; it only never writes them. E2E_BYTECODE=0 (false, no) skips this.
+if ! [[ "${E2E_BYTECODE:-1}" =~ ^(0|[Ff]alse|FALSE|[Nn]o|NO)$ ]]; then
+  bt=$(date +%s); done_dirs=""
+  for d in $(echo "${PYTHONPATH:-}" | tr ':' ' ') $("$py" -c "import sysconfig as s; print(s.get_paths()['purelib'], s.get_paths()['platlib'])"); do
+    mark=/tmp/.e2e-bytecode-$(echo "$d" | md5sum | cut -c1-12)
+    [ -d "$d" ] && [ ! -f "$mark" ] || continue
+    "$py" -m compileall -q -j 0 "$d" >/dev/null 2>&1; touch "$mark"; done_dirs="$done_dirs $d"
+  done
+  [ -n "$done_dirs" ] && echo "gpu_lane: bytecode compiled in $(( $(date +%s) - bt )) s:$done_dirs"
+fi
 export E2E_LANE_PYTHON=$py E2E_RESULTS_DIR=${E2E_RESULTS_DIR:-/tmp/res/$lane-$eng}
 lim=${E2E_LANE_LIMIT_S:-570}
 log=${OUT:+$OUT/}lane-$lane-$eng.log
