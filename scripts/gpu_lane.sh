@@ -10,8 +10,8 @@
 #     tokenspeed: /root/stage/ts-env.sh; E2E_STAGE_ENV overrides), sourced, so PYTHONPATH is
 #     extended, never replaced;
 #   - bytecode for every folder on PYTHONPATH and the interpreter's site, compiled once per
-#     machine (E2E_BYTECODE=0: not): the staging installs with --no-compile and the image sets
-#     PYTHONDONTWRITEBYTECODE, so without it every worker compiles its imports from source;
+#     machine (E2E_BYTECODE=0: not): the staging installs with --no-compile and the device's
+#     Python never writes bytecode, so without it every worker compiles its imports from source;
 #   - py-spy for the stall reports' stacks: from a carried wheel (E2E_PYSPY_WHEEL, default
 #     .whl/py_spy-*.whl) into /tmp/pyspy-only when none is on PATH;
 #   - smg: from the engine's site when it has it, else installed once from a carried wheel
@@ -96,7 +96,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export E2E_GIT_SHA=${E2E_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export E2E_BACKEND=cuda CI=${CI:-true} E2E_ENFORCE_EAGER=${E2E_ENFORCE_EAGER:-1}
 # Bytecode, once per machine and folder: the staged sites are installed with --no-compile and
-# the device image sets PYTHONDONTWRITEBYTECODE (its multiprocessing children run with -B), so
+# the device's Python runs with dont_write_bytecode (its multiprocessing children carry -B), so
 # every worker process compiled every module it imported from source, every time (py-spy on
 # the H200, 75a6d0f: a vLLM engine core in SourceLoader.source_to_code under torch's import;
 # `import vllm.entrypoints.openai.api_server` 25-28 s, twice per worker). Python reads .pyc files

@@ -182,16 +182,17 @@ def ahead_keys(schedule: BootSchedule, kinds: dict) -> tuple:
 def wave_order(key, wave: tuple, ahead: tuple, *, breaks: bool, needs_baseline: bool,
                early: bool = False, restarting: bool = False) -> tuple:
     """Where a test of `key` runs within its wave (sorts before file order). A wave with a key
-    that runs ahead: first the topologies with a restarting test (`early`: the key has one; not the
-    ahead key, whose tests wait for its passes),
-    their tests up to it (`restarting` last); then the other topologies' tests (their traffic
-    overlaps the passes ahead and the restarts), then the ahead key's own tests (its passes are
-    done by then, or the wait is what is left of them), then the tests judged against its
-    baseline and those timed against an engine's own pace (`needs_baseline`: the plugin passes
-    the `quiet` tests here too: no pass runs beside them, and they wait for the restarts),
-    then every test that breaks its topology, so a broken topology has no test after it. Any
-    other wave: today's order, grouped by key, a restarting test after its key's other tests,
-    the breaking tests at each group's end."""
+    that runs ahead:
+    1. the tests of a topology with a restarting test (`early`: the key has one; never the
+       ahead key, whose tests wait for its passes), up to that test (`restarting` last);
+    2. the other topologies' tests (their traffic overlaps the passes ahead and the restarts);
+    3. the ahead key's own tests (its passes are done by then, or the wait is what is left);
+    4. the tests judged against its baseline and those timed against an engine's own pace
+       (`needs_baseline`: the plugin passes the `quiet` tests here too: no pass runs beside
+       them, and they wait for the restarts);
+    5. every test that breaks its topology, so a broken topology has no test after it.
+    Any other wave: today's order, grouped by key, a restarting test after its key's other
+    tests, the breaking tests at each group's end."""
     idx = wave.index(key)
     if not any(k in ahead for k in wave):
         return (idx, int(breaks), int(restarting))

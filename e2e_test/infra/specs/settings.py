@@ -287,7 +287,7 @@ _add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs a
 # An offline GPU runner's recipe (scripts/gpu_lane.sh; docs/gpu.md)
 _add("E2E_STAGE_ENV", PathKind(), None, lambda: "scripts/gpu_lane.sh: the env file the engine's staging wrote (default " + ", ".join(f"{e.stage_env} for {e.name}" for e in all_engines() if e.stage_env) + ")")
 _add("E2E_SMG_WHEEL", PathKind(), None, "scripts/gpu_lane.sh: the smg wheel to install when the engine's site has no smg (default .whl/smg-*.whl)")
-_add("E2E_BYTECODE", Bool(), True, "scripts/gpu_lane.sh: compile the bytecode of every folder on PYTHONPATH and of the interpreter's site once per machine (the staging installs with --no-compile and the device image sets PYTHONDONTWRITEBYTECODE, so without it every worker compiles its imports from source); 0: not")
+_add("E2E_BYTECODE", Bool(), True, "scripts/gpu_lane.sh: compile the bytecode of every folder on PYTHONPATH and of the interpreter's site once per machine (the staging installs with --no-compile and the device's Python runs with dont_write_bytecode, so without it every worker compiles its imports from source: docs/staging.md); 0: not")
 _add("E2E_PYSPY_WHEEL", PathKind(), None, "scripts/gpu_lane.sh: the py-spy wheel to install when none is on PATH, for the stall reports' stacks (default .whl/py_spy-*.whl)")
 _add("E2E_GGUF", PathKind(), None, "scripts/gpu_lane.sh: the GGUF (a file, or a folder of its split parts) the default model is converted from on a runner without it (default .carry/model)")
 _add("E2E_LANE_LIMIT_S", Int(1), 570, "scripts/gpu_lane.sh: the lane's wall limit in seconds, after which pytest gets SIGINT and tears down")
