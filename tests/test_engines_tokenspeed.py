@@ -35,9 +35,12 @@ DISAGG_ENV = {"MC_INTRANODE_NVLINK": "1", "TOKENSPEED_SKIP_GRPC_WARMUP": "1",
 
 def test_regular():
     t, e = entries("1")
-    assert tokenspeed.aux_ports(t, e["worker"], CUDA) == []
-    cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000), "/models/q", CUDA)
-    assert cmd.argv == head(30000)
+    # a dist-init port of the harness's own: without it TokenSpeed derives one from --port,
+    # which another server of the session may hold (H200, 44140a5: EADDRINUSE, a relaunch)
+    assert tokenspeed.aux_ports(t, e["worker"], CUDA) == ["dist_init"]
+    cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000, aux={"dist_init": 30001}),
+                           "/models/q", CUDA)
+    assert cmd.argv == head(30000) + ["--dist-init-addr", "127.0.0.1:30001"]
     # The servicer's 1-token gRPC warmup stays on: smg's first deep health probe must not be
     # the engine's first generation (it timed out at 5 s and smg waited 30 s to retry).
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4"}
@@ -50,8 +53,10 @@ def test_regular_small_window_eager_and_extra_args():
     t, e = entries("1")
     opts = EngineOptions(backend="cuda", max_num_seqs=4, enforce_eager=True,
                          extra_args=("--attention-backend", "fa3"))
-    cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000), "/models/q", opts)
-    assert cmd.argv == head(30000) + ["--max-num-seqs", "4", "--enforce-eager",
+    cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000, aux={"dist_init": 30001}),
+                           "/models/q", opts)
+    assert cmd.argv == head(30000) + ["--max-num-seqs", "4", "--dist-init-addr",
+                                      "127.0.0.1:30001", "--enforce-eager",
                                       "--attention-backend", "fa3"]
 
 
@@ -133,7 +138,7 @@ def test_spec_args_and_tp():
                             "args": {"tokenspeed": ["--disaggregation-layerwise-interval", "0"]}})
     t = parse("1")
     w = plan_gpu(t, spec, (0, 1)).entries[0]
-    cmd = tokenspeed.build(spec, t, w, Ports(api=7), "/m", CUDA)
+    cmd = tokenspeed.build(spec, t, w, Ports(api=7, aux={"dist_init": 8}), "/m", CUDA)
     assert cmd.argv[cmd.argv.index("--tensor-parallel-size") + 1] == "2"
     assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.5"
     assert cmd.argv[-2:] == ["--disaggregation-layerwise-interval", "0"]
@@ -146,7 +151,7 @@ def test_kv_budget_bounds_the_pool():
     model has one: 131072 tokens."""
     spec = get_spec("SmolLM2-135M-Instruct")
     t, e = entries("1", spec)
-    cmd = tokenspeed.build(spec, t, e["worker"], Ports(api=1), "/m", CUDA)
+    cmd = tokenspeed.build(spec, t, e["worker"], Ports(api=1, aux={"dist_init": 2}), "/m", CUDA)
     assert cmd.argv[cmd.argv.index("--max-total-tokens") + 1] == str(spec.kv_budget_tokens)
     assert spec.kv_budget_tokens == 131072 and "--disable-kvstore" in cmd.argv
 
@@ -279,3 +284,26 @@ def test_dist_init_is_a_block_no_other_server_gets_a_port_of():
         # only the base port was, and dist_init + 1 could go to the gateway)
         assert block <= ports._handed_out, sorted(block - ports._handed_out)
         assert f"127.0.0.1:{base}" in w.command.argv
+
+
+def test_a_regular_worker_gets_its_dist_init_block_too():
+    """Without --dist-init-addr a regular worker bound its TCPStore on --port +
+    ZMQ_TCP_PORT_DELTA, a port the harness never reserved (H200, 44140a5, three topologies
+    booted together: `1`'s worker died "port: 20741 ... EADDRINUSE" and was relaunched, 22 s
+    on the lane's critical path). Now the cluster reserves a block for it as for the PD roles."""
+    from types import SimpleNamespace
+
+    from e2e_test.infra.cluster.cluster import Cluster
+    from e2e_test.infra.engines import for_topology
+    from e2e_test.infra.lifecycle import ports
+    from e2e_test.infra.lifecycle.launcher import LocalLauncher
+
+    t, e = entries("1")
+    driver = for_topology("tokenspeed", t)
+    me = SimpleNamespace(driver=driver, topology=t, options=CUDA, launcher=LocalLauncher(),
+                         spec=SPEC, model_path="/models/q", dir=None)
+    w = Cluster._make_worker(me, e["worker"])
+    base = w.ports.aux["dist_init"]
+    span = driver.aux_port_span("dist_init", e["worker"])
+    assert set(range(base, base + span)) <= ports._handed_out
+    assert w.command.argv[w.command.argv.index("--dist-init-addr") + 1] == f"127.0.0.1:{base}"

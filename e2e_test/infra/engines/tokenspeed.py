@@ -19,13 +19,13 @@ flag's contract comes from:
   NO_PROXY/no_proxy=*) and CUDA_VISIBLE_DEVICES: smg-project/smg e2e_test/infra/worker.py
   (Worker._build_env; smg uses setdefault, this builder returns plain overrides). Which ports a
   worker gets (bootstrap for prefill/encode, a dist-init port for every disaggregation role):
-  same file, start_workers().
+  same file, start_workers(). This harness gives every worker a dist-init port (aux_ports).
 - Gateway registration (`--prefill URL BOOTSTRAP`, `--encode URL BOOTSTRAP`, `--decode URL`):
   smg-project/smg e2e_test/infra/cluster/gateway.py (build_epd_mode_args).
 - Flag names and semantics (`--gpu-memory-utilization`, `--max-num-seqs`, `--max-model-len`,
   `--served-model-name`, `--data-parallel-size`, `--dist-init-addr`, device "cuda" only):
   lightseekorg/tokenspeed python/tokenspeed/runtime/utils/server_args.py. Its PortArgs.init_new
-  requires `--dist-init-addr` when attention DP > 1, hence the dist_init port for dp > 1 here.
+  requires `--dist-init-addr` when attention DP > 1, and derives one from `--port` otherwise.
 - The servicer parses all ServerArgs flags and reports `--served-model-name` in GetModelInfo:
   smg-project/smg grpc_servicer/smg_grpc_servicer/tokenspeed/__main__.py, .../servicer.py.
 - Health: grpc.health.v1 (service "" turns SERVING after a 1-token warmup, or at once with
@@ -114,14 +114,18 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
 
     "bootstrap": the Mooncake bootstrap server of a prefill/encode worker (the gateway is told it).
     "dist_init": the base of TokenSpeed's control-plane port cluster (it also binds a few ports
-    right above it); needed by every disaggregation role and by dp > 1.
+    right above it). Every worker gets one: TokenSpeed needs it for every disaggregation role
+    and for dp > 1, and without it a regular worker derives its own from --port (PortArgs:
+    --port + ZMQ_TCP_PORT_DELTA), a port in the harness's range that the harness may have
+    handed to another server. H200, 2026-12-02 (44140a5, three topologies booted together):
+    `1`'s worker died binding its TCPStore ("port: 20741 ... EADDRINUSE") and its relaunch
+    cost the lane's critical path 22 s.
     """
     names = []
     disagg = _disagg(topology, entry)
     if disagg and entry.role in ("prefill", "encode"):
         names.append("bootstrap")
-    if disagg or entry.dp > 1:
-        names.append("dist_init")
+    names.append("dist_init")
     return names
 
 
@@ -219,7 +223,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         if entry.role == "encode":
             # No embedding cache: every image runs the vision tower (the EPD proof).
             env["TOKENSPEED_EPD_ENCODE_EMBED_CACHE_MB"] = "0"
-    elif entry.dp > 1:
+    else:
         argv += ["--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
     if options.enforce_eager and not eager:
         argv.append("--enforce-eager")
