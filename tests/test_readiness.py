@@ -1,5 +1,6 @@
-"""Readiness strategies against real sockets: each one ready on the thing it asks for, and
-not ready without it (the negative controls)."""
+"""Readiness strategies against real sockets (ModelServed against a fake round-robin gateway,
+httpx.MockTransport): each one ready on the thing it asks for, and not ready without it (the
+negative controls)."""
 
 import socket
 import threading
@@ -8,7 +9,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from e2e_test.infra.cluster.readiness import Alive, AllOf, GrpcHealth, HttpGet, PortBound, Step
+from e2e_test.infra.cluster.readiness import (
+    Alive,
+    AllOf,
+    GrpcHealth,
+    HttpGet,
+    ModelServed,
+    PortBound,
+    Step,
+    legs_to_warm,
+)
 from e2e_test.infra.lifecycle import ports
 
 
@@ -65,3 +75,54 @@ def test_all_of_goes_in_order_and_keeps_what_passed(http_port, client):
     assert "port" in blocked.pending()
     ok = AllOf(HttpGet(http_port), Alive())
     assert ok.ready(client) and ok.pending() == ""
+
+
+def _round_robin_gateway(legs: int, fail_first: int = 0):
+    """A fake gateway (pure logic, httpx.MockTransport): /v1/models lists the model, each
+    chat completion goes to the next of `legs` workers round robin; the first `fail_first`
+    answer 503. Returns (transport, hits per leg)."""
+    hits = [0] * legs
+    state = {"next": 0, "n": 0}
+
+    def handle(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        state["n"] += 1
+        leg = state["next"] % legs
+        state["next"] += 1
+        hits[leg] += 1
+        if state["n"] <= fail_first:
+            return httpx.Response(503, text="tokenizer not yet registered")
+        return httpx.Response(200, json={"choices": [{"message": {"content": "OK"}}]})
+    return httpx.MockTransport(handle), hits
+
+
+def test_model_served_warms_every_leg_of_a_role():
+    """Two prefills behind a round-robin gateway: ready only once two completions succeeded,
+    one per poll, so each leg served one before any test (H200, TokenSpeed 2p2d, 44140a5: a
+    test's first request on the cold prefill was retried by smg and the KV proof counted both).
+    A failed probe does not count."""
+    transport, hits = _round_robin_gateway(2, fail_first=1)
+    legs = legs_to_warm(["prefill"] * 2 + ["decode"] * 2)
+    ready = ModelServed("http://gw", "m", completions=legs)
+    with httpx.Client(transport=transport) as c:
+        polls = [ready.ready(c) for _ in range(3)]
+    assert polls == [False, False, True]
+    assert ready.served == 2
+    assert hits == [2, 1] and min(hits) >= 1
+
+
+def test_one_probe_leaves_a_leg_cold_negative_control():
+    transport, hits = _round_robin_gateway(2)
+    ready = ModelServed("http://gw", "m")          # one completion: what readiness was
+    with httpx.Client(transport=transport) as c:
+        assert ready.ready(c)
+    assert hits == [1, 0]
+
+
+def test_legs_to_warm():
+    assert legs_to_warm(["regular"]) == 1
+    assert legs_to_warm(["prefill", "decode"]) == 1
+    assert legs_to_warm(["prefill", "decode", "decode"]) == 2
+    assert legs_to_warm(["encode", "prefill", "prefill", "prefill", "decode"]) == 3
+    assert legs_to_warm([]) == 1

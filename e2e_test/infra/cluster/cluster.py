@@ -50,7 +50,7 @@ from ..specs.topology import Topology
 from . import gateway as gw
 from . import idle, metrics, progress
 from .diagnostics import diagnose_stall
-from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step
+from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step, legs_to_warm
 
 PORT_RETRIES = 2
 STOP_GRACE_S = 15.0
@@ -395,7 +395,9 @@ class Cluster:
                       *([Step("registering workers", lambda: gw.register_workers(
                           url, dynamic, timeout=GATEWAY_READY_S,
                           alive=handle.alive))] if dynamic else []),
-                      ModelServed(url, self.model_name))
+                      ModelServed(url, self.model_name, legs_to_warm(
+                          w.command.worker_type for w in self.workers
+                          if w.command.worker_type != "none")))
         deadline = t0 + GATEWAY_READY_S
         with httpx.Client(timeout=30.0) as client:
             while True:

@@ -8,7 +8,7 @@ it is still waiting for. Engines put one on each WorkerCommand; the gateway's is
     GrpcHealth(port, service)     grpc.health.v1 answers SERVING (TokenSpeed)
     PortBound(port)               something listens on the port (the AFD FFN's rendezvous)
     Alive()                       the process is alive (nothing else to ask)
-    ModelServed(url, model)       /v1/models lists the model and one chat completion succeeds
+    ModelServed(url, model, k)    /v1/models lists the model and k chat completions succeed
     AllOf(s1, s2, ...)            each in order; a step once passed is not asked again
 
 The timeouts are named here once.
@@ -121,17 +121,38 @@ class Alive:
 
 @dataclass
 class ModelServed:
-    """Ready = /v1/models lists the model AND one real chat completion succeeds."""
+    """Ready = /v1/models lists the model AND `completions` real chat completions succeeded,
+    one after another (one per poll). More than one where a role has several workers behind
+    a round-robin gateway: k in a row reach every worker of a role of k or fewer, so no leg's
+    first generation is a test's (see legs_to_warm)."""
     base_url: str
     model: str
+    completions: int = 1
     last: str = ""
+    served: int = 0
 
     def ready(self, client: httpx.Client) -> bool:
-        ok, self.last = probe_ready(self.base_url, self.model, client)
-        return ok
+        if self.served < self.completions:
+            ok, self.last = probe_ready(self.base_url, self.model, client)
+            self.served += ok
+        return self.served >= self.completions
 
     def pending(self) -> str:
-        return f"not serving {self.model!r}: {self.last}"
+        return (f"not serving {self.model!r} ({self.served} of {self.completions} probe "
+                f"completions): {self.last}")
+
+
+def legs_to_warm(worker_types) -> int:
+    """Probe completions a gateway needs before a topology counts as ready: the most workers
+    of one type behind it (1 for `1` and 1p1d). A worker's first generation can be slow
+    (TokenSpeed's disaggregated workers skip their warmup); as a test's first request on a
+    cold prefill it outlasted smg's 3 s PD silence bound, smg retried on the other prefill,
+    and the exact KV proof counted both (H200, TokenSpeed 2p2d, 44140a5: 5 selections and
+    1954 prefill tokens for 4 requests of 1561)."""
+    counts: dict[str, int] = {}
+    for t in worker_types:
+        counts[t] = counts.get(t, 0) + 1
+    return max(counts.values(), default=1)
 
 
 @dataclass
