@@ -68,8 +68,10 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
       # the serial TokenSpeed run's 1p1d did not start (its gateway's port): `1`'s control only
       + [("h200-e2e-1gpu-pd-tokenspeed-9d80458-serial",
           "test_oracle_negative_control[tokenspeed-1]")]
-      # 75a6d0f: both engines booted together and serially on one machine, and the PD sweep
-      + [(f"h200-e2e-1gpu-pd-{eng}-75a6d0f{suffix}", t.format(eng=eng))
+      # 75a6d0f and 44140a5 (the bytecode): both engines booted together and serially on one
+      # machine; the PD sweep (vLLM at 75a6d0f, TokenSpeed twice at 44140a5)
+      + [(f"h200-e2e-1gpu-pd-{eng}-{sha}{suffix}", t.format(eng=eng))
+         for sha in ("75a6d0f", "44140a5")
          for eng in ("vllm", "tokenspeed") for suffix in ("", "-serial")
          for t in ["test_oracle_negative_control[{eng}-1]",
                    "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
@@ -81,13 +83,6 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
          for t in ["test_pd_answers_match_regular[vllm-{shape}-gsm8k]",
                    "test_pd_answers_match_regular[vllm-{shape}-mmlu]",
                    "test_pd_kv_recall[vllm-{shape}]"]]
-      # 44140a5: both engines together and serially again (the bytecode), TokenSpeed's sweep twice
-      + [(f"h200-e2e-1gpu-pd-{eng}-44140a5{suffix}", t.format(eng=eng))
-         for eng in ("vllm", "tokenspeed") for suffix in ("", "-serial")
-         for t in ["test_oracle_negative_control[{eng}-1]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
-                   "test_pd_kv_recall[{eng}-1p1d]"]]
       + [(f"h200-e2e-1gpu-pd-sweep-tokenspeed-44140a5{suffix}", t.format(shape=shape))
          for suffix in ("", "-rerun")
          for shape, t in [("1", "test_oracle_negative_control[tokenspeed-1]")]
