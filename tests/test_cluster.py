@@ -131,6 +131,26 @@ def test_a_worker_exiting_while_starting_fails_at_once(fake, weights, tmp_path):
     assert c.teardown_report.ok
 
 
+def test_a_worker_not_ready_in_time_leaves_its_stacks(fake, weights, tmp_path):
+    """Past the boot limit the error names where each pending worker's stack dumps are (H200,
+    44140a5: two TokenSpeed workers stopped at their first graph capture, and nothing said
+    where). One file per process of the pending worker, none for the others."""
+    fake.env = {"worker-0": {"FAKE_ENGINE_DELAY_S": "60"}}
+    c = Cluster(model=fake_engine.fake_spec(weights, startup_timeout_s=2.0),
+                engine=fake_engine.NAME, topology="1", backend="cpu",
+                devices=str(sorted(os.sched_getaffinity(0))[0]),
+                results_dir=tmp_path / "cluster")
+    with pytest.raises(StartupError) as ei, c:
+        pass
+    text = str(ei.value)
+    assert "worker-0 not ready within 2 s" in text
+    where = tmp_path / "cluster" / "boot-stall"
+    assert f"stack dumps (1) in {where}" in text, text
+    dumps = list(where.glob("stack-worker-0-*.txt"))
+    assert len(dumps) == 1 and dumps[0].read_text()
+    assert c.teardown_report.ok
+
+
 def test_a_port_collision_restarts_on_new_ports(fake, weights, tmp_path):
     fake.env = {"worker-0": {"FAKE_ENGINE_BUSY_ONCE": str(tmp_path / "collided")}}
     c = make(weights, tmp_path)

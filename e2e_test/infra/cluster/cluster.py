@@ -49,7 +49,7 @@ from ..specs.plan import Plan, PlanEntry
 from ..specs.topology import Topology
 from . import gateway as gw
 from . import idle, metrics, progress
-from .diagnostics import diagnose_stall
+from .diagnostics import diagnose_stall, stack_dumps
 from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step, legs_to_warm
 
 PORT_RETRIES = 2
@@ -333,8 +333,13 @@ class Cluster:
                 tails = "\n".join(f"--- {w.name} ({w.process.log_path}): "
                                   f"{w.command.readiness.pending()}\n"
                                   f"{w.process.log_tail(15)}" for w in pending)
+                # where each one was when time ran out (H200, 44140a5: two workers of a lane
+                # stopped at their first CUDA-graph capture for 300 s, and no stack said why)
+                where = self.dir / "boot-stall"
+                dumps = stack_dumps(self, where, workers=pending)
                 raise StartupError(f"topology {self.topology.name}: {names} not ready within "
-                                   f"{self.startup_timeout:.0f} s", tails)
+                                   f"{self.startup_timeout:.0f} s",
+                                   f"{tails}\nstack dumps ({len(dumps)}) in {where}")
             if pending:
                 time.sleep(POLL_S)
 

@@ -76,14 +76,16 @@ def _dump(exe: str | None, p: psutil.Process, f: Path, timeout: float) -> Path:
     return f
 
 
-def stack_dumps(cluster, out_dir: Path, timeout: float = 8.0) -> list[Path]:
-    """py-spy dump of every process of every worker, in parallel; one file per process."""
+def stack_dumps(cluster, out_dir: Path, timeout: float = 8.0, workers=None) -> list[Path]:
+    """py-spy dump of every process of every worker (or of `workers`), in parallel; one file
+    per process."""
     exe = shutil.which("py-spy")
     if exe is None and (Path(sys.executable).parent / "py-spy").is_file():
         exe = str(Path(sys.executable).parent / "py-spy")
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(p, out_dir / f"stack-{w.name}-{p.pid}.txt")
-            for w in cluster.workers if w.process for p in w.process.tree()]
+            for w in (cluster.workers if workers is None else workers) if w.process
+            for p in w.process.tree()]
     with ThreadPoolExecutor(max_workers=8) as ex:
         return list(ex.map(lambda j: _dump(exe, j[0], j[1], timeout), jobs))
 
