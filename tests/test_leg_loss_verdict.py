@@ -57,6 +57,21 @@ def test_a_hang_and_an_answer_from_a_dead_decode_fail():
     assert any("1/4 answered" in p for p in problems)
 
 
+def test_answers_complete_before_the_kill_are_no_verdict():
+    # CI of stop 38 (2026-12-03, window 1p1d, 512 tokens asked): the window's two streams were
+    # done within the 3 s before the kill, the two queued behind them failed 0.09 s after it
+    early = decode_loss(ok=2, errors=2, in_flight_at_kill=2, answered_before_kill=2,
+                        status_counts={"200": 2, "200 stream_error": 2})
+    why = sf.leg_loss_unmet(early)
+    assert why and why.startswith("2 of 4 requests were answered before the decode-0 kill")
+    # negative controls: the clean loss met it; an answer that ended after the kill did too
+    # (from a dead decode: the verdict's to judge, and it fails)
+    assert sf.leg_loss_unmet(decode_loss()) is None
+    late = decode_loss(ok=1, errors=3, in_flight_at_kill=3)
+    assert sf.leg_loss_unmet(late) is None
+    assert any("1/4 answered" in p for p in leg_loss_problems(late, BOUND))
+
+
 def test_silent_errors_and_an_unnamed_death_fail():
     problems = leg_loss_problems(decode_loss(silent_errors=1, dead=None), BOUND)
     assert any("without a message" in p for p in problems)

@@ -92,6 +92,10 @@ def _leg_loss(c, role: str, record, **kw) -> sf.LegLoss:
     voids (sf.leg_loss_void: the stall alone explains the time over the bound) is taken once
     more after restarting the leg; void twice is an error, never a pass."""
     loss = sf.leg_loss(c, role, **kw)
+    unmet = sf.leg_loss_unmet(loss)
+    if unmet:
+        record[f"{role}_leg_loss_unmet"] = loss.to_dict()
+        raise HarnessError(f"{role} leg loss: {unmet}")
     why = sf.leg_loss_void(loss, LEG_LOSS_S)
     if why:
         record[f"{role}_leg_loss_void"] = loss.to_dict()
@@ -99,7 +103,7 @@ def _leg_loss(c, role: str, record, **kw) -> sf.LegLoss:
         for w in c.role(role):
             c.restart(w.name)
         loss = sf.leg_loss(c, role, **kw)
-        why = sf.leg_loss_void(loss, LEG_LOSS_S)
+        why = sf.leg_loss_void(loss, LEG_LOSS_S) or sf.leg_loss_unmet(loss)
         if why:
             raise HarnessError(f"{role} leg loss void twice, no verdict: {why}")
     record[f"{role}_leg_loss"] = loss.to_dict()
