@@ -23,7 +23,7 @@ pytest.register_assert_rewrite("e2e_test.pytest_lanes")
 from .infra import startup
 from .infra.cluster import progress
 from .infra.cluster import signals as lifecycle
-from .infra.cluster.cluster import Cluster
+from .infra.cluster.cluster import Cluster, waiting_on_boot
 from .infra.cluster.idle import IdleError
 from .infra.engines import (
     DEFAULT_ENGINE,
@@ -515,7 +515,8 @@ class ClusterPool:
             self.boots[key] = (c, fut)
             self.wave_left[w].add(key)
         try:
-            wait_flushing(fut)
+            with waiting_on_boot(c.timing):
+                wait_flushing(fut)
         except BaseException as e:
             self._stop(key, c)
             if isinstance(e, HarnessError):

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -196,6 +196,33 @@ def test_a_restart_in_the_background_boots_while_the_caller_goes_on(fake, weight
     assert c.workers[0].restarts == 2
     assert c.teardown_report.ok, c.teardown_report.verdict()
     assert _gone([c.workers[0].process.pid])
+
+
+def test_the_main_thread_records_what_it_waited_on_a_boot(fake, weights, tmp_path):
+    """Timing.boot_waits (the time report's boot_waited_s): a boot the main thread runs is
+    waited on in full; one booting in a thread is not, until something waits for it (a
+    background restart settled). Negative control: the threaded start and the threaded
+    restart themselves record nothing."""
+    fake.env = {"worker-0": {"FAKE_ENGINE_DELAY_S": "1.0"}}
+    threaded = make(weights, tmp_path / "t")
+    with ThreadPoolExecutor(1) as ex:
+        ex.submit(threaded.start).result()
+    try:
+        assert threaded.timing.boot_waits == []
+    finally:
+        threaded.stop()
+    c = make(weights, tmp_path / "m")
+    with c:
+        assert len(c.timing.boot_waits) == 1
+        epoch, s = c.timing.boot_waits[0]
+        assert epoch == pytest.approx(c.timing.boot_started, abs=0.5)
+        assert 1.0 <= s <= c.timing.total_ready_s + 0.1
+        c.restart_in_background("worker-0")
+        time.sleep(0.3)                                      # the caller went on meanwhile
+        Cluster.settle_restarts()
+        assert len(c.timing.boot_waits) == 2                 # the settle, not the restart
+        assert c.timing.boot_waits[1][1] >= 0.5              # the 1 s boot less the 0.3 s
+        assert c.await_restart("worker-0").restarts == 1
 
 
 def test_stop_report_names_a_worker_that_needed_sigkill(fake, weights, tmp_path, monkeypatch):

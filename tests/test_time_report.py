@@ -49,6 +49,35 @@ def test_roles_from_the_cluster_and_restarts_count_as_boot():
     assert rep["clusters"][0]["restarts_s"] == [5]
 
 
+def test_boots_beside_the_tests_are_not_waited_on():
+    # booted together (the shape of TokenSpeed's e2e-1gpu-pd at 44140a5): `1` boots 0..55 in a
+    # thread while the 1p1d topology, ready at 30, runs its tests 30..60; the main thread
+    # waited on 1p1d 0..30 and on `1` only 60..60 (it was up by then); the window's decode
+    # restarts in the background 70..95 beside the tests 60..100, and the rejoin test waits
+    # the last 5 s of it
+    one = cl("1", 0, 55, 100, 2, boot_waits=[[60, 0.0]])
+    pd = cl("pd", 0, 30, 100, 2, topology="1p1d", boot_waits=[[0, 30]],
+            restart_boots=[[70, 25]], )
+    pd["boot_waits"].append([90, 5])
+    rep = tr.compute([one, pd], [(30, 60), (60, 100)], 0, 102)
+    assert rep["boot_s"] == 55 + 25                 # the partition still counts every boot
+    assert rep["boot_waited_s"] == 35 and rep["boot_waited_pct"] == pytest.approx(34.3)
+    assert tr.headline(rep).startswith("boots 78 % (waited on 34 %), traffic 20 %")
+
+
+def test_serial_boots_are_all_waited_on():
+    # negative control: boots the main thread ran itself are waited on in full, so the
+    # headline says nothing more than the boot share
+    a = cl("a", 0, 30, 60, 5, boot_waits=[[0, 30]])
+    b = cl("b", 65, 20, 90, 5, boot_waits=[[65, 20]])
+    rep = tr.compute([a, b], [(30, 60), (85, 90)], 0, 100)
+    assert rep["boot_waited_s"] == rep["boot_s"] == 50
+    assert "waited" not in tr.headline(rep)
+    # a record from before boot_waits existed says nothing of waits (None), not 0
+    old = tr.compute([cl("a", 0, 30)], [], 0, 40)
+    assert old["boot_waited_s"] is None and "waited" not in tr.headline(old)
+
+
 def test_failed_start_boots_until_its_teardown_and_overlaps_count_once():
     failed = cl("f", 0, None, 40, 1)
     overlapping = cl("g", 10, 20)                     # overlaps f's boot: counted once

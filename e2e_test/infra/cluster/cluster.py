@@ -126,9 +126,29 @@ class Timing:
     boot_started: float | None = None
     teardown_started: float | None = None
     restart_boots: list = field(default_factory=list)
+    # [start, seconds] of every time the session's main thread was blocked on this cluster's
+    # boots (a boot or restart it ran itself, or a wait for one booting in a thread): what the
+    # lane waited on, against boots that ran beside its tests (time_report `boot_waited_s`).
+    boot_waits: list = field(default_factory=list)
     # Per worker boot (a restart as NAME#N): seconds after its launch when each boot state of
     # its log (progress.py's markers) was first seen, and `ready` (time_report.boot_phases).
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextmanager
+def waiting_on_boot(timing: Timing, main_only: bool = True):
+    """Record the block's span in `timing.boot_waits` where the session's main thread runs
+    it (`main_only`): the lane waits on a boot there."""
+    epoch, t0 = time.time(), time.monotonic()
+    try:
+        yield
+    finally:
+        if not main_only or _on_main_thread():
+            timing.boot_waits.append([epoch, round(time.monotonic() - t0, 2)])
 
 
 class Cluster:
@@ -288,9 +308,10 @@ class Cluster:
             self._baseline = self.launcher.baseline(gpus)
         t0 = time.monotonic()
         self.timing.boot_started = time.time()
-        self._start_workers(t0)
-        self.timing.topology_ready_s = round(time.monotonic() - t0, 2)
-        self._start_gateway()
+        with waiting_on_boot(self.timing):
+            self._start_workers(t0)
+            self.timing.topology_ready_s = round(time.monotonic() - t0, 2)
+            self._start_gateway()
         self.timing.total_ready_s = round(time.monotonic() - t0, 2)
         (self.dir / "cluster.json").write_text(json.dumps(self.describe(), indent=2, default=str))
         return self
@@ -601,7 +622,10 @@ class Cluster:
         """The worker its background restart brought back (its StartupError raised here);
         None where none was started."""
         fut = self._restarting.pop(name, None)
-        return None if fut is None else fut.result()
+        if fut is None:
+            return None
+        with waiting_on_boot(self.timing):
+            return fut.result()
 
     def restarts_in_flight(self) -> list[str]:
         return [n for n, f in self._restarting.items() if not f.done()]
@@ -617,7 +641,8 @@ class Cluster:
             for n, f in list(c._restarting.items()):
                 if not f.done():
                     waited.append(f"{c.name}/{n}")
-                futures_wait([f])
+                    with waiting_on_boot(c.timing):
+                        futures_wait([f])
         return waited
 
     def restart(self, name: str, timeout: float | None = None) -> Worker:
@@ -631,9 +656,10 @@ class Cluster:
                                    "\n".join(rep.survivors))
         t0, epoch = time.monotonic(), time.time()
         w.restarts += 1
-        self._launch(w)
-        with httpx.Client(timeout=2.0) as client:
-            self._wait_ready([w], client, t0 + (timeout or self.startup_timeout))
+        with waiting_on_boot(self.timing):
+            self._launch(w)
+            with httpx.Client(timeout=2.0) as client:
+                self._wait_ready([w], client, t0 + (timeout or self.startup_timeout))
         self.timing.restart_boots.append([epoch, round(time.monotonic() - t0, 2)])
         if w.command.kv_connector is not None and self.gateway is not None:
             gw.register_workers(self.gateway_url, [gw.GatewayWorker(

@@ -17,6 +17,13 @@ boot), traffic (a test body running or a regular topology's passes running ahead
 their body; that part is a boot), idle (the rest: collection, fixture and idle-verification
 waits, unit tests, result files).
 
+Apart from that partition, `boot_waited_s` (and `boot_waited_pct`) counts the seconds the
+session's main thread was blocked on a boot (each cluster's `boot_waits`: a boot it ran
+itself, a wait for a topology booting in a thread, a wait for a background restart): what the
+lane waited on. Serially every boot is waited on, so it equals the boot share; booted
+together, a topology booting or a leg restarting while other topologies' tests run is a boot
+second the lane did not wait on.
+
 Per role, `boot_by_role_s` sums each cluster's slowest worker of that role (the workers of a
 topology boot in parallel, so the roles overlap and do not add up to `boot_s`).
 
@@ -102,6 +109,9 @@ def compute(clusters: list[dict], tests: list[Interval], t_start: float, t_end: 
                     boot)
     traffic = subtract(clip(tests, t_start, t_end), boot + down)
     boot_s, down_s, traffic_s = length(boot), length(down), length(traffic)
+    recorded = any("boot_waits" in c for c in clusters)     # None: a record from before
+    waited_s = length(clip([(a, a + d) for c in clusters for a, d in c.get("boot_waits", ())],
+                           t_start, t_end)) if recorded else None
     idle_s = max(0.0, wall - boot_s - down_s - traffic_s)
     by_role: dict[str, float] = {}
     per_cluster = []
@@ -131,6 +141,8 @@ def compute(clusters: list[dict], tests: list[Interval], t_start: float, t_end: 
         "teardown_s": round(down_s, 1), "idle_s": round(idle_s, 1),
         "share_pct": {"boot": pct(boot_s), "traffic": pct(traffic_s),
                       "teardown": pct(down_s), "idle": pct(idle_s)},
+        "boot_waited_s": None if waited_s is None else round(waited_s, 1),
+        "boot_waited_pct": None if waited_s is None else pct(waited_s),
         "boot_by_role_s": by_role,
         "compile_cache": {k: cache.count(k) for k in sorted(set(cache))},
         "boot_phases": boot_phases(clusters),
@@ -186,7 +198,10 @@ def phases_line(rep: dict) -> str | None:
 def headline(rep: dict) -> str:
     s = rep["share_pct"]
     cache = ", ".join(f"{n} {k}" for k, n in rep.get("compile_cache", {}).items())
-    return (f"boots {s['boot']:.0f} %, traffic {s['traffic']:.0f} %, teardown "
+    waited = ("" if rep.get("boot_waited_pct") is None
+              or round(rep["boot_waited_pct"]) == round(s["boot"])
+              else f" (waited on {rep['boot_waited_pct']:.0f} %)")
+    return (f"boots {s['boot']:.0f} %{waited}, traffic {s['traffic']:.0f} %, teardown "
             f"{s['teardown']:.0f} %, idle {s['idle']:.0f} % of {rep['wall_s']:.0f} s "
             f"({rep['boots']} boots, {rep['boot_s']:.0f} s"
             + (f"; compile cache: {cache}" if cache else "") + ")"
@@ -230,6 +245,7 @@ def cluster_entry(c) -> dict:
             "workers": dict(t.workers), "roles": {w.name: w.entry.role for w in c.workers},
             "gateway_ready_s": t.gateway_ready_s, "teardown_started": t.teardown_started,
             "teardown_s": t.teardown_s, "restart_boots": list(t.restart_boots),
+            "boot_waits": list(t.boot_waits),
             "compile_cache": cache, "phases": {k: dict(v) for k, v in t.phases.items()}}
 
 
