@@ -115,11 +115,15 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
     "bootstrap": the Mooncake bootstrap server of a prefill/encode worker (the gateway is told it).
     "dist_init": the base of TokenSpeed's control-plane port cluster (it also binds a few ports
     right above it). Every worker gets one: TokenSpeed needs it for every disaggregation role
-    and for dp > 1, and without it a regular worker derives its own from --port (PortArgs:
-    --port + ZMQ_TCP_PORT_DELTA), a port in the harness's range that the harness may have
+    and for dp > 1. Without it a regular worker derives its ports from --port (0.1.0
+    server_args PortArgs.init_new): its control-plane cluster at --port + ZMQ_TCP_PORT_DELTA
+    (233), and the TCPStore of torch.distributed at --port + randint(100, 1000) (`nccl_port`,
+    checked free when drawn, bound later: execution/distributed_initializer.py uses it where
+    no --dist-init-addr was given), ports in the harness's range that the harness may have
     handed to another server. H200, 2026-12-02 (44140a5, three topologies booted together):
-    `1`'s worker died binding its TCPStore ("port: 20741 ... EADDRINUSE") and its relaunch
-    cost the lane's critical path 22 s.
+    `1`'s worker (--port 20451) died binding its TCPStore ("port: 20741 ... EADDRINUSE",
+    20451 + 290) and its relaunch cost the lane's critical path 22 s. Given the address, the
+    TCPStore binds the block's base.
     """
     names = []
     disagg = _disagg(topology, entry)
