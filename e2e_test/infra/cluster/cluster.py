@@ -140,14 +140,14 @@ def _on_main_thread() -> bool:
 
 
 @contextmanager
-def waiting_on_boot(timing: Timing, main_only: bool = True):
+def waiting_on_boot(timing: Timing):
     """Record the block's span in `timing.boot_waits` where the session's main thread runs
-    it (`main_only`): the lane waits on a boot there."""
+    it: the lane waits on a boot there."""
     epoch, t0 = time.time(), time.monotonic()
     try:
         yield
     finally:
-        if not main_only or _on_main_thread():
+        if _on_main_thread():
             timing.boot_waits.append([epoch, round(time.monotonic() - t0, 2)])
 
 
