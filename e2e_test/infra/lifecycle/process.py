@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import time
@@ -60,6 +61,25 @@ def last_traceback(text: str, max_lines: int = 30) -> str:
     if idx < 0:
         return ""
     return "\n".join(text[idx:].splitlines()[:max_lines])
+
+
+def open_pidfd(p: psutil.Process) -> int | None:
+    """A pidfd of `p`, which runs now: through it a signal reaches that process and no other,
+    and it becomes readable once the process has ended (a zombie or reaped), all without
+    reading /proc. None where Python or the kernel has none (Linux < 5.3) or `p` has ended."""
+    try:
+        fd = os.pidfd_open(p.pid)
+    except (AttributeError, OSError):
+        return None
+    if not reaper.running(p):      # ended, or the pid reused, before the open
+        os.close(fd)
+        return None
+    return fd
+
+
+def pidfd_ended(fd: int) -> bool:
+    """Whether the process behind a pidfd has ended (its pidfd is readable)."""
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 class ManagedProcess:
@@ -144,14 +164,19 @@ class ManagedProcess:
                 continue
         return [p for p in found.values() if reaper.running(p)]
 
-    def signal_tree(self, sig: int) -> list[psutil.Process]:
-        """Send `sig` to the session's group, then to every process of the tree still running;
-        those processes."""
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the session's process group (everything the worker started that did
+        not leave it), reading nothing first."""
         if self.pid > 0:
             try:
                 os.killpg(self.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+
+    def signal_tree(self, sig: int) -> list[psutil.Process]:
+        """Send `sig` to the session's group, then to every process of the tree still running;
+        those processes."""
+        self.signal_group(sig)
         procs = self.tree()
         for p in procs:
             try:

@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import json
+import os
 import re
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 import psutil
 
 from ..cluster import idle
 from ..errors import HarnessError
+from ..lifecycle.process import open_pidfd, pidfd_ended
 from ..verdicts.proof import long_unique_prompt
 from . import load
 
@@ -381,31 +386,44 @@ class LegLoss:
     # late by up to the stall.
     harness_stalls: list = field(default_factory=list)
     kill_utc: str = ""
+    kill_call_s: float | None = None    # the signals' own time in the main thread
+    gone_each_s: dict = field(default_factory=dict)   # "pid name" -> s after the kill
+    # What the host went through meanwhile (KillWatch): seconds of pressure stall from the
+    # kill to the watch's stop (/proc/pressure: cpu, memory, io; some / full), and every
+    # thread's stack, each second of the watch, where a stall of a second or more was seen.
+    pressure_s: dict = field(default_factory=dict)
+    stall_stacks: str = ""
+    stall_where: str = ""               # stack_summary of stall_stacks
     gateway_stream_failures: list = field(default_factory=list)   # smg's log times (UTC, 1 s)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def signal_role(cluster, role: str, sig: int, signalled: list | None = None) -> list[str]:
+def signal_role(cluster, role: str, sig: int) -> list[str]:
     """Send `sig` to every process of every worker of `role` (API server and engine
-    children); the workers' names. `signalled`, where given, receives the processes that
-    were still running when signalled (what a KillWatch watches)."""
+    children); the workers' names."""
     names = []
     for w in cluster.role(role):
         w.process.remember_descendants()
-        procs = w.process.signal_tree(sig)
-        if signalled is not None:
-            signalled += procs or []
+        w.process.signal_tree(sig)
         names.append(w.name)
     if not names:
         raise HarnessError(f"topology {cluster.topology.name} has no {role} workers")
     return names
 
 
-def kill_role(cluster, role: str, signalled: list | None = None) -> list[str]:
-    """SIGKILL every process of every worker of `role`."""
-    return signal_role(cluster, role, signal.SIGKILL, signalled)
+def role_processes(cluster, role: str) -> list[psutil.Process]:
+    """Every running process of every worker of `role`, walked now: before a kill, while
+    reading their /proc entries is still an ordinary read."""
+    workers = cluster.role(role)
+    if not workers:
+        raise HarnessError(f"topology {cluster.topology.name} has no {role} workers")
+    procs = []
+    for w in workers:
+        w.process.remember_descendants()
+        procs += w.process.tree()
+    return procs
 
 
 def freeze_role(cluster, role: str) -> list[str]:
@@ -424,29 +442,142 @@ def _gone(p: psutil.Process) -> bool:
         return False
 
 
-class KillWatch:
-    """Polls processes every `every` s from a kill on, in a thread: when the last of them was
-    gone (`gone_s`), the last poll that still saw one alive (`seen_alive_until_s`), and the
-    gaps between polls longer than `stall_s` (`stalls`, [at, length], seconds after the
-    kill): this process stalled there (GIL, CPU starvation, a frozen host), and anything it
-    timed then is late by up to the gap. Times are seconds after `t_kill` (monotonic)."""
+PSI = ("cpu", "memory", "io")
 
-    def __init__(self, procs: list, t_kill: float, every: float = 0.01, stall_s: float = 0.25):
+
+def host_pressure() -> dict:
+    """The kernel's pressure-stall totals (/proc/pressure, seconds since boot): how long some
+    (`some`) or all (`full`) runnable tasks waited for CPU, memory or IO. {} without PSI."""
+    out = {}
+    for res in PSI:
+        try:
+            text = Path(f"/proc/pressure/{res}").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            kind, _, rest = line.partition(" ")
+            m = re.search(r"total=(\d+)", rest)
+            if m:
+                out.setdefault(res, {})[kind] = int(m.group(1)) / 1e6
+    return out
+
+
+def pressure_delta(before: dict, after: dict) -> dict:
+    """Seconds of pressure stall between two host_pressure() readings, rounded."""
+    return {res: {k: round(after[res][k] - v, 3) for k, v in kinds.items() if k in after.get(res, {})}
+            for res, kinds in before.items() if res in after}
+
+
+def stack_summary(text: str, main_ident: int | None = None, limit: int = 900) -> str:
+    """faulthandler dumps in a line: per thread ("main" for `main_ident`), its innermost
+    frames and in how many dumps each was seen (one dump a second: about the seconds)."""
+    main = f"0x{main_ident:016x}" if main_ident else None
+    counts: dict[str, dict[str, int]] = {}
+    thread, first = None, False
+    for line in text.splitlines():
+        m = re.match(r"(?:Current thread|Thread) (0x[0-9a-f]+)", line)
+        if m:
+            thread, first = ("main" if m.group(1) == main else m.group(1)[-6:]), True
+            continue
+        m = re.match(r'\s+File "([^"]+)", line (\d+) in (\S+)', line)
+        if m and thread and first:
+            frame = f"{Path(m.group(1)).name}:{m.group(2)} {m.group(3)}"
+            counts.setdefault(thread, {})
+            counts[thread][frame] = counts[thread].get(frame, 0) + 1
+            first = False
+    parts = [f"{t}: " + ", ".join(f"{f} x{n}" for f, n in sorted(fr.items(), key=lambda x: -x[1]))
+             for t, fr in sorted(counts.items(), key=lambda x: x[0] != "main")]
+    out = "; ".join(parts)
+    return out if len(out) <= limit else out[:limit] + " ..."
+
+
+class KillWatch:
+    """Watches processes from a kill on, in a thread polling every `every` s: when each was
+    gone (`gone_each_s`, and the last of them: `gone_s`), the last poll that still saw one
+    alive (`seen_alive_until_s`), and the gaps between polls longer than `stall_s` (`stalls`,
+    [at, length], seconds after the kill): this process stalled there (GIL, CPU starvation, a
+    frozen host), and anything it timed then is late by up to the gap. Times are seconds
+    after `t_kill` (monotonic).
+
+    `kill` is the way to use it: the processes were walked while running (role_processes),
+    each gets a pidfd here; `kill` starts the thread, then signals each process through its
+    pidfd, and the thread sees them end through their pidfds. After the signal nothing reads
+    a dying process's /proc entry: on the CI host, stop 38, the walk of the process table
+    after the SIGKILL (the kill as it was) held the harness 73.9 s and 27.7 s, cause unknown.
+    Where no pidfd could be had, psutil polls that process as before. While the watch runs,
+    a faulthandler dump of every thread's stack is taken each second (`stacks`, kept when a
+    stall of a second or more was seen), and the host's pressure-stall totals are read at
+    the kill and at stop (`pressure_s`)."""
+
+    def __init__(self, procs: list, t_kill: float | None = None, every: float = 0.01,
+                 stall_s: float = 0.25):
         self.procs, self.t_kill, self.every, self.stall_s = list(procs), t_kill, every, stall_s
+        self.fds = [open_pidfd(p) for p in self.procs]
+        self.labels = [self._label(p) for p in self.procs]
         self.gone_s: float | None = None
+        self.gone_each_s: dict[str, float | None] = dict.fromkeys(self.labels)
         self.seen_alive_until_s: float = 0.0     # alive when signalled, by definition
         self.stalls: list[list[float]] = []
+        self.pressure_s: dict = {}
+        self.stacks = ""
+        self.where = ""
+        self._psi0: dict = {}
+        self._dumps = None
         self._stop = threading.Event()
         self._th = threading.Thread(target=self._run, daemon=True, name="kill-watch")
 
+    @staticmethod
+    def _label(p) -> str:
+        try:
+            return f"{p.pid} {p.name()}"
+        except psutil.Error:
+            return str(p.pid)
+
     def start(self) -> KillWatch:
+        if self.t_kill is None:
+            self.t_kill = time.monotonic()
+        self._psi0 = host_pressure()
+        self._dumps = tempfile.TemporaryFile()
+        faulthandler.dump_traceback_later(1.0, repeat=True, file=self._dumps)
         self._th.start()
         return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> float:
+        """Start watching, then send `sig` to every process through its pidfd (os.kill where
+        it has none); t_kill."""
+        self.t_kill = time.monotonic()
+        self.start()
+        for p, fd in zip(self.procs, self.fds):
+            try:
+                if fd is not None:
+                    signal.pidfd_send_signal(fd, sig)
+                else:
+                    os.kill(p.pid, sig)
+            except OSError:
+                pass
+        return self.t_kill
 
     def stop(self) -> KillWatch:
         self._stop.set()
         self._th.join(5)
+        if self._dumps is not None:
+            faulthandler.cancel_dump_traceback_later()
+            if any(g >= 1.0 for _, g in self.stalls):
+                self._dumps.seek(0)
+                self.stacks = self._dumps.read()[-20_000:].decode(errors="replace")
+                self.where = stack_summary(self.stacks, threading.main_thread().ident)
+            self._dumps.close()
+            self._dumps = None
+            self.pressure_s = pressure_delta(self._psi0, host_pressure())
+        for i, fd in enumerate(self.fds):
+            if fd is not None:
+                os.close(fd)
+                self.fds[i] = None
         return self
+
+    def _ended(self, i: int) -> bool:
+        fd = self.fds[i]
+        return pidfd_ended(fd) if fd is not None else _gone(self.procs[i])
 
     def _run(self) -> None:
         prev = self.t_kill
@@ -456,10 +587,18 @@ class KillWatch:
                 self.stalls.append([round(prev - self.t_kill, 3), round(now - prev, 3)])
             prev = now
             if self.gone_s is None:
-                if all(_gone(p) for p in self.procs):
-                    self.gone_s = round(now - self.t_kill, 3)
-                else:
+                alive = False
+                for i, label in enumerate(self.labels):
+                    if self.gone_each_s.get(label) is not None:
+                        continue
+                    if self._ended(i):
+                        self.gone_each_s[label] = round(now - self.t_kill, 3)
+                    else:
+                        alive = True
+                if alive:
                     self.seen_alive_until_s = round(now - self.t_kill, 3)
+                else:
+                    self.gone_s = round(now - self.t_kill, 3)
             if self._stop.wait(self.every):
                 return
 
@@ -511,15 +650,16 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
     th = threading.Thread(target=drive, daemon=True)
     th.start()
     time.sleep(kill_after_s)
+    # the walk and the pidfds before the kill; after it, only signals and pidfd polls
+    watch = KillWatch(role_processes(cluster, role))
+    killed = [w.name for w in cluster.role(role)]
     log0 = len(_gateway_log(cluster))
     now = time.time()
     kill_utc = time.strftime("%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}"
-    t_kill = time.monotonic()
-    procs: list = []
-    killed = kill_role(cluster, role, procs)
-    # started after the kill's own walk of the process table: a poll gap from t_kill on
-    # records the time that walk took as a stall, as it is (the harness could not see then)
-    watch = KillWatch(procs, t_kill).start()
+    t_kill = watch.kill(signal.SIGKILL)
+    for w in cluster.role(role):      # whatever of a worker's session the walk did not see
+        w.process.signal_group(signal.SIGKILL)
+    kill_call_s = round(time.monotonic() - t_kill, 3)
     th.join(hang_s + 30)
     if th.is_alive():
         watch.stop()
@@ -527,7 +667,7 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
                            f"killing {', '.join(killed)}")
     rep: load.RunReport = box["report"]
     res = LegLoss(role, killed, n, status_counts=rep.status_counts(), frozen_first=freeze_first,
-                  kill_utc=kill_utc)
+                  kill_utc=kill_utc, kill_call_s=kill_call_s)
     kill_rel = t_kill - box["t_run"]
     ends, all_ends = [], []
     for r in rep.results:
@@ -561,10 +701,31 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
     res.after_kill_request["at_s"] = round(t_after, 3)
     watch.stop()
     res.gone_after_kill_s = watch.gone_s
+    res.gone_each_s = watch.gone_each_s
     res.seen_alive_until_s = watch.seen_alive_until_s
     res.harness_stalls = watch.stalls
+    res.pressure_s = watch.pressure_s
+    res.stall_stacks = watch.stacks
+    res.stall_where = watch.where
     res.gateway_stream_failures = _gateway_lines(cluster, log0, "Stream ended by the worker")
     return res
+
+
+def host_note(loss: LegLoss) -> str:
+    """What the host and the harness went through around the kill, for a message: the
+    signals' own time, when each process was gone, the pressure stalls, where the threads
+    were during a stall ("" when there is nothing to say)."""
+    bits = []
+    if loss.kill_call_s is not None and loss.kill_call_s >= 0.25:
+        bits.append(f"the kill's signals took {loss.kill_call_s} s")
+    if loss.gone_each_s:
+        bits.append(f"gone at {loss.gone_each_s} s")
+    if loss.pressure_s:
+        bits.append("pressure stalls meanwhile (some/full s) " + ", ".join(
+            f"{r} {v.get('some')}/{v.get('full')}" for r, v in loss.pressure_s.items()))
+    if loss.stall_where:
+        bits.append(f"threads, one dump a second: {loss.stall_where}")
+    return "; ".join(bits)
 
 
 def _stall_over(loss: LegLoss, start: float, end: float) -> float:
@@ -599,7 +760,10 @@ def leg_loss_void(loss: LegLoss, bound_s: float) -> str | None:
         if stall >= secs - bound_s:
             out.append(f"the next request took {secs} s while the harness itself stalled "
                        f"{stall} s")
-    return "; ".join(out) or None
+    if not out:
+        return None
+    note = host_note(loss)
+    return "; ".join(out) + (f" [{note}]" if note else "")
 
 
 def leg_loss_unmet(loss: LegLoss) -> str | None:
@@ -632,7 +796,8 @@ def leg_loss_problems(loss: LegLoss, bound_s: float) -> list[str]:
                 f"after the kill")
         out.append(f"a request was still open {loss.max_end_after_kill_s} s after the kill "
                    f"(bound {bound_s} s{gone}; gateway saw streams end at "
-                   f"{loss.gateway_stream_failures or '-'} UTC, kill at {loss.kill_utc or '-'})")
+                   f"{loss.gateway_stream_failures or '-'} UTC, kill at {loss.kill_utc or '-'}"
+                   f"{'; ' + host_note(loss) if host_note(loss) else ''})")
     if loss.gone_after_kill_s is None and loss.seen_alive_until_s:
         out.append(f"{', '.join(loss.killed)} still alive {loss.seen_alive_until_s} s after "
                    f"SIGKILL")
