@@ -245,6 +245,19 @@ def _tree() -> tuple[subprocess.Popen, list[psutil.Process]]:
     return p, [_Counting(q.pid) for q in [root] + root.children()]
 
 
+def _kill_counting_reads(w) -> None:
+    """Kill through the watch and wait for the ends, counting psutil's reads meanwhile."""
+    _Counting.reads, _Counting.armed = 0, True
+    try:
+        w.kill(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while w.gone_s is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        w.stop()
+    finally:
+        _Counting.armed = False
+
+
 def test_the_kill_reads_no_proc_entry_of_a_dying_process_and_sees_each_end():
     # After the SIGKILL the watch learns of each end through pidfds alone (on the CI host,
     # stop 38, the walk after the kill held the harness 73.9 and 27.7 s).
@@ -252,13 +265,7 @@ def test_the_kill_reads_no_proc_entry_of_a_dying_process_and_sees_each_end():
     try:
         w = sf.KillWatch(procs)
         assert all(fd is not None for fd in w.fds)
-        _Counting.reads, _Counting.armed = 0, True
-        w.kill(signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while w.gone_s is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        w.stop()
-        _Counting.armed = False
+        _kill_counting_reads(w)
         assert _Counting.reads == 0
         assert w.gone_s is not None and w.gone_s < 2.0, w.gone_s
         assert len(w.gone_each_s) == 2 and all(v is not None for v in w.gone_each_s.values())
@@ -277,13 +284,7 @@ def test_without_pidfds_the_watch_polls_proc_as_before():
         for i, fd in enumerate(w.fds):
             os.close(fd)
             w.fds[i] = None
-        _Counting.reads, _Counting.armed = 0, True
-        w.kill(signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while w.gone_s is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        w.stop()
-        _Counting.armed = False
+        _kill_counting_reads(w)
         assert _Counting.reads > 0 and w.gone_s is not None
     finally:
         _Counting.armed = False
@@ -291,9 +292,12 @@ def test_without_pidfds_the_watch_polls_proc_as_before():
         p.wait()
 
 
-def _hold_the_gil(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+def _hold_the_gil(seconds: float, dumps) -> None:
+    """Spin without letting go of the GIL for `seconds`, and on until faulthandler's watchdog
+    (late on a busy machine) has written a dump (10 s at most)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10 and (time.monotonic() - t0 < seconds
+                                          or os.fstat(dumps.fileno()).st_size == 0):
         pass
 
 
@@ -305,7 +309,7 @@ def test_a_stall_says_where_the_main_thread_stood_and_what_the_host_went_through
         sys.setswitchinterval(5.0)      # the main thread keeps the GIL: the watch cannot run
         try:
             w.start()
-            _hold_the_gil(1.6)
+            _hold_the_gil(1.3, w._dumps)
         finally:
             sys.setswitchinterval(old)
         w.stop()
