@@ -2,6 +2,7 @@
 lanes produced: each case below is a real run's LegLoss, and the broken ones are the negative
 controls of the rules the serving-fault test checks."""
 
+import contextlib
 import json
 import os
 import signal
@@ -232,17 +233,23 @@ class _Counting(psutil.Process):
 
 def _tree() -> tuple[subprocess.Popen, list[psutil.Process]]:
     """A worker-shaped tree: a parent and the child it started, both running."""
-    p = subprocess.Popen([sys.executable, "-c",
-                          "import subprocess, sys, time\n"
-                          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-                          "print('up', flush=True); time.sleep(60)"],
-                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    code = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print('up', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
     assert p.stdout.readline().strip() == "up"
     root = psutil.Process(p.pid)
     deadline = time.monotonic() + 5
     while not root.children() and time.monotonic() < deadline:
         time.sleep(0.01)
     return p, [_Counting(q.pid) for q in [root] + root.children()]
+
+
+def _end_tree(p: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
 
 
 def _kill_counting_reads(w) -> None:
@@ -271,9 +278,7 @@ def test_the_kill_reads_no_proc_entry_of_a_dying_process_and_sees_each_end():
         assert len(w.gone_each_s) == 2 and all(v is not None for v in w.gone_each_s.values())
         assert w.stalls == [] and w.stacks == "" and w.fds == [None, None]
     finally:
-        _Counting.armed = False
-        p.kill()
-        p.wait()
+        _end_tree(p)
 
 
 def test_without_pidfds_the_watch_polls_proc_as_before():
@@ -287,9 +292,7 @@ def test_without_pidfds_the_watch_polls_proc_as_before():
         _kill_counting_reads(w)
         assert _Counting.reads > 0 and w.gone_s is not None
     finally:
-        _Counting.armed = False
-        p.kill()
-        p.wait()
+        _end_tree(p)
 
 
 def _hold_the_gil(seconds: float, dumps) -> None:

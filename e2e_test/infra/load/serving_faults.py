@@ -537,7 +537,7 @@ class KillWatch:
         if self.t_kill is None:
             self.t_kill = time.monotonic()
         self._psi0 = host_pressure()
-        self._dumps = tempfile.TemporaryFile()
+        self._dumps = tempfile.TemporaryFile()     # noqa: SIM115 (closed in stop)
         faulthandler.dump_traceback_later(1.0, repeat=True, file=self._dumps)
         self._th.start()
         return self
@@ -558,8 +558,10 @@ class KillWatch:
         return self.t_kill
 
     def stop(self) -> KillWatch:
+        """End the watch (again: nothing more)."""
         self._stop.set()
-        self._th.join(5)
+        if self._th.ident is not None:
+            self._th.join(5)
         if self._dumps is not None:
             faulthandler.cancel_dump_traceback_later()
             if any(g >= 1.0 for _, g in self.stalls):
@@ -579,13 +581,16 @@ class KillWatch:
         fd = self.fds[i]
         return pidfd_ended(fd) if fd is not None else _gone(self.procs[i])
 
+    def _gap(self, prev: float) -> float:
+        now = time.monotonic()
+        if now - prev > self.stall_s:
+            self.stalls.append([round(prev - self.t_kill, 3), round(now - prev, 3)])
+        return now
+
     def _run(self) -> None:
         prev = self.t_kill
         while True:
-            now = time.monotonic()
-            if now - prev > self.stall_s:
-                self.stalls.append([round(prev - self.t_kill, 3), round(now - prev, 3)])
-            prev = now
+            now = prev = self._gap(prev)
             if self.gone_s is None:
                 alive = False
                 for i, label in enumerate(self.labels):
@@ -600,6 +605,7 @@ class KillWatch:
                 else:
                     self.gone_s = round(now - self.t_kill, 3)
             if self._stop.wait(self.every):
+                self._gap(prev)     # a stall that lasted until the stop is one too
                 return
 
 
@@ -657,49 +663,50 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
     now = time.time()
     kill_utc = time.strftime("%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}"
     t_kill = watch.kill(signal.SIGKILL)
-    for w in cluster.role(role):      # whatever of a worker's session the walk did not see
-        w.process.signal_group(signal.SIGKILL)
-    kill_call_s = round(time.monotonic() - t_kill, 3)
-    th.join(hang_s + 30)
-    if th.is_alive():
+    try:          # the watch (its thread, pidfds, faulthandler's dumps) ends whatever happens
+        for w in cluster.role(role):      # whatever of a worker's session the walk did not see
+            w.process.signal_group(signal.SIGKILL)
+        kill_call_s = round(time.monotonic() - t_kill, 3)
+        th.join(hang_s + 30)
+        if th.is_alive():
+            raise HarnessError(f"leg loss ({role}): requests still open {hang_s + 30:.0f} s "
+                               f"after killing {', '.join(killed)}")
+        rep: load.RunReport = box["report"]
+        res = LegLoss(role, killed, n, status_counts=rep.status_counts(),
+                      frozen_first=freeze_first, kill_utc=kill_utc, kill_call_s=kill_call_s)
+        kill_rel = t_kill - box["t_run"]
+        ends, all_ends = [], []
+        for r in rep.results:
+            end = r.start_s + r.latency_s
+            all_ends.append(end - kill_rel)
+            if r.ttft_s is not None and r.start_s + r.ttft_s < kill_rel:
+                res.past_prefill_at_kill += 1
+            if r.ok:
+                res.ok += 1
+                if end < kill_rel:
+                    res.answered_before_kill += 1
+                continue
+            res.errors += 1
+            if end >= kill_rel:
+                res.in_flight_at_kill += 1
+                ends.append(end - kill_rel)
+            if not r.error.strip():
+                res.silent_errors += 1
+            if len(res.first_errors) < 3:
+                res.first_errors.append(f"status {r.status}: {r.error[:200]}")
+            if r.ttft_s is None or r.start_s + r.ttft_s >= kill_rel:
+                res.errors_before_first_token += 1
+        res.error_after_kill_s = load.percentiles(ends)
+        res.max_error_after_kill_s = round(max(ends), 3) if ends else None
+        res.max_end_after_kill_s = round(max(all_ends), 3) if all_ends else None
+        time.sleep(0.5)
+        res.dead = cluster.dead_processes()
+        t_after = time.monotonic() - t_kill
+        res.after_kill_request = watched_request(cluster, _body(cluster, "Say OK.", 4, False),
+                                                 timeout=hang_s)
+        res.after_kill_request["at_s"] = round(t_after, 3)
+    finally:
         watch.stop()
-        raise HarnessError(f"leg loss ({role}): requests still open {hang_s + 30:.0f} s after "
-                           f"killing {', '.join(killed)}")
-    rep: load.RunReport = box["report"]
-    res = LegLoss(role, killed, n, status_counts=rep.status_counts(), frozen_first=freeze_first,
-                  kill_utc=kill_utc, kill_call_s=kill_call_s)
-    kill_rel = t_kill - box["t_run"]
-    ends, all_ends = [], []
-    for r in rep.results:
-        end = r.start_s + r.latency_s
-        all_ends.append(end - kill_rel)
-        if r.ttft_s is not None and r.start_s + r.ttft_s < kill_rel:
-            res.past_prefill_at_kill += 1
-        if r.ok:
-            res.ok += 1
-            if end < kill_rel:
-                res.answered_before_kill += 1
-            continue
-        res.errors += 1
-        if end >= kill_rel:
-            res.in_flight_at_kill += 1
-            ends.append(end - kill_rel)
-        if not r.error.strip():
-            res.silent_errors += 1
-        if len(res.first_errors) < 3:
-            res.first_errors.append(f"status {r.status}: {r.error[:200]}")
-        if r.ttft_s is None or r.start_s + r.ttft_s >= kill_rel:
-            res.errors_before_first_token += 1
-    res.error_after_kill_s = load.percentiles(ends)
-    res.max_error_after_kill_s = round(max(ends), 3) if ends else None
-    res.max_end_after_kill_s = round(max(all_ends), 3) if all_ends else None
-    time.sleep(0.5)
-    res.dead = cluster.dead_processes()
-    t_after = time.monotonic() - t_kill
-    res.after_kill_request = watched_request(cluster, _body(cluster, "Say OK.", 4, False),
-                                             timeout=hang_s)
-    res.after_kill_request["at_s"] = round(t_after, 3)
-    watch.stop()
     res.gone_after_kill_s = watch.gone_s
     res.gone_each_s = watch.gone_each_s
     res.seen_alive_until_s = watch.seen_alive_until_s
