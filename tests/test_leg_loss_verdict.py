@@ -339,3 +339,16 @@ def test_stack_summary_counts_each_threads_innermost_frame():
     assert out.startswith("main: process.py:7 tree x3; ")
     assert "000002: base_events.py:10 _run_once x3" in out
     assert sf.stack_summary("", 1) == ""
+
+
+def test_an_armed_watch_stopped_before_any_kill_ends_and_kills_nothing():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        w = sf.KillWatch([psutil.Process(p.pid)]).arm()
+        time.sleep(0.05)
+        w.stop()
+        assert not w._th.is_alive() and w.fds == [None] and w.stalls == []
+        assert w.gone_s is None and p.poll() is None
+    finally:
+        p.kill()
+        p.wait()

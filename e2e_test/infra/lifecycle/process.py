@@ -11,6 +11,7 @@ carries its run's marker (reaper.marker_env) and is registered with the driver's
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import select
@@ -75,6 +76,29 @@ def open_pidfd(p: psutil.Process) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+# Signals sent through libc by ctypes, which lets go of the GIL for the call: os.kill and
+# signal.pidfd_send_signal keep it, so while the syscall (or the thread, descheduled on its
+# way out of it) waits, no other thread of the harness runs. In the CPU CI trial at 8c91c12
+# the kill's signals took 0.286 s and the watch thread stalled exactly as long.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SYS_PIDFD_SEND_SIGNAL = 424        # the same number on every Linux architecture (5.1+)
+
+
+def pidfd_signal(fd: int, sig: int) -> bool:
+    """Send `sig` to the process behind a pidfd, the GIL let go; whether it was sent."""
+    return _LIBC.syscall(_SYS_PIDFD_SEND_SIGNAL, fd, sig, None, 0) == 0
+
+
+def kill_pid(pid: int, sig: int) -> bool:
+    """os.kill with the GIL let go; whether it was sent."""
+    return _LIBC.kill(pid, sig) == 0
+
+
+def kill_group(pgid: int, sig: int) -> bool:
+    """os.killpg with the GIL let go; whether it was sent."""
+    return _LIBC.killpg(pgid, sig) == 0
 
 
 def pidfd_ended(fd: int) -> bool:
@@ -168,10 +192,7 @@ class ManagedProcess:
         """Send `sig` to the session's process group (everything the worker started that did
         not leave it), reading nothing first."""
         if self.pid > 0:
-            try:
-                os.killpg(self.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            kill_group(self.pid, sig)
 
     def signal_tree(self, sig: int) -> list[psutil.Process]:
         """Send `sig` to the session's group, then to every process of the tree still running;

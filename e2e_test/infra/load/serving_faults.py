@@ -32,7 +32,7 @@ import psutil
 
 from ..cluster import idle
 from ..errors import HarnessError
-from ..lifecycle.process import open_pidfd, pidfd_ended
+from ..lifecycle.process import kill_pid, open_pidfd, pidfd_ended, pidfd_signal
 from ..verdicts.proof import long_unique_prompt
 from . import load
 
@@ -386,7 +386,10 @@ class LegLoss:
     # late by up to the stall.
     harness_stalls: list = field(default_factory=list)
     kill_utc: str = ""
-    kill_call_s: float | None = None    # the signals' own time in the main thread
+    # The signals' own time in the test's thread (each worker's group signalled after), and
+    # the pidfd signals' part of it (KillWatch.signals_s).
+    kill_call_s: float | None = None
+    signals_s: float | None = None
     gone_each_s: dict = field(default_factory=dict)   # "pid name" -> s after the kill
     # What the host went through meanwhile (KillWatch): seconds of pressure stall from the
     # kill to the watch's stop (/proc/pressure: cpu, memory, io; some / full), and every
@@ -499,12 +502,13 @@ class KillWatch:
     frozen host), and anything it timed then is late by up to the gap. Times are seconds
     after `t_kill` (monotonic).
 
-    `kill` is the way to use it: the processes were walked while running (role_processes),
-    each gets a pidfd here; `kill` starts the thread, then signals each process through its
-    pidfd, and the thread sees them end through their pidfds. After the signal nothing reads
-    a dying process's /proc entry: on the CI host, stop 38, the walk of the process table
-    after the SIGKILL (the kill as it was) held the harness 73.9 s and 27.7 s, cause unknown.
-    Where no pidfd could be had, psutil polls that process as before. While the watch runs,
+    `arm` then `kill` is the way to use it: the processes were walked while running
+    (role_processes), each gets a pidfd here; `arm` starts the thread, waiting; `kill` lets
+    it go, then signals each process through its pidfd with the GIL let go, and the thread
+    sees them end through their pidfds. After the signal nothing reads a dying process's
+    /proc entry: on the CI host, stop 38, the walk of the process table after the SIGKILL
+    (the kill as it was) held the harness 73.9 s and 27.7 s, cause unknown. Where no pidfd
+    could be had, psutil polls that process as before. While the watch is armed,
     a faulthandler dump of every thread's stack is taken each second (`stacks`, kept when a
     stall of a second or more was seen), and the host's pressure-stall totals are read at
     the kill and at stop (`pressure_s`)."""
@@ -523,7 +527,9 @@ class KillWatch:
         self.where = ""
         self._psi0: dict = {}
         self._dumps = None
+        self.signals_s: float | None = None
         self._stop = threading.Event()
+        self._go = threading.Event()
         self._th = threading.Thread(target=self._run, daemon=True, name="kill-watch")
 
     @staticmethod
@@ -533,33 +539,43 @@ class KillWatch:
         except psutil.Error:
             return str(p.pid)
 
+    def arm(self) -> KillWatch:
+        """All but the kill, ahead of it: the thread (waiting for the kill), faulthandler's
+        dumps, the pressure baseline. Once."""
+        if self._dumps is None and self._th.ident is None:
+            self._psi0 = host_pressure()
+            self._dumps = tempfile.TemporaryFile()     # noqa: SIM115 (closed in stop)
+            faulthandler.dump_traceback_later(1.0, repeat=True, file=self._dumps)
+            self._th.start()
+        return self
+
     def start(self) -> KillWatch:
+        """Watch from `t_kill` (now where not given) on, signalling nothing."""
+        self.arm()
         if self.t_kill is None:
             self.t_kill = time.monotonic()
-        self._psi0 = host_pressure()
-        self._dumps = tempfile.TemporaryFile()     # noqa: SIM115 (closed in stop)
-        faulthandler.dump_traceback_later(1.0, repeat=True, file=self._dumps)
-        self._th.start()
+        self._go.set()
         return self
 
     def kill(self, sig: int = signal.SIGKILL) -> float:
-        """Start watching, then send `sig` to every process through its pidfd (os.kill where
-        it has none); t_kill."""
+        """Watch from now on, then send `sig` to every process through its pidfd (by pid
+        where it has none), the GIL let go for each call (process.pidfd_signal); t_kill.
+        `signals_s`: how long the signals took."""
+        self.arm()
         self.t_kill = time.monotonic()
-        self.start()
+        self._go.set()
         for p, fd in zip(self.procs, self.fds):
-            try:
-                if fd is not None:
-                    signal.pidfd_send_signal(fd, sig)
-                else:
-                    os.kill(p.pid, sig)
-            except OSError:
-                pass
+            if fd is not None:
+                pidfd_signal(fd, sig)
+            else:
+                kill_pid(p.pid, sig)
+        self.signals_s = round(time.monotonic() - self.t_kill, 3)
         return self.t_kill
 
     def stop(self) -> KillWatch:
         """End the watch (again: nothing more)."""
         self._stop.set()
+        self._go.set()
         if self._th.ident is not None:
             self._th.join(5)
         if self._dumps is not None:
@@ -588,6 +604,9 @@ class KillWatch:
         return now
 
     def _run(self) -> None:
+        self._go.wait()
+        if self.t_kill is None:        # stopped before any kill
+            return
         prev = self.t_kill
         while True:
             now = prev = self._gap(prev)
@@ -657,13 +676,13 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
     th.start()
     time.sleep(kill_after_s)
     # the walk and the pidfds before the kill; after it, only signals and pidfd polls
-    watch = KillWatch(role_processes(cluster, role))
-    killed = [w.name for w in cluster.role(role)]
-    log0 = len(_gateway_log(cluster))
-    now = time.time()
-    kill_utc = time.strftime("%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}"
-    t_kill = watch.kill(signal.SIGKILL)
+    watch = KillWatch(role_processes(cluster, role)).arm()
     try:          # the watch (its thread, pidfds, faulthandler's dumps) ends whatever happens
+        killed = [w.name for w in cluster.role(role)]
+        log0 = len(_gateway_log(cluster))
+        now = time.time()
+        kill_utc = time.strftime("%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}"
+        t_kill = watch.kill(signal.SIGKILL)
         for w in cluster.role(role):      # whatever of a worker's session the walk did not see
             w.process.signal_group(signal.SIGKILL)
         kill_call_s = round(time.monotonic() - t_kill, 3)
@@ -673,7 +692,8 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
                                f"after killing {', '.join(killed)}")
         rep: load.RunReport = box["report"]
         res = LegLoss(role, killed, n, status_counts=rep.status_counts(),
-                      frozen_first=freeze_first, kill_utc=kill_utc, kill_call_s=kill_call_s)
+                      frozen_first=freeze_first, kill_utc=kill_utc, kill_call_s=kill_call_s,
+                      signals_s=watch.signals_s)
         kill_rel = t_kill - box["t_run"]
         ends, all_ends = [], []
         for r in rep.results:
@@ -724,7 +744,8 @@ def host_note(loss: LegLoss) -> str:
     were during a stall ("" when there is nothing to say)."""
     bits = []
     if loss.kill_call_s is not None and loss.kill_call_s >= 0.25:
-        bits.append(f"the kill's signals took {loss.kill_call_s} s")
+        bits.append(f"the kill's signals took {loss.kill_call_s} s ({loss.signals_s} s "
+                    f"through pidfds)")
     if loss.gone_each_s:
         bits.append(f"gone at {loss.gone_each_s} s")
     if loss.pressure_s:
