@@ -403,27 +403,30 @@ class LegLoss:
         return asdict(self)
 
 
+def _workers(cluster, role: str) -> list:
+    """The workers of `role`; an error where the topology has none."""
+    workers = cluster.role(role)
+    if not workers:
+        raise HarnessError(f"topology {cluster.topology.name} has no {role} workers")
+    return workers
+
+
 def signal_role(cluster, role: str, sig: int) -> list[str]:
     """Send `sig` to every process of every worker of `role` (API server and engine
     children); the workers' names."""
     names = []
-    for w in cluster.role(role):
+    for w in _workers(cluster, role):
         w.process.remember_descendants()
         w.process.signal_tree(sig)
         names.append(w.name)
-    if not names:
-        raise HarnessError(f"topology {cluster.topology.name} has no {role} workers")
     return names
 
 
 def role_processes(cluster, role: str) -> list[psutil.Process]:
     """Every running process of every worker of `role`, walked now: before a kill, while
     reading their /proc entries is still an ordinary read."""
-    workers = cluster.role(role)
-    if not workers:
-        raise HarnessError(f"topology {cluster.topology.name} has no {role} workers")
     procs = []
-    for w in workers:
+    for w in _workers(cluster, role):
         w.process.remember_descendants()
         procs += w.process.tree()
     return procs
