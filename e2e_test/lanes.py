@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -736,29 +737,95 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
         shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in lane.full_env())
         print(f"lane {lane.name}: {shown} {shlex.join(argv)}", flush=True)
         t0 = time.time()
-        code = run(argv, env=env)
+        try:
+            code = run(argv, env=env)
+        except KeyboardInterrupt:
+            # interrupted (Ctrl-C, the lane limit of scripts/gpu_lane.sh): the part still
+            # leaves its record, with the code of an interrupt
+            _write_run_record(lane, argv, env, 130, t0, interrupted=True)
+            raise
         _write_run_record(lane, argv, env, code, t0)
         rc = rc or code
     return rc
 
 
 def call(argv: list[str], env: dict, stop_wait_s: float = 120.0) -> int:
-    """Run one part's pytest. Ctrl-C / SIGINT (a CI cancel, `timeout -s INT`) is passed on to
-    pytest, whose handler tears its clusters down, and waited for; subprocess.call would
-    SIGKILL it instead and leave the clusters to the reaper (seen on the H200: 29 GB held
-    until the guardian swept 5 s later)."""
+    """Run one part's pytest. Ctrl-C / SIGINT (a CI cancel, `timeout -s INT`) reaches pytest,
+    whose handler tears its clusters down, and is waited for; subprocess.call would SIGKILL
+    it instead and leave the clusters to the reaper (seen on the H200: 29 GB held until the
+    guardian swept 5 s later).
+
+    Each interrupt must reach pytest exactly once: a second SIGINT means "kill every worker
+    now" (cluster/signals.py). `timeout` signals its child and then its own process group,
+    so a pytest in this process's group got the lane limit's one SIGINT twice, once from the
+    group and once passed on from here: on the H200 (9f29736) the 300 s limit of
+    `scripts/gpu_lane.sh` ended a lane with "second SIGINT: killing every worker now" in the
+    same second, no verified teardown. So, unless this process's group owns the terminal,
+    pytest runs in a process group of its own and each interrupt is passed on from here
+    (SIGTERM too), and it gets SIGTERM if this process dies (PR_SET_PDEATHSIG: a group
+    SIGKILL, say a CI job's end, no longer reaches it). Where this group owns the terminal,
+    pytest stays in it (it can read the terminal: --pdb) and the terminal's Ctrl-C reaches it
+    directly; nothing is passed on."""
     import signal
-    p = subprocess.Popen(argv, env=env)
+    fg = _owns_terminal()
+    p = subprocess.Popen(argv, env=env,
+                         **({} if fg else {"process_group": 0, "preexec_fn": _term_with_parent}))
+
+    def forward_term(signum, frame):
+        p.send_signal(signal.SIGTERM)
+
+    old_term = (signal.signal(signal.SIGTERM, forward_term)
+                if not fg and threading.current_thread() is threading.main_thread() else None)
+    interrupts = 0
     try:
-        return p.wait()
-    except KeyboardInterrupt:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(timeout=stop_wait_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        raise
+        while True:
+            try:
+                code = p.wait() if not interrupts else p.wait(timeout=stop_wait_s)
+            except KeyboardInterrupt:
+                interrupts += 1
+                if not fg:
+                    p.send_signal(signal.SIGINT)
+                if interrupts > 2:
+                    p.kill()
+                    p.wait()
+                    raise
+                continue
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                raise KeyboardInterrupt from None
+            if interrupts:
+                raise KeyboardInterrupt
+            return code
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG;
+    elsewhere nothing)."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _owns_terminal() -> bool:
+    """Whether this process's group is the foreground group of its controlling terminal (a
+    Ctrl-C typed there goes to every process of the group)."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _git_sha() -> str:
@@ -772,8 +839,10 @@ def _git_sha() -> str:
         return "unknown"
 
 
-def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: float) -> None:
-    """results/run.json of one lane part: what ran, where, from which commit."""
+def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: float,
+                      interrupted: bool = False) -> None:
+    """results/run.json of one lane part: what ran, where, from which commit, and whether an
+    interrupt ended it."""
     out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
     for d in (out, out.parent):          # the run's folder (a split lane: the parts' parent)
         settings.mark_latest(d)
@@ -793,6 +862,8 @@ def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: flo
                                                       time.gmtime(t0)),
            "wall_s": round(time.time() - t0, 1), "host": os.uname().nodename,
            "device": ", ".join(str(d) for d in devices) or "cpu"}
+    if interrupted:
+        rec["interrupted"] = True
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "run.json").write_text(json.dumps(rec, indent=2, default=str))

@@ -435,6 +435,25 @@ def test_cli_run_unknown_lane(tmp_path):
     assert r.stderr.strip().count("\n") == 0 and "unknown lane 'e2e-nope'" in r.stderr
 
 
+def test_an_interrupted_lane_part_leaves_its_run_record(tmp_path):
+    """A part ended by an interrupt (the lane limit's SIGINT) still writes run.json, saying
+    so; the report names the lane from it (the H200's cut serial run at 9f29736 had none)."""
+    import json
+
+    def runner(argv, env):
+        raise KeyboardInterrupt
+
+    environ = {"E2E_RESULTS_DIR": str(tmp_path)}
+    with pytest.raises(KeyboardInterrupt):
+        lanes.run_lane("e2e-cpu", [], environ=environ, runner=runner)
+    rec = json.loads((tmp_path / "run.json").read_text())
+    assert (rec["lane"], rec["exit_code"], rec["interrupted"]) == ("e2e-cpu", 130, True)
+    # the negative control: a part that ends by itself is not marked
+    lanes.run_lane("e2e-cpu", [], environ=environ, runner=lambda argv, env: 0)
+    rec = json.loads((tmp_path / "run.json").read_text())
+    assert rec["exit_code"] == 0 and "interrupted" not in rec
+
+
 def test_run_lane_command_and_env(tmp_path):
     seen = {}
 
@@ -584,20 +603,114 @@ def test_never_passed_lanes_start_only_by_name():
     assert table["e2e-cpu"].passed_once and not table["e2e-cpu"].manual
 
 
-def test_run_lane_passes_ctrl_c_on_to_pytest_and_waits(tmp_path):
-    """SIGINT of `run LANE` reaches the part's pytest (its handler tears clusters down) and
-    run LANE waits for it, instead of SIGKILLing it (a stand-in child, not an engine)."""
+_SIGINT_CHILD = """
+import signal, sys, time
+got = []
+def stop(*_):
+    got.append(1)
+    if len(got) == 1:
+        time.sleep(0.5)        # a teardown that takes a moment; a second SIGINT is counted
+        open({done!r}, "w").write(f"torn down after {{len(got)}} SIGINT(s)")
+        sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+_SIGINT_DRIVER = """
+import signal, subprocess, sys
+from e2e_test import lanes
+child = [sys.executable, {child!r}]
+try:
+    if {naive!r}:    # the wrapper before 9f29736's fix: pytest in this group, Ctrl-C passed on
+        p = subprocess.Popen(child)
+        try:
+            p.wait()
+        except KeyboardInterrupt:
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=30)
+            raise
+    else:
+        lanes.call(child, env=None)
+except KeyboardInterrupt:
+    sys.exit(3)
+"""
+
+
+def _sigint_case(tmp_path, delivery, naive=False):
+    """`run LANE`'s wrapper (lanes.call) over a stand-in pytest (a child that counts its
+    SIGINTs, not an engine), interrupted as `kill -INT PID` ("pid"), as `timeout -s INT` and
+    a CI runner's group signal ("group"), or by Ctrl-C typed on its terminal ("terminal", a
+    pty whose foreground group it is). Returns (driver exit code, what the child wrote)."""
+    import pty
     import signal
     import textwrap
-    child = tmp_path / "child.py"
     done = tmp_path / "done"
+    child = tmp_path / "child.py"
+    child.write_text(textwrap.dedent(_SIGINT_CHILD.format(done=str(done))))
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(_SIGINT_DRIVER.format(child=str(child), naive=naive)))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if delivery == "terminal":
+        master, slave = pty.openpty()
+
+        def own_tty():
+            import fcntl
+            import termios
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        p = subprocess.Popen([sys.executable, str(driver)], cwd=REPO, env=env, stdin=slave,
+                             stdout=slave, stderr=slave, start_new_session=True,
+                             preexec_fn=own_tty)
+        os.close(slave)
+        buf = b""
+        while b"ready" not in buf:
+            buf += os.read(master, 1024)
+        os.write(master, b"\x03")          # Ctrl-C: the line discipline signals the group
+    else:
+        p = subprocess.Popen([sys.executable, str(driver)], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert p.stdout.readline().strip() == "ready"
+        if delivery == "pid":
+            p.send_signal(signal.SIGINT)
+        else:
+            os.killpg(p.pid, signal.SIGINT)
+    code = p.wait(timeout=30)
+    if delivery == "terminal":
+        os.close(master)
+    return code, done.read_text()
+
+
+@pytest.mark.parametrize("delivery", ["pid", "group", "terminal"])
+def test_run_lane_passes_ctrl_c_on_to_pytest_once_and_waits(tmp_path, delivery):
+    """SIGINT of `run LANE` reaches the part's pytest exactly once (its handler tears the
+    clusters down; a second one would kill every worker at once), however it is delivered,
+    and run LANE waits for it instead of SIGKILLing it."""
+    code, done = _sigint_case(tmp_path, delivery)
+    assert (code, done) == (3, "torn down after 1 SIGINT(s)")
+
+
+@pytest.mark.parametrize("delivery", ["group", "terminal"])
+def test_sigint_case_negative_control_the_old_wrapper_interrupts_twice(tmp_path, delivery):
+    """The same cases over the wrapper as it was: a signal to the whole group reached its
+    pytest twice (once from the group, once passed on), what the H200's lane limit did."""
+    code, done = _sigint_case(tmp_path, delivery, naive=True)
+    assert (code, done) == (3, "torn down after 2 SIGINT(s)")
+
+
+def test_run_lane_killed_leaves_no_pytest_running(tmp_path):
+    """`run LANE` SIGKILLed (a CI job's end): its pytest, in a process group of its own, gets
+    SIGTERM (its handler tears the clusters down) instead of running on unseen."""
+    import signal
+    import textwrap
+    done = tmp_path / "done"
+    child = tmp_path / "child.py"
     child.write_text(textwrap.dedent(f"""
         import signal, sys, time
-        def stop(*_):
-            time.sleep(0.5)                  # a teardown that takes a moment
-            open({str(done)!r}, "w").write("torn down")
-            sys.exit(130)
-        signal.signal(signal.SIGINT, stop)
+        def stop(signum, frame):
+            open({str(done)!r}, "w").write(signal.Signals(signum).name)
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, stop)
         print("ready", flush=True)
         time.sleep(60)
     """))
@@ -605,17 +718,18 @@ def test_run_lane_passes_ctrl_c_on_to_pytest_and_waits(tmp_path):
     driver.write_text(textwrap.dedent(f"""
         import sys
         from e2e_test import lanes
-        try:
-            lanes.call([sys.executable, {str(child)!r}], env=None)
-        except KeyboardInterrupt:
-            sys.exit(3)
+        lanes.call([sys.executable, {str(child)!r}], env=None)
     """))
     p = subprocess.Popen([sys.executable, str(driver)], cwd=REPO, stdout=subprocess.PIPE,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, text=True,
+                         start_new_session=True)
     assert p.stdout.readline().strip() == "ready"
-    p.send_signal(signal.SIGINT)          # as a terminal's Ctrl-C would, to the driver only
-    assert p.wait(timeout=30) == 3
-    assert done.read_text() == "torn down"
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=10)
+    deadline = time.time() + 10
+    while not done.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert done.read_text() == "SIGTERM"
 
 
 # -- skips are failures on GPU lanes; --e2e-min-tests counts tests that ran (issue 28) ----------
