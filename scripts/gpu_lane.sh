@@ -66,10 +66,11 @@ if ! command -v py-spy >/dev/null 2>&1; then
 fi
 if [ "$eng" = tokenspeed ]; then
   export E2E_ENGINE_ARGS="${E2E_ENGINE_ARGS:---sampling-backend triton}"
-  # Eager, like vLLM. With CUDA graphs (TokenSpeed's own default) `1`'s worker and 1p1d's
-  # decode, packed on one H200 with three eager workers, both hung at the first capture
-  # ("Capturing batches (bs=1 ...) 0/115", after torch's "Guessing device ID" barrier warning)
-  # until the 300 s boot limit (44140a5, docs/validation/h200-e2e-1gpu-pd-tokenspeed-graphs-*).
+  # Eager, like vLLM. With CUDA graphs (TokenSpeed's own default) and this triton sampler,
+  # `1`'s worker and 1p1d's decode were still compiling tokenspeed_kernel's generic Gumbel
+  # sampling kernel for the first capture when their 300 s boot limit came (py-spy, 9f29736;
+  # docs/validation/h200-e2e-1gpu-pd-tokenspeed-graphs-*); the builder now refuses that pair
+  # (engines/tokenspeed.py GRAPH_STALL_SAMPLERS).
   export E2E_MOONCAKE_TRANSPORT=${E2E_MOONCAKE_TRANSPORT:-tcp}
 fi
 if [ -z "${E2E_DATASET_DIR:-}" ]; then

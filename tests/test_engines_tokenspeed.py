@@ -60,6 +60,34 @@ def test_regular_small_window_eager_and_extra_args():
                                       "--attention-backend", "fa3"]
 
 
+@pytest.mark.parametrize("sampler", [("--sampling-backend", "triton"),
+                                     ("--sampling-backend=triton_full",)])
+def test_graphs_with_a_triton_sampler_is_refused_before_any_process(sampler):
+    """CUDA graphs and TokenSpeed 0.1.0's triton samplers: the capture compiles the generic
+    Gumbel kernel and the boot stalled past its limit on the H200 (9f29736): one line, before
+    anything starts, naming the worker, the sampler and the way out."""
+    t, e = entries("1p1d")
+    ports = Ports(api=32000, aux={"dist_init": 32001})
+    with pytest.raises(ConfigError) as ei:
+        tokenspeed.build(SPEC, t, e["decode"], ports, "/models/q",
+                         EngineOptions(backend="cuda", extra_args=sampler))
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"TokenSpeed decode-0: CUDA graphs with --sampling-backend "
+                          f"{sampler[-1].split('=')[-1]} stall the boot: ")
+    assert "E2E_ENFORCE_EAGER=1" in msg
+    # the negative controls: eager (by option, by flag), the always-eager prefill, another
+    # sampler, and the default sampler are built
+    for opts in (EngineOptions(backend="cuda", enforce_eager=True, extra_args=sampler),
+                 EngineOptions(backend="cuda", extra_args=(*sampler, "--enforce-eager")),
+                 EngineOptions(backend="cuda", extra_args=("--sampling-backend", "greedy")),
+                 CUDA):
+        assert tokenspeed.build(SPEC, t, e["decode"], ports, "/models/q", opts).argv
+    assert tokenspeed.build(SPEC, t, e["prefill"],
+                            Ports(api=1, aux={"bootstrap": 2, "dist_init": 3}), "/m",
+                            EngineOptions(backend="cuda", extra_args=sampler)).argv
+
+
 def test_engine_dp_needs_dist_init():
     t, e = entries("dp2-engine")
     w = e["worker"]

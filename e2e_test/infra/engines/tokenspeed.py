@@ -231,12 +231,47 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv += ["--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
     if options.enforce_eager and not eager:
         argv.append("--enforce-eager")
-    argv += list(spec.engine_args("tokenspeed", entry.role)) + list(options.extra_args)
+    extra = list(spec.engine_args("tokenspeed", entry.role)) + list(options.extra_args)
+    sampler = _flag_value(extra, "--sampling-backend")
+    if sampler in GRAPH_STALL_SAMPLERS and not (eager or options.enforce_eager
+                                                 or "--enforce-eager" in extra):
+        raise ConfigError(f"TokenSpeed {entry.name}: CUDA graphs with --sampling-backend "
+                          f"{sampler} stall the boot: {GRAPH_STALL_SAMPLERS[sampler]}; "
+                          f"run it eager (E2E_ENFORCE_EAGER=1) or with another sampler")
+    argv += extra
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",
                          bootstrap_port=bootstrap, start_stage=entry.start_stage,
                          metrics_dir=metrics_dir, stop_grace_s=STOP_GRACE_S)
+
+
+# Samplers whose CUDA graph capture did not finish within a boot limit. TokenSpeed 0.1.0's
+# triton backends route the capture's default variant to the generic Gumbel pool kernel
+# (sampling/backends/triton.py prepare_capture: _SAMPLE_ROUTE_GUMBEL_GENERIC; triton_full
+# calls the same kernel), which tokenspeed_kernel 0.1.3 writes with TOPK_PAD = 128 unrolled by
+# tl.static_range inside the vocabulary loop and again over its 8 attempts
+# (ops/sampling/triton/generic.py). On the H200 (9f29736, and 44140a5 before it) the two
+# workers with graphs were each still in tokenspeed_triton's make_ttgir compiling
+# `_gumbel_sample_generic_pool_kernel`, called from the capture's warm-up
+# (execution/cuda_graph_wrapper.py run_once), when their 300 s boot limit came (py-spy,
+# docs/validation/h200-e2e-1gpu-pd-tokenspeed-graphs-9f29736); NCCL's init had completed in
+# 1.14 s. Eager workers never compile it: greedy batches take cute_argmax.
+GRAPH_STALL_SAMPLERS = {
+    name: ("the graph capture compiles tokenspeed_kernel's generic Gumbel sampling kernel, "
+           "still compiling after 270 s on an H200 (TokenSpeed 0.1.0)")
+    for name in ("triton", "triton_full")}
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The last value given for `flag` (`--flag V` or `--flag=V`) in an argv list."""
+    val = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            val = args[i + 1]
+        elif a.startswith(flag + "="):
+            val = a.split("=", 1)[1]
+    return val
 
 
 def packed_schedule(entries, spec: ModelSpec | None = None) -> dict[str, tuple[int, float]]:
