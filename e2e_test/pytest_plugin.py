@@ -288,8 +288,8 @@ def pytest_collection_modifyitems(session, config, items):
             w = sched.wave_of(ck)
             return (1, w, *coboot.wave_order(
                 ck, sched.waves[w], ahead, breaks=bool(item.get_closest_marker("breaks_cluster")),
-                needs_baseline=bool(item.get_closest_marker("needs_baseline")
-                                    or item.get_closest_marker("quiet")),
+                needs_baseline=bool(item.get_closest_marker("needs_baseline")),
+                quiet=bool(item.get_closest_marker("quiet")),
                 early=ck in early, restarting=bool(item.get_closest_marker("restarting"))),
                 mod[id(item)], pos[id(item)])
         items.sort(key=wave_key)
@@ -774,6 +774,11 @@ class OracleStore:
     # key -> Future of a regular topology's passes ahead; key name -> (start, end) epoch s
     chains: dict = field(default_factory=dict)
     ahead_spans: dict = field(default_factory=dict)
+
+    def baseline_coming(self, engine: str) -> bool:
+        """Whether `engine`'s regular topology still has passes running ahead (booted
+        together): a judged test may send its own traffic first and wait for them after."""
+        return any(key[0] == engine and not fut.done() for key, fut in self.chains.items())
 
     def settled(self, engine: str) -> OracleStore:
         """This store, once `engine`'s passes ahead (if any) are done: what a test judged

@@ -212,13 +212,20 @@ def test_the_regular_topology_runs_ahead_only_beside_topologies_of_its_engine():
 def test_a_waves_order_puts_the_others_beside_the_passes_and_breaking_tests_last():
     wave, ahead = (ONE, PD, WIN), (ONE,)
 
-    def order(key, breaks=False, needs=False):
-        return coboot.wave_order(key, wave, ahead, breaks=breaks, needs_baseline=needs)
+    def order(key, breaks=False, needs=False, quiet=False):
+        return coboot.wave_order(key, wave, ahead, breaks=breaks, needs_baseline=needs,
+                                 quiet=quiet)
     tests = {"pd plain": order(PD), "window plain": order(WIN), "1 pass": order(ONE),
-             "pd judged": order(PD, needs=True), "pd breaks": order(PD, breaks=True, needs=True),
+             "pd judged": order(PD, needs=True), "pd timed": order(PD, quiet=True),
+             "pd breaks": order(PD, breaks=True, needs=True),
              "window breaks": order(WIN, breaks=True), "1 breaks": order(ONE, breaks=True)}
-    assert sorted(tests, key=tests.get) == ["pd plain", "window plain", "1 pass", "pd judged",
-                                            "1 breaks", "pd breaks", "window breaks"]
+    # judged tests before `1`'s own: their topology's traffic overlaps the passes ahead, then
+    # they wait for the baseline; timed ones after: no pass beside them
+    assert sorted(tests, key=tests.get) == ["pd plain", "window plain", "pd judged", "1 pass",
+                                            "pd timed", "1 breaks", "pd breaks",
+                                            "window breaks"]
+    # a test both judged and timed is timed
+    assert order(PD, needs=True, quiet=True) == tests["pd timed"]
     # no key ahead in the wave: grouped by key, breaking tests at each group's end (today)
     plain = {(k, b): coboot.wave_order(k, (PD, WIN), (), breaks=b, needs_baseline=False)
              for k in (PD, WIN) for b in (False, True)}
@@ -231,12 +238,12 @@ def test_a_topology_with_a_restarting_test_runs_it_first_and_breaks_last():
     others' tests; its breaking test (the rejoin) still runs last."""
     wave, ahead = (ONE, PD, WIN), (ONE,)
 
-    def order(key, breaks=False, needs=False, restarting=False):
-        return coboot.wave_order(key, wave, ahead, breaks=breaks, needs_baseline=needs,
-                                 early=key == WIN, restarting=restarting)
+    def order(key, breaks=False, quiet=False, restarting=False):
+        return coboot.wave_order(key, wave, ahead, breaks=breaks, needs_baseline=False,
+                                 quiet=quiet, early=key == WIN, restarting=restarting)
     tests = {"pd plain": order(PD), "window plain": order(WIN),
              "window restarting": order(WIN, restarting=True), "1 pass": order(ONE),
-             "pd timed": order(PD, needs=True), "pd breaks": order(PD, breaks=True),
+             "pd timed": order(PD, quiet=True), "pd breaks": order(PD, breaks=True),
              "window breaks": order(WIN, breaks=True)}
     assert sorted(tests, key=tests.get) == ["window plain", "window restarting", "pd plain",
                                             "1 pass", "pd timed", "pd breaks", "window breaks"]

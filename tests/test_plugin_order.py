@@ -141,8 +141,8 @@ TODAY = ["test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",
 def test_booted_together_the_regular_passes_run_ahead_of_its_tests(pytester, monkeypatch):
     ids = _order(pytester, monkeypatch, AHEAD_TESTS, E2E_BOOT_SCHEDULE="together")
     assert ids == ["test_e_pd_plain[vllm-1p1d]", "test_g_window[vllm-1p1d]",   # beside the passes
+                   "test_c_pd_judged[vllm-1p1d]",     # its own traffic beside them, then judged
                    "test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",  # `1`, after them
-                   "test_c_pd_judged[vllm-1p1d]",                     # judged against `1`
                    "test_ea_pd_timed[vllm-1p1d]",                     # timed: nothing beside
                    "test_d_pd_breaks[vllm-1p1d]", "test_f_window_breaks[vllm-1p1d]"], ids
     # every topology's breaking test is its last: nothing runs on a broken topology
@@ -181,9 +181,9 @@ def test_booted_together_a_restarting_test_runs_first_and_its_breaking_test_last
     breaking test (the rejoin) stays last."""
     ids = _order(pytester, monkeypatch, RESTARTING, E2E_BOOT_SCHEDULE="together")
     assert ids == ["test_g_window[vllm-1p1d]", "test_h_window_restarting[vllm-1p1d]",
-                   "test_e_pd_plain[vllm-1p1d]",
+                   "test_e_pd_plain[vllm-1p1d]", "test_c_pd_judged[vllm-1p1d]",
                    "test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",
-                   "test_c_pd_judged[vllm-1p1d]", "test_ea_pd_timed[vllm-1p1d]",
+                   "test_ea_pd_timed[vllm-1p1d]",
                    "test_d_pd_breaks[vllm-1p1d]", "test_f_window_breaks[vllm-1p1d]"], ids
     # serially: today's order, the restarting test after its group's others, before the
     # breaking one

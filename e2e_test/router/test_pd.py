@@ -15,6 +15,7 @@ from e2e_test.infra.errors import HarnessError
 from e2e_test.infra.verdicts import comparisons, oracle
 from e2e_test.infra.verdicts.evals import recall
 from e2e_test.router.test_evals import oracle_pass
+from e2e_test.router.test_oracle import RECALL_N
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd")]
 
@@ -77,17 +78,31 @@ def test_pd_proof_fails_where_nothing_moved(cluster, record):
     assert "the gateway picked prefill 0 and decode 0 times" in legs, legs
 
 
+def _needs_baseline_of_one(store, engine: str, name: str, why: str) -> None:
+    """Skip now where `1`'s `name` pass neither ran nor is running ahead in this session."""
+    if (engine, "1", name) not in store.passes and not store.baseline_coming(engine):
+        pytest.skip(why)
+
+
+def _baseline_of_one(store, engine: str, name: str, why: str):
+    """`1`'s pass of `name` and its control arm, waited for where they run ahead: a judged
+    test sends its own topology's traffic first, so that it runs beside them (coboot.py)."""
+    store.settled(engine)
+    base, control = store.passes.get((engine, "1", name)), store.control.get((engine, name))
+    if base is None or control is None:
+        pytest.skip(why)
+    return base, control
+
+
 @pytest.mark.pd_sweep
 @pytest.mark.needs_baseline
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
 def test_pd_answers_match_regular(cluster, record, oracle_store, name):
-    oracle_store.settled(cluster.engine)
-    base = oracle_store.passes.get((cluster.engine, "1", name))
-    control = oracle_store.control.get((cluster.engine, name))
-    if base is None or control is None:
-        pytest.skip(f"needs {name} results and the control arm of `1` in this session "
-                    f"(select both topologies)")
+    why = (f"needs {name} results and the control arm of `1` in this session "
+           f"(select both topologies)")
+    _needs_baseline_of_one(oracle_store, cluster.engine, name, why)
     mine = oracle_pass(cluster, oracle_store, name)
+    base, control = _baseline_of_one(oracle_store, cluster.engine, name, why)
     verdict = oracle.judge(oracle.compare(name, f"{cluster.engine}/1",
                                           f"{cluster.engine}/{cluster.topology.name}", base, mine),
                            control)
@@ -103,17 +118,18 @@ def test_pd_kv_recall(cluster, record, oracle_store):
     """The long pass-code prompts of test_oracle.py through the disaggregated topology: the
     oracle's verdict against `1` (first step included), and every pass code that `1` copied
     must come back here too, where the decode sees it only in the transferred KV."""
-    oracle_store.settled(cluster.engine)
-    base = oracle_store.passes.get((cluster.engine, "1", "recall"))
-    control = oracle_store.control.get((cluster.engine, "recall"))
-    if base is None or control is None:
-        pytest.skip("needs test_kv_recall_baseline on `1` in this session")
+    why = "needs test_kv_recall_baseline on `1` in this session"
+    _needs_baseline_of_one(oracle_store, cluster.engine, "recall", why)
     texts: dict = {}
-    reqs = comparisons.requests("recall", cluster.model_name, len(base),
+    reqs = comparisons.requests("recall", cluster.model_name, RECALL_N,
                                 logprobs=cluster.driver.top_logprobs,
                                 api=cluster.driver.logprobs_api)
     mine = comparisons.run_pass(cluster.gateway_url, reqs, 16, texts=texts,
                                 watchdog=cluster.watchdog("recall"))
+    base, control = _baseline_of_one(oracle_store, cluster.engine, "recall", why)
+    # the prompts `1` was asked (its baseline holds every index it sent, None where it failed)
+    mine = mine.subset(base)
+    texts = {i: t for i, t in texts.items() if i in base}
     copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
     want = oracle_store.recall.get((cluster.engine, "1"), [])
     verdict = oracle.judge(oracle.compare("recall", f"{cluster.engine}/1",

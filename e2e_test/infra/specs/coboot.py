@@ -165,7 +165,11 @@ def _shares(used: dict[int, float]) -> str:
 # `restarting`: a fault test that lost a leg) runs its tests up to that one first, so the
 # restart (50-58 s of vLLM on the H200 at 9d80458, run last and alone before) boots beside
 # the other topologies' tests; its breaking tests still run last.
-EARLY, PLAIN, AHEAD, NEEDS_BASELINE, BREAKS = range(5)
+# JUDGED before AHEAD: a test judged against the regular topology's baseline sends its own
+# topology's traffic first and waits for the baseline only to judge (test_pd.py), so its
+# pass runs beside the passes ahead (TokenSpeed on the H200, 9f29736: 1p1d's oracle passes,
+# about 11 s, ran only after `1`'s 116 s of passes before).
+EARLY, PLAIN, JUDGED, AHEAD, QUIET, BREAKS = range(6)
 
 
 def ahead_keys(schedule: BootSchedule, kinds: dict) -> tuple:
@@ -180,22 +184,23 @@ def ahead_keys(schedule: BootSchedule, kinds: dict) -> tuple:
 
 
 def wave_order(key, wave: tuple, ahead: tuple, *, breaks: bool, needs_baseline: bool,
-               early: bool = False, restarting: bool = False) -> tuple:
+               early: bool = False, restarting: bool = False, quiet: bool = False) -> tuple:
     """Where a test of `key` runs within its wave (sorts before file order). A wave with a key
     that runs ahead:
     1. the tests of a topology with a restarting test (`early`: the key has one; never the
        ahead key, whose tests wait for its passes), up to that test (`restarting` last);
     2. the other topologies' tests (their traffic overlaps the passes ahead and the restarts);
-    3. the ahead key's own tests (its passes are done by then, or the wait is what is left);
-    4. the tests judged against its baseline and those timed against an engine's own pace
-       (`needs_baseline`: the plugin passes the `quiet` tests here too: no pass runs beside
-       them, and they wait for the restarts);
-    5. every test that breaks its topology, so a broken topology has no test after it.
+    3. the tests judged against the ahead key's baseline (`needs_baseline`): their own
+       topology's traffic still overlaps the passes ahead, then they wait for the baseline;
+    4. the ahead key's own tests (its passes are done by then, or the wait is what is left);
+    5. the tests timed against an engine's own pace (`quiet`): no pass runs beside them, and
+       they wait for the restarts;
+    6. every test that breaks its topology, so a broken topology has no test after it.
     Any other wave: today's order, grouped by key, a restarting test after its key's other
     tests, the breaking tests at each group's end."""
     idx = wave.index(key)
     if not any(k in ahead for k in wave):
         return (idx, int(breaks), int(restarting))
     phase = (BREAKS if breaks else EARLY if early and key not in ahead else AHEAD if key in ahead
-             else NEEDS_BASELINE if needs_baseline else PLAIN)
+             else QUIET if quiet else JUDGED if needs_baseline else PLAIN)
     return (phase, idx, int(restarting))
