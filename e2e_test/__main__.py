@@ -13,7 +13,8 @@
   main [--topology 1] [--gsm8k-n --mmlu-n]  the main job: start engine(s) + smg, run chat,
                                          GSM8K and MMLU through the gateway, print a summary
   cycles [--topology 1] [-n 20]          start/stop a topology n times, count what is left
-  bench --a 1 --b dp2 [...]              A/B characterization of two topologies
+  bench --a 1 --b dp2 [...]              A/B characterization of two topologies, or of two
+                                         request shapes on one (--b 1 --shape-b chat-logprobs)
   report DIR... [--out F]                markdown validation report from result folders
   report --html DIR [--out F]            static HTML page of one run (plans, ready times,
                                          tests, oracle verdicts, burst plots, teardown)
@@ -207,9 +208,11 @@ def cmd_cycles(a) -> int:
 def cmd_bench(a) -> int:
     lifecycle.install()
     cfg = bench.BenchConfig(n=a.n, isl=a.isl, osl=a.osl, rate=a.rate,
-                            max_concurrency=a.max_concurrency, warmup=a.warmup, reps=a.reps)
+                            max_concurrency=a.max_concurrency, warmup=a.warmup, reps=a.reps,
+                            shape=a.shape)
+    # ab() checks the shapes and that A and B differ before any process starts
     out = bench.ab(lambda topo: cluster_from_args(argparse.Namespace(**{**vars(a), "topology": topo})),
-                   a.a, a.b, cfg, log=print)
+                   a.a, a.b, cfg, log=print, shape_b=a.shape_b)
     print(out["table"])
     return 0
 
@@ -316,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-concurrency", type=int, default=8)
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--shape", default="completions",
+                   help=f"how each prompt is asked (A's, and B's by default): "
+                        f"{', '.join(bench.SHAPES)}")
+    b.add_argument("--shape-b", default=None,
+                   help="B's shape where it differs; with --b equal to --a, one topology "
+                        "serves both arms")
     b.set_defaults(fn=cmd_bench)
     rp = sub.add_parser("report", help="markdown validation report from result folders; "
                         "--html: a page for one run; --trend: a page across runs")

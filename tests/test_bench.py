@@ -138,3 +138,70 @@ def test_ab_interleaves_keeps_the_json_keys_and_judges(monkeypatch, tmp_path):
     assert out["table"].splitlines()[1] == "|---|---|---|---|---|---|---|"
     assert "| req_per_s |" in out["table"] and "| worse |" in out["table"]
     assert (tmp_path / "bench-1-vs-dp2.json").is_file()
+
+
+def test_shapes_ask_the_same_prompts_each_its_way():
+    """Every shape: the same prompt (same seed), ignore_eos and temperature 0; chat as one user
+    message; logprobs of the chosen token only, the way the oracle asks each API."""
+    cfg = bench.BenchConfig(isl=16, osl=8)
+    got = {s: bench.workload("m", cfg, 2, seed=3, shape=s) for s in bench.SHAPES}
+    prompt = got["completions"][0].body["prompt"]
+    for s, reqs in got.items():
+        b = reqs[0].body
+        assert (b["max_tokens"], b["temperature"], b["ignore_eos"]) == (8, 0, True), s
+        text = b["prompt"] if "prompt" in b else b["messages"][0]["content"]
+        assert text == prompt, s
+    assert got["completions"][0].path == "/v1/completions"
+    assert "logprobs" not in got["completions"][0].body
+    assert got["completions-logprobs"][0].body["logprobs"] == 0
+    assert got["chat"][0].path == "/v1/chat/completions"
+    assert got["chat"][0].body["messages"] == [{"role": "user", "content": prompt}]
+    assert "logprobs" not in got["chat"][0].body
+    assert (got["chat-logprobs"][0].body["logprobs"],
+            got["chat-logprobs"][0].body["top_logprobs"]) == (True, 0)
+
+
+def test_unknown_shape_and_an_arm_against_itself_fail_before_any_cluster():
+    import pytest
+
+    from e2e_test.infra.errors import ConfigError
+    started = []
+
+    def make(topo):
+        started.append(topo)
+        return _FakeCluster(topo)
+
+    with pytest.raises(ConfigError, match=r"unknown request shape 'chat-lp' \(one of "):
+        bench.ab(make, "1", "1", bench.BenchConfig(shape="chat-lp"), log=lambda *a: None)
+    with pytest.raises(ConfigError, match="A and B are both 1 asked as chat: nothing"):
+        bench.ab(make, "1", "1", bench.BenchConfig(shape="chat"), log=lambda *a: None)
+    assert started == []
+
+
+def test_ab_of_two_shapes_on_one_topology(monkeypatch, tmp_path):
+    """B differs in its shape only: one topology serves A, B and A' (started once), each arm's
+    requests in its own shape, and a shape that costs more per request is called worse."""
+    monkeypatch.setenv("E2E_RESULTS_DIR", str(tmp_path))
+    started, paths, rnd = [], [], random.Random(2)
+
+    def make(topo):
+        started.append(topo)
+        return _FakeCluster(topo)
+
+    def fake_run(url, reqs, **kw):
+        paths.append(reqs[0].path)
+        slow = 4.0 if reqs[0].body.get("logprobs") else 1.0
+        res = [_res(i, ttft=0.1 * rnd.uniform(0.98, 1.02), lat=1.0 * slow * rnd.uniform(0.98, 1.02))
+               for i in range(len(reqs))]
+        return load.RunReport(res, wall_s=2.0 * slow * rnd.uniform(0.98, 1.02))
+
+    monkeypatch.setattr(bench.load, "run", fake_run)
+    cfg = bench.BenchConfig(n=4, warmup=1, reps=4, shape="chat")
+    out = bench.ab(make, "1", "1", cfg, log=lambda *a: None, shape_b="chat-logprobs")
+    assert started == ["1"]
+    assert set(paths) == {"/v1/chat/completions"}
+    assert (out["a"]["topology"], out["b"]["topology"]) == ("1 chat", "1 chat-logprobs")
+    assert (out["a"]["shape"], out["b"]["shape"], out["control"]["shape"]) == (
+        "chat", "chat-logprobs", "chat")
+    assert out["verdicts"]["e2e_ms"]["verdict"] == "worse"
+    assert (tmp_path / "bench-1-vs-1-chat-vs-chat-logprobs.json").is_file()

@@ -9,6 +9,13 @@ first. Reported per topology as mean ± std over the repetitions: request throug
 token throughput, TTFT, TPOT, ITL, end-to-end latency, failed requests; then per metric the
 delta B vs A with its 95 % Welch interval, the control arm's delta, and a verdict (better,
 worse, or no detectable difference at ±x %, x from the control arm; see abstats.py).
+
+Request shapes (SHAPES): the same prompts asked as a completion or as a chat message, with or
+without the chosen tokens' logprobs. Arm B may differ from A in its shape instead of its
+topology (`bench --a 1 --b 1 --shape chat --shape-b chat-logprobs`): then one topology serves
+both arms, interleaved the same way, and the verdict says what the shape costs per step
+(TokenSpeed 0.1.0 through smg, H200, 9f29736: the oracle's chat passes with logprobs took
+about 40 ms a step where completions without took under 10 ms; docs/lanes.md).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from ..cluster.cluster import results_root
+from ..errors import ConfigError
 from . import abstats, load
 
 METRICS = ("req_per_s", "out_tok_per_s", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "failed")
@@ -36,6 +44,7 @@ class BenchConfig:
     warmup: int = 2
     reps: int = 3
     seed: int = 0
+    shape: str = "completions"      # SHAPES: how each prompt is asked
 
 
 # Common short English words: about one token each for Llama-style tokenizers. The gateway
@@ -48,10 +57,35 @@ WORDS = ("time year people way day man thing woman life child world school state
          "house service friend father power hour game line end member law car city name").split()
 
 
-def workload(model: str, cfg: BenchConfig, n: int, seed: int) -> list[load.Request]:
+# shape -> (path, the body's fields besides model, max_tokens, temperature and ignore_eos,
+# given the prompt). logprobs: the chosen token's only (completions `logprobs: 0`, chat
+# `top_logprobs: 0`), what the comparison oracle asks of an engine on that API.
+SHAPES = {
+    "completions": ("/v1/completions", lambda p: {"prompt": p}),
+    "completions-logprobs": ("/v1/completions", lambda p: {"prompt": p, "logprobs": 0}),
+    "chat": ("/v1/chat/completions",
+             lambda p: {"messages": [{"role": "user", "content": p}]}),
+    "chat-logprobs": ("/v1/chat/completions",
+                      lambda p: {"messages": [{"role": "user", "content": p}],
+                                 "logprobs": True, "top_logprobs": 0}),
+}
+
+
+def check_shape(shape: str) -> str:
+    if shape not in SHAPES:
+        raise ConfigError(f"bench: unknown request shape {shape!r} (one of "
+                          f"{', '.join(SHAPES)})")
+    return shape
+
+
+def workload(model: str, cfg: BenchConfig, n: int, seed: int,
+             shape: str | None = None) -> list[load.Request]:
+    """n requests of cfg.isl random words and cfg.osl output tokens, asked in `shape`
+    (default cfg.shape); the same seed gives the same prompts in every shape."""
+    path, fields = SHAPES[check_shape(shape or cfg.shape)]
     rnd = random.Random(seed)
-    return [load.Request("/v1/completions", {
-        "model": model, "prompt": " ".join(rnd.choice(WORDS) for _ in range(cfg.isl)),
+    return [load.Request(path, {
+        "model": model, **fields(" ".join(rnd.choice(WORDS) for _ in range(cfg.isl))),
         "max_tokens": cfg.osl, "temperature": 0, "ignore_eos": True}, tag=i) for i in range(n)]
 
 
@@ -71,15 +105,18 @@ def measure(rep: load.RunReport) -> dict:
     }
 
 
-def warm(cluster, cfg: BenchConfig) -> None:
+def warm(cluster, cfg: BenchConfig, shape: str | None = None) -> None:
     if cfg.warmup:
-        load.run(cluster.gateway_url, workload(cluster.model_name, cfg, cfg.warmup, 10_000),
+        load.run(cluster.gateway_url,
+                 workload(cluster.model_name, cfg, cfg.warmup, 10_000, shape),
                  concurrency=cfg.max_concurrency, stream=True)
 
 
-def one_rep(cluster, cfg: BenchConfig, r: int, label: str, log=print) -> dict:
+def one_rep(cluster, cfg: BenchConfig, r: int, label: str, log=print,
+            shape: str | None = None) -> dict:
     """One repetition on one side; round r uses the same prompts on every arm."""
-    rep = load.run(cluster.gateway_url, workload(cluster.model_name, cfg, cfg.n, cfg.seed + r),
+    rep = load.run(cluster.gateway_url,
+                   workload(cluster.model_name, cfg, cfg.n, cfg.seed + r, shape),
                    concurrency=cfg.max_concurrency, stream=True, rate=cfg.rate,
                    seed=cfg.seed + r, watchdog=cluster.watchdog("bench"))
     m = measure(rep)
@@ -155,35 +192,59 @@ def table(a: dict, b: dict, control: dict | None = None, verdict: dict | None = 
     return "\n".join(lines)
 
 
-def ab(make_cluster, topo_a: str, topo_b: str, cfg: BenchConfig, log=print) -> dict:
+def arm_names(topo_a: str, topo_b: str, shape_a: str, shape_b: str) -> tuple[str, str]:
+    """What the table calls each arm: the topology, and the shape where the arms' shapes
+    differ."""
+    if shape_a == shape_b:
+        return topo_a, topo_b
+    return f"{topo_a} {shape_a}", f"{topo_b} {shape_b}"
+
+
+def ab(make_cluster, topo_a: str, topo_b: str, cfg: BenchConfig, log=print,
+       shape_b: str | None = None) -> dict:
     """Both topologies up at once, rounds of A B A' interleaved (see schedule), verdicts per
-    metric against the control arm's noise floor. Keys: config, a, b (as before: topology,
-    runs, agg, ready_s, teardown), control (A's second arm), order, verdicts, table, path."""
-    out = {"config": {**asdict(cfg), "rate": str(cfg.rate)}}
+    metric against the control arm's noise floor. B's requests take `shape_b` (default A's,
+    cfg.shape); where B is A's topology in another shape, one topology serves both arms.
+    Keys: config, a, b (as before: topology, runs, agg, ready_s, teardown; shape), control
+    (A's second arm), order, verdicts, table, path."""
+    shape_a = check_shape(cfg.shape)
+    shape_b = check_shape(shape_b or shape_a)
+    if topo_a == topo_b and shape_a == shape_b:
+        raise ConfigError(f"bench: A and B are both {topo_a} asked as {shape_a}: nothing to "
+                          "compare (give another --b or --shape-b)")
+    name_a, name_b = arm_names(topo_a, topo_b, shape_a, shape_b)
+    shared = topo_a == topo_b
+    out = {"config": {**asdict(cfg), "rate": str(cfg.rate), "shape_b": shape_b}}
     clusters = {}
     with contextlib.ExitStack() as stack:
-        for key, topo in (("a", topo_a), ("b", topo_b)):
+        for key, topo in (("a", topo_a),) if shared else (("a", topo_a), ("b", topo_b)):
             log(f"bench: starting {topo}")
             clusters[key] = stack.enter_context(make_cluster(topo))
-        for c in clusters.values():
-            warm(c, cfg)
+        if shared:
+            clusters["b"] = clusters["a"]
+        warm(clusters["a"], cfg, shape_a)
+        warm(clusters["b"], cfg, shape_b)     # shared: the same topology, B's shape
         runs: dict[str, list[dict]] = {"a": [], "b": [], "control": []}
         order = schedule(cfg.reps)
         for r, arms in enumerate(order):
             for arm in arms:
                 c = clusters["b" if arm == "b" else "a"]
-                label = {"a": f"A {topo_a}", "b": f"B {topo_b}", "control": f"A' {topo_a}"}[arm]
-                runs[arm].append(one_rep(c, cfg, r, label, log))
-        for key, arm_topo in (("a", topo_a), ("b", topo_b), ("control", topo_a)):
+                label = {"a": f"A {name_a}", "b": f"B {name_b}", "control": f"A' {name_a}"}[arm]
+                runs[arm].append(one_rep(c, cfg, r, label, log,
+                                         shape_b if arm == "b" else shape_a))
+        for key, arm_name in (("a", name_a), ("b", name_b), ("control", name_a)):
             c = clusters["b" if key == "b" else "a"]
-            out[key] = {"topology": arm_topo, "runs": runs[key], "agg": aggregate(runs[key]),
+            out[key] = {"topology": arm_name, "shape": shape_b if key == "b" else shape_a,
+                        "runs": runs[key], "agg": aggregate(runs[key]),
                         "ready_s": dict(c.timing.workers)}
         out["order"] = order
     for key in ("a", "b"):
         out[key]["teardown"] = clusters[key].teardown_report.verdict()
     out["verdicts"] = verdicts(runs["a"], runs["b"], runs["control"])
     out["table"] = table(out["a"], out["b"], out["control"], out["verdicts"])
-    path = results_root() / f"bench-{topo_a}-vs-{topo_b}.json"
+    stem = f"bench-{topo_a}-vs-{topo_b}" + ("" if shape_a == shape_b
+                                             else f"-{shape_a}-vs-{shape_b}")
+    path = results_root() / f"{stem}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, default=str))
     out["path"] = str(path)
