@@ -542,3 +542,18 @@ def test_leak_verdict_when_nvml_lists_no_process(nvml):
     teardown.check_gpu(rep, {0: 1000.0}, timeout=0.2, poll=0.05)
     assert not rep.ok
     assert rep.verdict().endswith("no process holds memory on GPU 0 per NVML (released late)")
+
+
+def test_a_create_time_read_one_btime_second_apart_is_the_same_process():
+    """psutil's create time = /proc/stat btime (whole seconds from the wall clock) + start:
+    a slewing clock moves btime by 1 s between readings, and the same live process then
+    reads 1.0000002 s apart; it is still alive. A create time far off is a reused pid."""
+    import os
+
+    import psutil
+
+    from e2e_test.infra.lifecycle import reaper
+    me = psutil.Process(os.getpid()).create_time()
+    assert reaper.pid_alive(os.getpid(), me + 1.0000002)
+    assert reaper.pid_alive(os.getpid(), me - 1.0000002)
+    assert not reaper.pid_alive(os.getpid(), me + 10.0)      # the negative control

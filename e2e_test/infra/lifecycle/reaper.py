@@ -126,11 +126,21 @@ def marker_of(p: psutil.Process) -> Marker | None:
         return None        # half a marker: not provably ours, so never touched
 
 
+# How far two readings of one process's create time may differ. psutil adds the boot time of
+# /proc/stat's `btime`, whole seconds the kernel derives from the wall clock at each read, so
+# a slewing clock moves it by 1 s between readings: the same process then reads 1.0000002 s
+# apart at today's epoch (float spacing 2.4e-7). A 1.0 s limit took a live driver for a reused
+# pid once (fresh-clone CI at 2df5866, btime's fraction .95: "driver pid 10514 gone without a
+# goodbye", its guardian stopped the session's workers). A pid reused within 2.5 s of the
+# first process's start would need the whole pid space to wrap in that time.
+CREATE_SLACK_S = 2.5
+
+
 def pid_alive(pid: int, create: float | None = None) -> bool:
     """A live (not zombie) process with this pid and, when given, this create time."""
     try:
         p = psutil.Process(pid)
-        if create is not None and abs(p.create_time() - create) > 1.0:
+        if create is not None and abs(p.create_time() - create) > CREATE_SLACK_S:
             return False          # the pid was reused
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -326,7 +336,7 @@ def session_members(leaders: dict[int, float]) -> list[psutil.Process]:
     for sid, create in leaders.items():
         try:
             p = psutil.Process(sid)
-            if abs(p.create_time() - create) <= 1.0:
+            if abs(p.create_time() - create) <= CREATE_SLACK_S:
                 valid[sid] = create
         except psutil.NoSuchProcess:
             valid[sid] = create
