@@ -3,6 +3,8 @@
 #
 #   bash scripts/gpu_lane.sh ENGINE LANE [-- PYTEST ARGS]
 #   e.g. bash scripts/gpu_lane.sh tokenspeed e2e-1gpu-pd
+#   bash scripts/gpu_lane.sh ENGINE bench [-- BENCH ARGS]     `python -m e2e_test bench`, same setup
+#   source scripts/gpu_lane.sh ENGINE LANE                     the setup only, in this shell
 #
 # It sets up what every GPU attempt used to re-type by hand, then runs
 # `python -m e2e_test run --part ENGINE LANE` with its own results folder:
@@ -30,9 +32,9 @@
 # The lane's wall limit is E2E_LANE_LIMIT_S (default 570 s: a 10-minute job with room to tear
 # down); on it pytest gets SIGINT, whose handler tears every cluster down.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ $# -lt 2 ]; then
-  echo "usage: scripts/gpu_lane.sh ENGINE LANE [-- PYTEST ARGS]" >&2; exit 2
+  echo "usage: scripts/gpu_lane.sh ENGINE LANE|bench [-- PYTEST OR BENCH ARGS]" >&2; exit 2
 fi
 eng=$1; lane=$2; shift 2
 [ "${1:-}" = "--" ] && shift
@@ -116,16 +118,23 @@ if ! [[ "${E2E_BYTECODE:-1}" =~ ^(0|[Ff]alse|FALSE|[Nn]o|NO)$ ]]; then
   [ -n "$done_dirs" ] && echo "gpu_lane: bytecode compiled in $(( $(date +%s) - bt )) s:$done_dirs"
 fi
 export E2E_LANE_PYTHON=$py E2E_RESULTS_DIR=${E2E_RESULTS_DIR:-/tmp/res/$lane-$eng}
+# Sourced: the environment above is this shell's now (a probe or a worker by hand); stop here.
+[ "${BASH_SOURCE[0]}" != "$0" ] && return 0
 lim=${E2E_LANE_LIMIT_S:-570}
 log=${OUT:+$OUT/}lane-$lane-$eng.log
 smi() { nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null | paste -sd, -; }
 echo "gpu_lane: $eng $lane sha $E2E_GIT_SHA model $E2E_MODEL_PATH data ${E2E_DATASET_DIR:-unset} limit ${lim}s gpu before: $(smi)"
 s=$(date +%s)
-timeout -s INT -k 60 "$lim" "$py" -m e2e_test run --part "$eng" "$lane" -- "$@" > "$log" 2>&1
+if [ "$lane" = bench ]; then       # the A/B bench (docs/bench.md), on this engine
+  timeout -s INT -k 60 "$lim" "$py" -m e2e_test bench --engine "$eng" "$@" > "$log" 2>&1
+else
+  timeout -s INT -k 60 "$lim" "$py" -m e2e_test run --part "$eng" "$lane" -- "$@" > "$log" 2>&1
+fi
 rc=$?
 sleep 2
 echo "gpu_lane: $eng $lane rc=$rc wall=$(( $(date +%s) - s ))s gpu after: $(smi)"
-grep -E "^(FAILED|ERROR|XFAIL)|passed|failed|^time: |teardown" "$log" | tail -30
+if [ "$lane" = bench ]; then grep -E "^\|| rep |ERROR|Error" "$log" | tail -40
+else grep -E "^(FAILED|ERROR|XFAIL)|passed|failed|^time: |teardown" "$log" | tail -30; fi
 if [ -n "${OUT:-}" ]; then
   tar cJf "$OUT/res-$lane-$eng.tar.xz" -C "$(dirname "$E2E_RESULTS_DIR")" "$(basename "$E2E_RESULTS_DIR")" 2>/dev/null
   xz -f "$log"
