@@ -15,7 +15,8 @@ see docs/staging.md.
                the wheels' own deflate);
   5. syslibs   optionally add shared libraries from Debian packages (`debs`) that a wheel's .so
                needs but the image may lack (setup.sh installs only those the device lacks);
-  6. pack      tar -> xz -> 48 MB parts + manifest.json (sha256) + setup.sh.
+  6. pack      tar -> xz -> parts (as large as fits a 64 MiB call beside the checkout's tracked
+               files; --part-mb; --resplit re-cuts built parts) + manifest.json (sha256) + setup.sh.
 
 Run on a machine with PyPI access; carry the parts one per device call, each with setup.sh and
 manifest.json, and run `bash <out>/setup.sh` each time (it installs once all parts are there).
@@ -41,7 +42,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_IMAGE_PACKAGES = REPO.parent / "shared" / "device" / "image-packages.txt"
-PART = 48_000_000  # leaves ~16 MB of a 64 MiB carry for the checkout itself
+PART = 48_000_000  # the cut when the checkout's size is unknown (see part_size_for)
+CARRY_LIMIT = 64 * 2**20   # what one device call carries: the checkout's tracked files + paths
+CARRY_MARGIN = 2 * 2**20   # setup.sh, manifest.json and the small files a call carries beside
+MIN_PART = 8_000_000
 PIP_PLATFORMS = ["manylinux_2_39_x86_64", "manylinux_2_35_x86_64", "manylinux_2_34_x86_64",
                  "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                  "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
@@ -343,6 +347,63 @@ def _tar_member(ti: tarfile.TarInfo) -> tarfile.TarInfo:
     return ti
 
 
+def tracked_bytes(repo: Path = REPO) -> int | None:
+    """What the checkout's tracked files (they travel with every device call) take, each
+    rounded up to a 4 KiB block as on disk (the device tool refused 45.8 MiB beside 17.3 MiB
+    of file sizes, 20.6 MiB on disk in 1565 files), or None outside a git checkout."""
+    try:
+        names = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True,
+                               check=True).stdout.split(b"\0")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sum(-(-(repo / n.decode()).stat().st_size // 4096) * 4096 for n in names
+               if n and (repo / n.decode()).is_file())
+
+
+def part_size_for(tracked: int | None, limit: int = CARRY_LIMIT,
+                  margin: int = CARRY_MARGIN) -> int:
+    """The largest part (whole MB) that fits one call beside the tracked files: at 431dd93 the
+    checkout had grown to 20.6 MiB on disk with the published runs, and a 48 MB part no longer
+    fit."""
+    if tracked is None:
+        return PART
+    room = (limit - tracked - margin) // 1_000_000 * 1_000_000
+    if room < MIN_PART:
+        raise StageError(f"the checkout's tracked files ({tracked / 2**20:.1f} MiB) leave "
+                         f"{max(room, 0) / 1e6:.0f} MB of a {limit / 2**20:.0f} MiB call: "
+                         "no room for a part (give --part-mb)")
+    return room
+
+
+def resplit(out: Path, part_size: int) -> dict:
+    """Cut an existing bundle in `out` (its parts, by manifest.json) again at part_size, the
+    sha256 checked before and kept: the parts must shrink when the checkout grew."""
+    mf = out / "manifest.json"
+    if not mf.is_file():
+        raise StageError(f"{mf} not found: nothing to re-cut (build the parts first)")
+    manifest = json.loads(mf.read_text())
+    missing = [p for p in manifest["parts"] if not (out / p).is_file()]
+    if missing:
+        raise StageError(f"{out}: parts missing: {', '.join(missing)}")
+    whole = out / "bundle.tmp"
+    sha = hashlib.sha256()
+    with open(whole, "wb") as f:
+        for p in manifest["parts"]:
+            data = (out / p).read_bytes()
+            sha.update(data)
+            f.write(data)
+    if sha.hexdigest() != manifest["sha256"]:
+        whole.unlink()
+        raise StageError(f"{out}: the parts' sha256 is not manifest.json's: rebuild them")
+    try:
+        parts, digest = split(whole, out, part_size)
+    finally:
+        whole.unlink()
+    manifest["parts"] = parts
+    mf.write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
 def split(path: Path, out: Path, part_size: int = PART) -> tuple:
     """Cut `path` into out/p0, p1, ... of part_size bytes; returns (part names, sha256)."""
     for old in out.glob("p[0-9]*"):
@@ -507,6 +568,11 @@ def parse_args(argv=None):
                     help="carry the whole closure minus the image, not just keep")
     ap.add_argument("--xz-preset", type=int, default=6, choices=range(10), metavar="0-9")
     ap.add_argument("--setup-only", action="store_true", help="only (re)write setup.sh in --out")
+    ap.add_argument("--part-mb", type=int, default=None,
+                    help="part size in MB (default: what fits a 64 MiB call beside the "
+                         "checkout's tracked files)")
+    ap.add_argument("--resplit", action="store_true",
+                    help="only cut the parts already in --out again at the part size")
     return ap.parse_args(argv)
 
 
@@ -515,6 +581,15 @@ def main(argv=None) -> int:
     try:
         prof = load_profile(a.profile)
         out = Path(a.out)
+        if a.part_mb is not None and a.part_mb * 1_000_000 < MIN_PART:
+            raise StageError(f"--part-mb {a.part_mb}: below {MIN_PART // 1_000_000} MB")
+        part_size = (a.part_mb * 1_000_000 if a.part_mb is not None
+                     else part_size_for(tracked_bytes()))
+        if a.resplit:
+            m = resplit(out, part_size)
+            print(f"{len(m['parts'])} parts of at most {part_size / 1e6:.0f} MB in {out}/ "
+                  f"(sha256 {m['sha256'][:12]}, unchanged)")
+            return 0
         if a.setup_only:
             print(write_setup(prof, out))
             return 0
@@ -541,7 +616,8 @@ def main(argv=None) -> int:
         else:
             pins = resolve(prof, cache, cache / "closure.lock")
         select(pins, prof["keep"], image, prof["force"], full=a.full)  # fail before downloads
-        build(prof, pins, image, out, cache, full=a.full, xz_preset=a.xz_preset)
+        build(prof, pins, image, out, cache, full=a.full, xz_preset=a.xz_preset,
+              part_size=part_size)
         return 0
     except StageError as e:
         print(f"stage_offline: error: {e}", file=sys.stderr)

@@ -371,3 +371,52 @@ def test_setup_sh_assembles_parts_carried_one_at_a_time(tmp_path):
     assert "export MC_FORCE_TCP=${MC_FORCE_TCP:-1}\n" in env
     # the READY check imports torch: passes where torch is installed, exit 6 otherwise
     assert (rc == 0 and "READY fakeeng 0.1" in out) or (rc == 6 and "IMPORT CHECK FAILED" in out)
+
+
+# ------------------------------------------------------------------------- part size, resplit
+def test_part_size_leaves_room_for_the_checkout():
+    """20.6 MiB of tracked files on disk (431dd93, with the published runs): a 48 MB part no
+    longer fit a 64 MiB call; the cut is what does, in whole MB."""
+    tracked = int(20.59 * 2**20)
+    size = so.part_size_for(tracked)
+    assert size % 1_000_000 == 0
+    assert tracked + size + so.CARRY_MARGIN <= so.CARRY_LIMIT
+    assert tracked + size + 1_000_000 + so.CARRY_MARGIN > so.CARRY_LIMIT   # the largest
+    assert tracked + so.PART + so.CARRY_MARGIN > so.CARRY_LIMIT            # the old cut: too big
+    assert so.part_size_for(None) == so.PART
+
+
+def test_part_size_refuses_a_checkout_that_leaves_no_room():
+    with pytest.raises(so.StageError, match=r"tracked files \(60\.0 MiB\) leave .* no room"):
+        so.part_size_for(60 * 2**20)
+
+
+def test_tracked_bytes_counts_this_checkout():
+    n = so.tracked_bytes()
+    assert n is not None and n > (so.REPO / "scripts" / "stage_offline.py").stat().st_size
+    assert n % 4096 == 0
+
+
+def test_resplit_keeps_the_bundle(tmp_path):
+    blob = bytes(range(256)) * 40                      # 10240 bytes
+    (tmp_path / "whole").write_bytes(blob)
+    parts, sha = so.split(tmp_path / "whole", tmp_path, part_size=4000)
+    (tmp_path / "whole").unlink()
+    (tmp_path / "manifest.json").write_text(json.dumps({"parts": parts, "sha256": sha}))
+    m = so.resplit(tmp_path, 3000)
+    assert m["parts"] == ["p0", "p1", "p2", "p3"] and m["sha256"] == sha
+    assert b"".join((tmp_path / p).read_bytes() for p in m["parts"]) == blob
+    assert json.loads((tmp_path / "manifest.json").read_text())["parts"] == m["parts"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "p0", "p1", "p2", "p3"]
+
+
+def test_resplit_refuses_parts_that_are_not_the_manifests(tmp_path):
+    (tmp_path / "whole").write_bytes(b"x" * 5000)
+    parts, sha = so.split(tmp_path / "whole", tmp_path, part_size=2000)
+    (tmp_path / "whole").unlink()
+    (tmp_path / "manifest.json").write_text(json.dumps({"parts": parts, "sha256": sha}))
+    (tmp_path / "p1").write_bytes(b"y" * 2000)          # a stale part from another build
+    with pytest.raises(so.StageError, match="sha256 is not manifest.json's"):
+        so.resplit(tmp_path, 1000)
+    assert (tmp_path / "p0").read_bytes() == b"x" * 2000      # nothing was cut
+    assert not (tmp_path / "bundle.tmp").exists()
