@@ -139,20 +139,6 @@ def test_streaming_with_usage_chunk(fake_openai_server, make):
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
-def test_a_request_may_say_whether_it_streams(fake_openai_server):
-    """Request.stream over the run's: one streamed in a whole run, one whole in a streamed
-    run, one that follows the run (the oracle's passes stream per request: E2E_ORACLE_STREAM)."""
-    server, url = fake_openai_server
-    streamed, whole, follows = chat(tag="s"), chat(tag="w"), chat(tag="f")
-    streamed.stream, whole.stream = True, False
-    rep = run(url, [streamed, whole, follows], concurrency=1, stream=False)
-    assert [r.chunks for r in rep.results] == [3, 0, 0] and all(r.ok for r in rep.results)
-    rep = run(url, [whole, follows], concurrency=1, stream=True)
-    assert [r.chunks for r in rep.results] == [0, 3]
-    bodies = [b for _, b in server.seen]
-    assert [b.get("stream", False) for b in bodies] == [True, False, False, False, True]
-
-
 def test_streaming_without_usage_is_an_error(fake_openai_server):
     _, url = fake_openai_server
     (r,) = run(url, [chat("nousage")], stream=True).results

@@ -45,7 +45,7 @@ def scored_pass(cluster, oracle_store, name, module):
     engine returns logprobs on completions (otherwise it asks none, and oracle_pass runs the
     oracle's own pass). On `1` booted with others it runs ahead (pytest_plugin.ahead)."""
     mpt = max_prompt_tokens(cluster, name)
-    scored_lp = cluster.driver.logprobs_endpoint == "completions"
+    scored_lp = cluster.driver.logprobs_api == "completions"
     res = module.run(cluster.gateway_url, cluster.model_name, n=eval_n(cluster, name),
                      concurrency=CONCURRENCY, watchdog=cluster.watchdog(name),
                      logprobs=cluster.driver.top_logprobs if scored_lp else None,

@@ -129,23 +129,11 @@ class Engine:
     # or "chat" (`logprobs: true, top_logprobs: k`); the oracle's passes ask that way
     # (comparisons.requests). The scored evals keep their own shape; an engine on "chat" has
     # its oracle passes run apart from them.
-    logprobs_endpoint: str = "completions"
-    # Whether the oracle's passes stream (logprobs merged from the chunks) rather than ask for
-    # whole answers: the same tokens, asked another way. E2E_ORACLE_STREAM overrides.
-    oracle_stream: bool = False
+    logprobs_api: str = "completions"
     idle_skip_roles: tuple[str, ...] = ()
     # Upstream crashes this engine is known to have (KnownCrash); a worker that dies of one is
     # named with it, and the run raises UpstreamBug instead of a bare WorkerDied.
     known_crashes: tuple[KnownCrash, ...] = ()
-
-    @property
-    def logprobs_api(self) -> str:
-        """How the oracle's passes ask (comparisons.requests): the endpoint, "-stream" where
-        they stream (E2E_ORACLE_STREAM, else oracle_stream)."""
-        from ..specs import settings
-        how = settings.get("E2E_ORACLE_STREAM")
-        stream = self.oracle_stream if how == "auto" else how == "1"
-        return self.logprobs_endpoint + ("-stream" if stream else "")
 
     def known_crash(self, role: str, log_text: str) -> KnownCrash | None:
         """The known upstream crash a dead worker's log shows, or None. Pure."""

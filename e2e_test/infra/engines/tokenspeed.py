@@ -588,7 +588,7 @@ class TokenSpeedEngine(Engine):
     # the servicer's output_logprobs (utils/logprobs.rs convert_proto_to_openai_logprobs): seen
     # on the H200 on 2026-12-01 as completions with text and no logprobs. So the oracle asks
     # TokenSpeed through chat, `logprobs: true, top_logprobs: 0`.
-    logprobs_endpoint = "chat"
+    logprobs_api = "chat"
     idle_skip_roles = IDLE_SKIP_ROLES
     name = "tokenspeed"
     kinds = KINDS

@@ -29,7 +29,6 @@ class Request:
     path: str                  # /v1/chat/completions or /v1/completions
     body: dict
     tag: object = None         # caller's id for the request (e.g. a dataset row index)
-    stream: bool | None = None  # streamed or whole; None: as the run says (run's `stream`)
 
 
 @dataclass
@@ -172,8 +171,6 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
                progress: Progress, timeout: float) -> RequestResult:
     res = RequestResult(index=i, tag=req.tag)
     body = dict(req.body)
-    if req.stream is not None:
-        stream = req.stream
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

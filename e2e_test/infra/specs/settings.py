@@ -300,7 +300,6 @@ _add("E2E_ENFORCE_EAGER", Bool(), False, "start the workers eager: no compile, n
 _add("E2E_ENGINE_ARGS", ShellWords(), (), "extra flags for every worker, shell-quoted")
 _add("E2E_COMPILE_CACHE", Choice("shared", "engine"), "shared", "compile cache of the workers: one shared under E2E_CACHE_DIR/compile, reused across topologies and runs (shared), or each engine's own default (engine)")
 # Suites
-_add("E2E_ORACLE_STREAM", Choice("auto", "0", "1"), "auto", "whether the comparison oracle's passes stream their answers (the chunks' logprobs merged) or ask for them whole: as the engine's driver says (auto: Engine.oracle_stream), whole (0), or streamed (1); the same tokens either way, asked another way")
 _add("E2E_WATCHDOG_S", Float(0), 60.0, "no-progress window after which a suite fails as stuck")
 _add("E2E_BURST_N", Int(1), 16, "requests per burst (test_burst.py)")
 _add("E2E_PROGRESS_S", Float(0, exclusive=False), 10.0, "seconds between progress lines while a topology boots or a run goes (0: off)")

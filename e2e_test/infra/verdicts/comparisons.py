@@ -18,7 +18,6 @@ from . import oracle
 from .evals import gsm8k, mmlu, recall
 
 EVALS = ("gsm8k", "mmlu", "recall")
-API = ("completions", "chat", "completions-stream", "chat-stream")
 
 
 def as_chat(req: load.Request, top_logprobs: int) -> load.Request:
@@ -29,7 +28,7 @@ def as_chat(req: load.Request, top_logprobs: int) -> load.Request:
     body = {k: v for k, v in req.body.items() if k not in ("prompt", "logprobs")}
     body.update(messages=[{"role": "user", "content": req.body["prompt"]}], logprobs=True,
                 top_logprobs=top_logprobs)
-    return load.Request("/v1/chat/completions", body, tag=req.tag, stream=req.stream)
+    return load.Request("/v1/chat/completions", body, tag=req.tag)
 
 
 def prompt_text(req: load.Request) -> str:
@@ -42,11 +41,9 @@ def requests(name: str, model: str, n: int, *, max_tokens: int | None = None,
              logprobs: int = oracle.TOP_K, api: str = "completions") -> list[load.Request]:
     """The eval's own requests (same prompts as its scored run), optionally capped;
     `logprobs`: the top-k the engine can return (Engine.top_logprobs); `api`: the endpoint
-    its per-token logprobs come back on (Engine.logprobs_api: completions or chat, with
-    "-stream" where the passes stream: E2E_ORACLE_STREAM)."""
-    if api not in API:
-        raise ValueError(f"logprobs api {api!r}: one of {', '.join(API)}")
-    endpoint, stream = api.removesuffix("-stream"), api.endswith("-stream")
+    its per-token logprobs come back on (Engine.logprobs_api: completions or chat)."""
+    if api not in ("completions", "chat"):
+        raise ValueError(f"logprobs api {api!r}: completions or chat")
     if name == "gsm8k":
         reqs, _ = gsm8k.requests(model, n, max_tokens=max_tokens or 256, shot_offset=shot_offset,
                                  logprobs=logprobs)
@@ -61,9 +58,7 @@ def requests(name: str, model: str, n: int, *, max_tokens: int | None = None,
         reqs = recall.requests(model, n, logprobs=logprobs)
     else:
         raise ValueError(f"unknown eval {name!r} (known: {', '.join(EVALS)})")
-    for r in reqs:
-        r.stream = stream
-    return [as_chat(r, logprobs) for r in reqs] if endpoint == "chat" else reqs
+    return [as_chat(r, logprobs) for r in reqs] if api == "chat" else reqs
 
 
 def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
@@ -86,15 +81,14 @@ def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
 
 
 def request_shape(reqs: list[load.Request]) -> str | None:
-    """What was asked, for an error that names it: path, top-k logprobs, max_tokens, and
-    "streamed" where the answers came in chunks."""
+    """What was asked, for an error that names it: path, top-k logprobs, max_tokens."""
     if not reqs:
         return None
     b = reqs[0].body
     lp = (f"logprobs={str(b['logprobs']).lower()} top_logprobs={b.get('top_logprobs')}"
           if "messages" in b else f"logprobs={b.get('logprobs')}")
-    return (f"{reqs[0].path} {lp}" + (f" max_tokens={b['max_tokens']}" if "max_tokens" in b
-                                      else "") + (" streamed" if reqs[0].stream else ""))
+    return f"{reqs[0].path} {lp}" + (f" max_tokens={b['max_tokens']}" if "max_tokens" in b
+                                     else "")
 
 
 def eval_pass(base_url: str, model: str, name: str, n: int, *, concurrency: int = 16,
