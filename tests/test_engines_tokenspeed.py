@@ -29,8 +29,13 @@ def head(port: int, tp: int = 1) -> list[str]:
             "--disable-kvstore", "--max-model-len", "8192"]
 
 
+HOPPER = dict(tokenspeed.HOPPER_ENV)        # every worker: the Hopper kernel overrides
 DISAGG_ENV = {"MC_INTRANODE_NVLINK": "1", "TOKENSPEED_SKIP_GRPC_WARMUP": "1",
-              "NO_PROXY": "*", "no_proxy": "*"}
+              "NO_PROXY": "*", "no_proxy": "*", **HOPPER}
+# The harness's defaults after the worker's own flags (serving_defaults): the greedy sampler,
+# and with CUDA graphs capture sizes up to 16 and no prefill graph.
+EAGER_TAIL = ["--sampling-backend", "greedy"]
+GRAPH_TAIL = EAGER_TAIL + ["--max-cudagraph-capture-size", "16", "--disable-prefill-graph"]
 
 
 def test_regular():
@@ -40,10 +45,10 @@ def test_regular():
     assert tokenspeed.aux_ports(t, e["worker"], CUDA) == ["dist_init"]
     cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000, aux={"dist_init": 30001}),
                            "/models/q", CUDA)
-    assert cmd.argv == head(30000) + ["--dist-init-addr", "127.0.0.1:30001"]
+    assert cmd.argv == head(30000) + ["--dist-init-addr", "127.0.0.1:30001"] + GRAPH_TAIL
     # The servicer's 1-token gRPC warmup stays on: smg's first deep health probe must not be
     # the engine's first generation (it timed out at 5 s and smg waited 30 s to retry).
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4"}
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", **HOPPER}
     # SIGKILL after 1.5 s: the servicer's own SIGTERM path ends in a SIGKILL of itself.
     assert cmd.stop_grace_s == 1.5
     assert (cmd.protocol, cmd.worker_type, cmd.bootstrap_port) == ("grpc", "regular", None)
@@ -57,7 +62,7 @@ def test_regular_small_window_eager_and_extra_args():
                            "/models/q", opts)
     assert cmd.argv == head(30000) + ["--max-num-seqs", "4", "--dist-init-addr",
                                       "127.0.0.1:30001", "--enforce-eager",
-                                      "--attention-backend", "fa3"]
+                                      "--attention-backend", "fa3"] + EAGER_TAIL
 
 
 @pytest.mark.parametrize("sampler", [("--sampling-backend", "triton"),
@@ -88,6 +93,30 @@ def test_graphs_with_a_triton_sampler_is_refused_before_any_process(sampler):
                             EngineOptions(backend="cuda", extra_args=sampler)).argv
 
 
+def test_serving_defaults_yield_to_what_the_worker_is_given():
+    """Greedy sampler unless a sampler is named; with graphs, capture sizes up to 16 and no
+    prefill graph unless the capture or the prefill graph is configured; eager (by option, by
+    flag, the prefill role) gets no graph flags."""
+    t, e = entries("1")
+    ports = Ports(api=30000, aux={"dist_init": 30001})
+
+    def tail(extra=(), **kw):
+        argv = tokenspeed.build(SPEC, t, e["worker"], ports, "/m",
+                                EngineOptions(backend="cuda", extra_args=extra, **kw)).argv
+        return argv[argv.index("127.0.0.1:30001") + 1:]
+    assert tail() == GRAPH_TAIL
+    assert tail(enforce_eager=True) == ["--enforce-eager"] + EAGER_TAIL
+    assert tail(("--enforce-eager",)) == ["--enforce-eager"] + EAGER_TAIL
+    assert tail(("--sampling-backend=flashinfer",)) == ["--sampling-backend=flashinfer",
+                                                        *GRAPH_TAIL[2:]]
+    assert tail(("--cudagraph-capture-sizes", "1", "2")) == [
+        "--cudagraph-capture-sizes", "1", "2", *EAGER_TAIL, "--disable-prefill-graph"]
+    assert tail(("--prefill-graph-max-tokens", "512")) == [
+        "--prefill-graph-max-tokens", "512", *GRAPH_TAIL[:4]]
+    assert tail(("--max-cudagraph-capture-size=8", "--disable-prefill-graph")) == [
+        "--max-cudagraph-capture-size=8", "--disable-prefill-graph", *EAGER_TAIL]
+
+
 def test_engine_dp_needs_dist_init():
     t, e = entries("dp2-engine")
     w = e["worker"]
@@ -95,8 +124,8 @@ def test_engine_dp_needs_dist_init():
     cmd = tokenspeed.build(SPEC, t, w, Ports(api=30000, aux={"dist_init": 30001}), "/models/q",
                            CUDA)
     assert cmd.argv == head(30000) + ["--data-parallel-size", "2",
-                                      "--dist-init-addr", "127.0.0.1:30001"]
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+                                      "--dist-init-addr", "127.0.0.1:30001"] + GRAPH_TAIL
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5", **HOPPER}
 
 
 def test_prefill():
@@ -109,7 +138,7 @@ def test_prefill():
     assert cmd.argv == head(31000) + [
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "31001",
         "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:31002",
-        "--enable-prefix-caching", "--enforce-eager", "--skip-server-warmup"]
+        "--enable-prefix-caching", "--enforce-eager", "--skip-server-warmup"] + EAGER_TAIL
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", **DISAGG_ENV}
     assert (cmd.protocol, cmd.worker_type, cmd.bootstrap_port) == ("grpc", "prefill", 31001)
 
@@ -125,7 +154,7 @@ def test_decode():
     assert cmd.argv == head(32000) + [
         "--disaggregation-mode", "decode",
         "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:32001",
-        "--enable-prefix-caching", "--skip-server-warmup", "--enforce-eager"]
+        "--enable-prefix-caching", "--skip-server-warmup", "--enforce-eager"] + EAGER_TAIL
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "5", **DISAGG_ENV}
     assert (cmd.worker_type, cmd.bootstrap_port) == ("decode", None)
 
@@ -148,7 +177,7 @@ def test_epd_encode_prefill_decode():
     assert cmd.argv == head(33000) + [
         "--disaggregation-mode", "encode", "--disaggregation-bootstrap-port", "33001",
         "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:33002",
-        "--skip-server-warmup"]
+        "--skip-server-warmup"] + GRAPH_TAIL
     # No embedding cache on the encoder: every image runs the tower (EPD proof).
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", **DISAGG_ENV,
                        "TOKENSPEED_EPD_ENCODE_EMBED_CACHE_MB": "0"}
@@ -169,9 +198,10 @@ def test_spec_args_and_tp():
     cmd = tokenspeed.build(spec, t, w, Ports(api=7, aux={"dist_init": 8}), "/m", CUDA)
     assert cmd.argv[cmd.argv.index("--tensor-parallel-size") + 1] == "2"
     assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.5"
-    assert cmd.argv[-2:] == ["--disaggregation-layerwise-interval", "0"]
+    assert cmd.argv[-2 - len(GRAPH_TAIL):] == ["--disaggregation-layerwise-interval",
+                                               "0"] + GRAPH_TAIL
     assert "--max-model-len" not in cmd.argv and "--max-total-tokens" not in cmd.argv
-    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1", **HOPPER}
 
 
 def test_kv_budget_bounds_the_pool():
@@ -203,7 +233,7 @@ def test_metrics_dir_and_tcp_transport():
         "--enable-metrics", "--max-model-len", "8192"]
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "5", "MC_FORCE_TCP": "1",
                        "TOKENSPEED_SKIP_GRPC_WARMUP": "1", "NO_PROXY": "*", "no_proxy": "*",
-                       "PROMETHEUS_MULTIPROC_DIR": "/r/state/prometheus/decode-0"}
+                       "PROMETHEUS_MULTIPROC_DIR": "/r/state/prometheus/decode-0", **HOPPER}
     assert cmd.metrics_dir == "/r/state/prometheus/decode-0"
     with pytest.raises(ConfigError, match="mooncake transport 'rdma'"):
         tokenspeed.build(SPEC, t, e["decode"], Ports(api=1, aux={"dist_init": 2}), "/m",

@@ -52,3 +52,19 @@ def test_a_lane_needs_two_arguments(tmp_path):
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
     assert "usage: scripts/gpu_lane.sh ENGINE LANE|bench" in r.stderr
+
+
+def test_tokenspeed_runs_with_graphs_except_on_the_epd_lane(tmp_path):
+    """TokenSpeed's lanes default to CUDA graphs (the builder's sampler and capture sizes),
+    e2e-1gpu-epd stays eager as measured; vLLM stays eager; a given value wins."""
+    def eager(eng, lane, **env):
+        r = subprocess.run(["bash", "-c", f"source {SCRIPT} {eng} {lane}; "
+                            "echo \"EAGER=$E2E_ENFORCE_EAGER ARGS=${E2E_ENGINE_ARGS:-}\""],
+                           cwd=tmp_path, env={**_env(tmp_path), **env}, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout.strip().splitlines()[-1]
+    assert eager("tokenspeed", "e2e-1gpu-pd") == "EAGER=0 ARGS="
+    assert eager("tokenspeed", "e2e-1gpu-epd") == "EAGER=1 ARGS="
+    assert eager("vllm", "e2e-1gpu-pd") == "EAGER=1 ARGS="
+    assert eager("tokenspeed", "e2e-1gpu-pd", E2E_ENFORCE_EAGER="1") == "EAGER=1 ARGS="

@@ -181,7 +181,10 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         # The pool from the model's KV budget, not from the memory fraction (a cap:
         # min(profiled, requested); TokenSpeed registry.py:76-90).
         argv += ["--max-total-tokens", str(spec.kv_budget_tokens)]
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus))}
+    # The Hopper kernel overrides in every worker's own environment, so that every way to
+    # start one (a lane, `bench`, `main`, a probe) gets them: without them a worker on the
+    # H200 died in its first forward ("no kernel image is available", rope.cu; ac24287).
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus)), **dict(HOPPER_ENV)}
     if disagg:
         # A disaggregated worker cannot run the servicer's standalone 1-token warmup (no peer
         # to pair with), so it skips it, as smg's own harness does for these roles only
@@ -238,7 +241,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         raise ConfigError(f"TokenSpeed {entry.name}: CUDA graphs with --sampling-backend "
                           f"{sampler} stall the boot: {GRAPH_STALL_SAMPLERS[sampler]}; "
                           f"run it eager (E2E_ENFORCE_EAGER=1) or with another sampler")
-    argv += extra
+    argv += extra + serving_defaults(extra, graphs=not (eager or options.enforce_eager
+                                                         or "--enforce-eager" in extra))
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",
@@ -261,6 +265,43 @@ GRAPH_STALL_SAMPLERS = {
     name: ("the graph capture compiles tokenspeed_kernel's generic Gumbel sampling kernel, "
            "still compiling after 270 s on an H200 (TokenSpeed 0.1.0)")
     for name in ("triton", "triton_full")}
+
+
+# What the harness asks of a TokenSpeed worker unless E2E_ENGINE_ARGS (or the model's own
+# arguments) say otherwise, measured on the H200 at ac24287 (docs/lanes.md):
+# - the greedy sampler: every request the harness sends is temperature 0, whose answer is the
+#   argmax either way (`greedy` ignores temperature, top-p and top-k: a request with sampling
+#   parameters would get argmax too); TokenSpeed's own default, FlashInfer's sampler,
+#   JIT-compiles with nvcc, and the triton ones stall a graph capture (GRAPH_STALL_SAMPLERS);
+# - with CUDA graphs, capture batch sizes up to GRAPH_MAX_BS only, and no prefill graph: the
+#   harness has at most 16 requests in flight on a topology (the passes' concurrency, a
+#   burst's E2E_BURST_N default), a larger batch runs without a graph (cuda_graph_wrapper
+#   can_run: bs <= max_bs). Ready in 26-39 s against 70-75 s with TokenSpeed's default sizes
+#   (1-32, 64, 96, 128, 160) and its prefill graph.
+# Eager (E2E_ENFORCE_EAGER=1, and the always-eager prefill) TokenSpeed's scheduler was
+# CPU-bound at 22-34 ms a decode step for this 135M model, every request shape alike (the
+# probe of ac24287); with graphs `1`'s oracle passes took 10-15 s instead of 116 s.
+DEFAULT_SAMPLER = "greedy"
+GRAPH_MAX_BS = 16
+_CAPTURE_FLAGS = ("--max-cudagraph-capture-size", "--cudagraph-capture-sizes")
+_PREFILL_GRAPH_FLAGS = ("--disable-prefill-graph", "--prefill-graph-max-tokens",
+                        "--prefill-graph-capture-sizes")
+
+
+def _has_flag(args: list[str], flags) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def serving_defaults(extra: list[str], graphs: bool) -> list[str]:
+    """The flags of the harness's defaults that `extra` does not set (see above). Pure."""
+    out = [] if _has_flag(extra, ("--sampling-backend",)) else [
+        "--sampling-backend", DEFAULT_SAMPLER]
+    if graphs:
+        if not _has_flag(extra, _CAPTURE_FLAGS):
+            out += ["--max-cudagraph-capture-size", str(GRAPH_MAX_BS)]
+        if not _has_flag(extra, _PREFILL_GRAPH_FLAGS):
+            out.append("--disable-prefill-graph")
+    return out
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
