@@ -205,3 +205,16 @@ def test_ab_of_two_shapes_on_one_topology(monkeypatch, tmp_path):
         "chat", "chat-logprobs", "chat")
     assert out["verdicts"]["e2e_ms"]["verdict"] == "worse"
     assert (tmp_path / "bench-1-vs-1-chat-vs-chat-logprobs.json").is_file()
+
+
+def test_the_probe_script_parses_its_arguments():
+    """scripts/probe_shapes.py (a diagnostic on a real topology) imports the harness and says
+    its options without starting anything."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "probe_shapes.py"), "--help"],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--concs" in r.stdout and "--engine" in r.stdout
