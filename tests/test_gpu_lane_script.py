@@ -28,7 +28,7 @@ def test_sourced_it_sets_the_environment_and_runs_nothing(tmp_path):
                        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SRC rc=0 1 cuda /tmp/res/e2e-1gpu-pd-vllm 1" in r.stdout, r.stdout + r.stderr
+    assert "SRC rc=0 1 cuda /tmp/res/e2e-1gpu-pd-vllm-20" in r.stdout, r.stdout + r.stderr
     assert "gpu_lane: vllm e2e-1gpu-pd" not in r.stdout      # the lane did not start
     assert not list(tmp_path.glob("lane-*.log*"))
 

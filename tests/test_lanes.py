@@ -443,15 +443,37 @@ def test_an_interrupted_lane_part_leaves_its_run_record(tmp_path):
     def runner(argv, env):
         raise KeyboardInterrupt
 
-    environ = {"E2E_RESULTS_DIR": str(tmp_path)}
+    environ = {"E2E_RESULTS_DIR": str(tmp_path / "a")}
     with pytest.raises(KeyboardInterrupt):
         lanes.run_lane("e2e-cpu", [], environ=environ, runner=runner)
-    rec = json.loads((tmp_path / "run.json").read_text())
+    rec = json.loads((tmp_path / "a" / "run.json").read_text())
     assert (rec["lane"], rec["exit_code"], rec["interrupted"]) == ("e2e-cpu", 130, True)
     # the negative control: a part that ends by itself is not marked
+    environ = {"E2E_RESULTS_DIR": str(tmp_path / "b")}
     lanes.run_lane("e2e-cpu", [], environ=environ, runner=lambda argv, env: 0)
-    rec = json.loads((tmp_path / "run.json").read_text())
+    rec = json.loads((tmp_path / "b" / "run.json").read_text())
     assert rec["exit_code"] == 0 and "interrupted" not in rec
+
+
+def test_a_results_folder_that_holds_a_run_is_refused(tmp_path):
+    """A second run into one results folder would leave its files beside the first run's
+    clusters and plots (ac24287): refused in one line before anything starts; the first
+    run's files are untouched; a folder without a run.json is used."""
+    started = []
+    environ = {"E2E_RESULTS_DIR": str(tmp_path)}
+    lanes.run_lane("e2e-cpu", [], environ=environ, runner=lambda argv, env: started.append(1) or 0)
+    (tmp_path / "clusters" / "old").mkdir(parents=True)
+    with pytest.raises(ConfigError) as ei:
+        lanes.run_lane("e2e-cpu", [], environ=environ,
+                       runner=lambda argv, env: started.append(2) or 0)
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith(f"results folder {tmp_path} already holds a run "
+                                              "(run.json, started 20")
+    assert started == [1] and (tmp_path / "clusters" / "old").is_dir()
+    fresh = tmp_path / "fresh"
+    (fresh / "clusters").mkdir(parents=True)          # files, but no run: used
+    assert lanes.run_lane("e2e-cpu", [], environ={"E2E_RESULTS_DIR": str(fresh)},
+                          runner=lambda argv, env: 0) == 0
 
 
 def test_run_lane_command_and_env(tmp_path):
