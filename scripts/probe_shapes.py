@@ -28,10 +28,10 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, os.getcwd())
-from e2e_test.__main__ import cluster_from_args  # noqa: E402
-from e2e_test.infra.specs import settings  # noqa: E402
-from e2e_test.infra.cluster import diagnostics  # noqa: E402
-from e2e_test.infra.load import bench, load  # noqa: E402
+from e2e_test.__main__ import cluster_from_args
+from e2e_test.infra.cluster import diagnostics
+from e2e_test.infra.load import bench, load
+from e2e_test.infra.specs import settings
 
 OUT = Path(os.environ.get("OUT", "/tmp/probe-out"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -75,13 +75,14 @@ def main():
                             enforce_eager=True)
     cfg = bench.BenchConfig(n=a.n, isl=a.isl, osl=a.osl)
     rows = []
-    stacks = open(OUT / "probe-stacks.txt", "w")
+    stacks = open(OUT / "probe-stacks.txt", "w")  # noqa: SIM115 (written by the sampler threads, closed at the end)
     t_start = time.time()
     with cluster_from_args(ns) as c:
         print(f"probe: ready after {time.time() - t_start:.1f} s", flush=True)
         ps = procs(c)
         print("probe: processes:", *ps, sep="\n  ", flush=True)
-        plan = [(s, st, conc) for conc in [int(x) for x in a.concs.split(",")] for s in bench.SHAPES for st in (False, True)]
+        plan = [(s, st, conc) for conc in map(int, a.concs.split(",")) for s in bench.SHAPES
+                for st in (False, True)]
         # warm every shape once
         for s in bench.SHAPES:
             load.run(c.gateway_url, bench.workload(c.model_name, cfg, 2, 999, s), concurrency=2)
@@ -90,15 +91,14 @@ def main():
             before = cpu(ps)
             dump = conc == 1 and not stream and shape in ("chat-logprobs", "chat", "completions")
 
-            def sampler():
-                for k, at in enumerate((2.0, 6.0)):
-                    time.sleep(at - (2.0 if k else 0.0))
+            def sampler(shape=shape, stream=stream, conc=conc):
+                for k, (wait, at) in enumerate(((2.0, 2.0), (4.0, 6.0))):
+                    time.sleep(wait)
                     d = Path("/tmp/probe-stk") / f"stk-{shape}-{k}"
                     files = diagnostics.stack_dumps(c, d)
                     stacks.write(f"\n######## {shape} stream={stream} conc={conc} "
                                  f"at {at:.0f} s\n")
-                    for f in files:
-                        stacks.write(f"==== {f.name}\n{f.read_text()}\n")
+                    stacks.writelines(f"==== {f.name}\n{f.read_text()}\n" for f in files)
                     stacks.flush()
             th = threading.Thread(target=sampler) if dump else None
             if th:

@@ -396,7 +396,7 @@ def resplit(out: Path, part_size: int) -> dict:
         whole.unlink()
         raise StageError(f"{out}: the parts' sha256 is not manifest.json's: rebuild them")
     try:
-        parts, digest = split(whole, out, part_size)
+        parts, _ = split(whole, out, part_size)
     finally:
         whole.unlink()
     manifest["parts"] = parts

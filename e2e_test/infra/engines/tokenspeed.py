@@ -236,13 +236,12 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv.append("--enforce-eager")
     extra = list(spec.engine_args("tokenspeed", entry.role)) + list(options.extra_args)
     sampler = _flag_value(extra, "--sampling-backend")
-    if sampler in GRAPH_STALL_SAMPLERS and not (eager or options.enforce_eager
-                                                 or "--enforce-eager" in extra):
+    graphs = not (eager or options.enforce_eager or "--enforce-eager" in extra)
+    if sampler in GRAPH_STALL_SAMPLERS and graphs:
         raise ConfigError(f"TokenSpeed {entry.name}: CUDA graphs with --sampling-backend "
                           f"{sampler} stall the boot: {GRAPH_STALL_SAMPLERS[sampler]}; "
                           f"run it eager (E2E_ENFORCE_EAGER=1) or with another sampler")
-    argv += extra + serving_defaults(extra, graphs=not (eager or options.enforce_eager
-                                                         or "--enforce-eager" in extra))
+    argv += extra + serving_defaults(extra, graphs=graphs)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",
