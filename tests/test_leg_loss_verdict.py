@@ -143,6 +143,33 @@ def test_a_gateway_that_holds_streams_of_a_dead_worker_fails():
     assert "last seen alive 0.05 s" in problems[0] and "09:57:04" in problems[0]
 
 
+# The CI run at a67baaf (2026-12-03): as at 139e581, 4/4 decode streams ended with their error
+# 29.063 s after the SIGKILL, within 0.1 ms of each other; the killed processes were gone in
+# 0.703 s, the watch never stalled, and smg logged the 4 stream ends in the kill's second. What
+# was left open: was the client's own event loop held (it reads nothing then), or did the
+# events reach it late? The client now records its loop's stalls and when it read each error.
+CI_A67BAAF = {**CI_139E581, "max_end_after_kill_s": 29.063, "seen_alive_until_s": 0.692,
+              "gone_after_kill_s": 0.703, "gateway_stream_failures": ["14:00:54"] * 4,
+              "kill_utc": "14:00:53.842"}
+
+
+def test_a_stall_of_the_clients_own_loop_voids_the_measurement():
+    loss = decode_loss(**CI_A67BAAF, client_stalls=[[0.5, 28.4]],
+                       max_error_read_after_kill_s=29.06)
+    why = sf.leg_loss_void(loss, BOUND)
+    assert why and "stalled 28.4 s" in why and "the client's [[0.5, 28.4]]" in why
+
+
+def test_errors_read_late_by_a_client_that_never_stalled_fail_and_say_so():
+    # negative control of the client-stall rule: the loop on time, the events read late
+    loss = decode_loss(**CI_A67BAAF, client_stalls=[[3.0, 0.3]],
+                       max_error_read_after_kill_s=29.06)
+    assert sf.leg_loss_void(loss, BOUND) is None
+    (p,) = leg_loss_problems(loss, BOUND)
+    assert "still open 29.063 s" in p and "14:00:54" in p
+    assert "read the last error 29.06 s after the kill, its event loop late at most 0.3 s" in p
+
+
 def test_a_stall_too_short_to_explain_the_excess_leaves_the_failure():
     # negative control of the void rule: 8.9 s over the bound, a 0.4 s stall
     loss = decode_loss(**CI_139E581, seen_alive_until_s=0.05, gone_after_kill_s=0.06,
@@ -376,3 +403,111 @@ def test_the_watch_waits_for_a_slow_end_and_says_when_one_outlives_it():
         finally:
             p.kill()
             p.wait()
+
+
+# -- a request still open after the kill: where it stands (open_request_look) ---------------
+
+def test_tcp_queues_see_bytes_the_client_has_not_read():
+    import socket
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    cli = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    try:
+        conn.sendall(b"x" * 1000)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            client = [c for c in sf.tcp_queues(port) if c["remote"] == port]
+            if client and client[0]["rx"] == 1000:
+                break
+            time.sleep(0.01)
+        assert len(client) == 1 and client[0]["rx"] == 1000, sf.tcp_queues(port)
+        got = b""
+        while len(got) < 1000:
+            got += cli.recv(4096)
+        # negative control: read, nothing lies in the queue
+        assert [c["rx"] for c in sf.tcp_queues(port) if c["remote"] == port] == [0]
+        assert [c["tx"] for c in sf.tcp_queues(port) if c["local"] == port] == [0]
+    finally:
+        for s in (cli, conn, srv):
+            s.close()
+
+
+def test_tcp_queues_parse_the_kernels_table():
+    table = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt\n"
+             "   0: 0100007F:5208 00000000:0000 0A 00000000:00000000 00:00000000 00000000\n"
+             "   1: 0100007F:A1B2 0100007F:5208 01 00000000:000001F4 00:00000000 00000000\n"
+             "   2: 0100007F:5208 0100007F:A1B2 01 00000010:00000000 00:00000000 00000000\n"
+             "   3: 0100007F:A1B3 0100007F:1F90 01 00000000:00000007 00:00000000 00000000\n")
+    assert sf.tcp_queues(0x5208, table) == [
+        {"local": 0xA1B2, "remote": 0x5208, "tx": 0, "rx": 500},
+        {"local": 0x5208, "remote": 0xA1B2, "tx": 16, "rx": 0}]
+
+
+def test_unread_bytes_in_the_clients_sockets_void_the_measurement():
+    look = {"at_s": 5.0, "connections": 4, "client_unread_bytes": 812, "gateway_unacked_bytes": 0,
+            "client_stack": "selectors.py:468 select", "gateway_liveness_s": 0.004}
+    loss = decode_loss(**CI_A67BAAF, open_look=look)
+    why = sf.leg_loss_void(loss, BOUND)
+    assert why and "812 byte(s) from the gateway lay unread" in why
+    # negative control: nothing queued on the client's side (the gateway had not written)
+    held = decode_loss(**CI_A67BAAF, open_look={**look, "client_unread_bytes": 0})
+    assert sf.leg_loss_void(held, BOUND) is None
+    (p,) = leg_loss_problems(held, BOUND)
+    assert "0 byte(s) received and unread by the client" in p and "/liveness answered in 0.004" in p
+
+
+def test_the_look_sees_a_client_that_does_not_read_and_a_gateway_that_answers():
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    release = threading.Event()
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            body = b"x" * 1000 if self.path == "/stream" else b"ok"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body) + (1 if self.path == "/stream" else 0)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+            if self.path == "/stream":      # one byte short: the response stays open
+                release.wait(10)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True).start()
+    port = srv.server_address[1]
+
+    def idle_client():
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        release.wait(10)                    # holds the connection, reads nothing
+        s.close()
+
+    th = threading.Thread(target=idle_client, daemon=True)
+    th.start()
+    try:
+        cluster = SimpleNamespace(gateway_port=port, gateway_url=f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            look = sf.open_request_look(cluster, th, 5.0)
+            if look["client_unread_bytes"] >= 1000:
+                break
+            time.sleep(0.05)
+        assert look["connections"] == 1 and look["client_unread_bytes"] >= 1000, look
+        assert "idle_client" in look["client_stack"], look
+        assert isinstance(look["gateway_liveness_s"], float)
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()

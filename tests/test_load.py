@@ -5,6 +5,7 @@ usage counts, the watchdog); every real test goes through real engines and the g
 What the fake does is chosen per request by the request's "model" field.
 """
 
+import asyncio
 import json
 import socket
 import threading
@@ -14,7 +15,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from e2e_test.infra.errors import StallError, WorkerDied
-from e2e_test.infra.load.load import Request, RequestResult, RunReport, Watchdog, percentiles, run
+from e2e_test.infra.load.load import (
+    Request,
+    RequestResult,
+    RunReport,
+    Watchdog,
+    percentiles,
+    run,
+    run_async,
+)
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 
@@ -152,6 +161,40 @@ def test_streaming_error_event(fake_openai_server):
     (r,) = run(url, [chat("midstream_error")], stream=True).results
     assert not r.ok and r.error_code == "worker_died"
     assert json.loads(r.error) == {"code": "worker_died", "message": "x"}
+    # when the error was read: after the first token, before the request's end (the close)
+    assert r.ttft_s is not None and r.ttft_s <= r.error_read_s <= r.latency_s
+
+
+def test_error_read_time_only_for_a_read_error(fake_openai_server):
+    _, url = fake_openai_server
+    ok, full, refused = (run(u, [chat(m)], stream=True).results[0] for u, m in
+                         ((url, "ok"), (url, "full"), (f"http://127.0.0.1:{free_port()}", "ok")))
+    assert ok.ok and ok.error_read_s is None
+    assert not full.ok and 0 < full.error_read_s <= full.latency_s
+    assert not refused.ok and refused.error_read_s is None      # a transport error: no read
+
+
+def _stalls_of_a_run(url, block_s: float) -> list:
+    """The loop stalls of one run of a request held open ~1 s, while another coroutine of the
+    same loop blocks it (time.sleep) for `block_s` (0: none)."""
+    async def main():
+        async def block():
+            await asyncio.sleep(0.2)
+            time.sleep(block_s)     # noqa: ASYNC251 (the stall under test)
+        b = asyncio.ensure_future(block())
+        rep = await run_async(url, [chat("hang")], stream=True, timeout=1.0)
+        await b
+        return rep
+    return asyncio.run(main()).loop_stalls
+
+
+def test_the_drivers_own_loop_stall_is_recorded(fake_openai_server):
+    _, url = fake_openai_server
+    stalls = _stalls_of_a_run(url, 1.0)
+    assert [s for s in stalls if 0.9 <= s[1] < 1.6 and 0.1 < s[0] < 0.6], stalls
+    # negative control: the same run, nothing blocking the loop (a busy host may be late a
+    # little, never a second)
+    assert not [s for s in _stalls_of_a_run(url, 0.0) if s[1] >= 0.9]
 
 
 @pytest.mark.parametrize("stream", [False, True])

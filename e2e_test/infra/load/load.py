@@ -48,6 +48,9 @@ class RequestResult:
     chunks: int = 0
     itl_s: list[float] = field(default_factory=list)   # gaps between streamed chunks
     logprobs: dict | None = None       # the choice's `logprobs` (streamed chunks merged)
+    # When the error was read (s after the request's start: a streamed error event or an error
+    # status), before the connection's close; None without an error or for a transport error
+    error_read_s: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -101,6 +104,9 @@ class RunReport:
     results: list[RequestResult]
     wall_s: float
     client_overhead_s: float = 0.0     # the driver's own CPU seconds per request
+    # The driver's event loop late by more than LOOP_STALL_S: [at s after the run's start,
+    # late by s]. While late it reads nothing, so every time it took then is late by as much.
+    loop_stalls: list = field(default_factory=list)
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -185,6 +191,7 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
                 if r.status_code != 200:
                     text = (await r.aread()).decode("utf-8", "replace")
                     res.error, res.error_code = text[:500] or f"HTTP {r.status_code}", _error_code(text)
+                    res.error_read_s = time.monotonic() - t0
                     return res
                 parts = []
                 lp_parts = []
@@ -199,10 +206,12 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
                         chunk = json.loads(data)
                     except ValueError:
                         res.error = f"bad SSE chunk: {data[:200]}"
+                        res.error_read_s = time.monotonic() - t0
                         return res
                     if "error" in chunk:
                         res.error = json.dumps(chunk["error"])[:500]
                         res.error_code = _error_code(data)
+                        res.error_read_s = time.monotonic() - t0
                         return res
                     progress.tick()
                     for ch in chunk.get("choices") or []:
@@ -232,6 +241,7 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
             res.retry_after = r.headers.get("retry-after")
             if r.status_code != 200:
                 res.error, res.error_code = r.text[:500] or f"HTTP {r.status_code}", _error_code(r.text)
+                res.error_read_s = time.monotonic() - t0
                 return res
             j = r.json()
             choices = j.get("choices") or []
@@ -265,12 +275,47 @@ async def _report_progress(label: str, tasks: list) -> None:
         lines.tick(sum(t.done() for t in tasks))
 
 
+# The driver's own lateness: a tick due every LOOP_TICK_S that comes more than LOOP_STALL_S late
+# is a stall of the driver itself (the GIL held elsewhere, no CPU, a blocking call in the loop).
+LOOP_TICK_S = 0.05
+LOOP_STALL_S = 0.25
+
+
+async def _watch_loop(stalls: list, t_run: float) -> None:
+    """Append [at s after t_run, late by s] to `stalls` for every tick of this event loop that
+    came more than LOOP_STALL_S late; runs until cancelled."""
+    prev = time.monotonic()
+    while True:
+        await asyncio.sleep(LOOP_TICK_S)
+        now = time.monotonic()
+        late = now - prev - LOOP_TICK_S
+        if late > LOOP_STALL_S:
+            stalls.append([round(prev + LOOP_TICK_S - t_run, 3), round(late, 3)])
+        prev = now
+
+
 async def run_async(base_url: str, requests: list[Request], concurrency: int = 16,
                     stream: bool = False, timeout: float = 600.0,
                     watchdog: Watchdog | None = None, rate: float = math.inf,
                     seed: int = 0, label: str | None = None) -> RunReport:
     """`rate` requests/s with Poisson arrivals (inf: all at once), at most `concurrency` in
-    flight. Progress lines (n/N done) are labelled `label`, else the watchdog's `what`."""
+    flight. Progress lines (n/N done) are labelled `label`, else the watchdog's `what`. The
+    report's `loop_stalls` are this event loop's own (_watch_loop), from the first request."""
+    stalls: list = []
+    lag = asyncio.ensure_future(_watch_loop(stalls, time.monotonic()))
+    try:
+        rep = await _run_async(base_url, requests, concurrency, stream, timeout, watchdog, rate,
+                               seed, label)
+    finally:
+        lag.cancel()
+    rep.loop_stalls = stalls
+    return rep
+
+
+async def _run_async(base_url: str, requests: list[Request], concurrency: int,
+                     stream: bool, timeout: float, watchdog: Watchdog | None, rate: float,
+                     seed: int, label: str | None) -> RunReport:
+    """run_async's run: the requests, the watchdog's checks, the report."""
     progress = Progress()
     sem = asyncio.Semaphore(max(1, concurrency))
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)

@@ -398,6 +398,12 @@ class LegLoss:
     stall_stacks: str = ""
     stall_where: str = ""               # stack_summary of stall_stacks
     gateway_stream_failures: list = field(default_factory=list)   # smg's log times (UTC, 1 s)
+    # The client's side of the ends: its event loop's own stalls ([at s after the kill, late
+    # by s], load.RunReport.loop_stalls) and when it read the last error, before closing.
+    client_stalls: list = field(default_factory=list)
+    max_error_read_after_kill_s: float | None = None
+    # Requests still open OPEN_LOOK_S after the kill: where they stood then (open_request_look)
+    open_look: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -659,6 +665,77 @@ def _gateway_lines(cluster, offset: int, needle: str) -> list[str]:
     return out
 
 
+# A request still open this long after a kill is far from the norm (every end came within
+# 0.2-0.8 s on CPU, 0.01 s on the H200): the harness looks, while it is open, at where it stands.
+OPEN_LOOK_S = 5.0
+
+
+def tcp_queues(port: int, table: str | None = None) -> list[dict]:
+    """The established IPv4 TCP connections with one end on 127.0.0.1:`port`, from
+    /proc/net/tcp (or `table`, its text): each end's `local` and `remote` port, `tx` (bytes it
+    sent that its peer has not acknowledged) and `rx` (bytes it received and its process has
+    not read). For a connection to a server on `port`, the client's end is the one whose
+    remote port is `port`."""
+    if table is None:
+        table = Path("/proc/net/tcp").read_text()
+    out = []
+    for line in table.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 5 or f[3] != "01":                  # 01: ESTABLISHED
+            continue
+        (lip, lport), (rip, rport) = (a.split(":") for a in f[1:3])
+        lport, rport = int(lport, 16), int(rport, 16)
+        if port not in (lport, rport) or "0100007F" not in (lip, rip):
+            continue
+        tx, rx = (int(x, 16) for x in f[4].split(":"))
+        out.append({"local": lport, "remote": rport, "tx": tx, "rx": rx})
+    return out
+
+
+def thread_stack(thread: threading.Thread, limit: int = 4) -> str:
+    """The innermost `limit` frames of `thread` (file:line function), innermost last."""
+    import sys
+    import traceback
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return "(no frame: the thread ended)"
+    return " < ".join(f"{Path(fs.filename).name}:{fs.lineno} {fs.name}"
+                      for fs in reversed(traceback.extract_stack(frame)[-limit:]))
+
+
+def open_request_look(cluster, client: threading.Thread, at_s: float) -> dict:
+    """Where requests still open `at_s` after a kill stand, seen from outside the client's
+    thread: bytes queued on the connections to the gateway (the client's receive queues hold
+    what the gateway sent and the client has not read; the gateway's send queues what it
+    wrote that the kernel has not delivered), the client's thread's stack, and how long the
+    gateway takes to answer its /liveness."""
+    port = cluster.gateway_port
+    conns = tcp_queues(port)
+    client_ends = [c for c in conns if c["remote"] == port]
+    gateway_ends = [c for c in conns if c["local"] == port]
+    t0 = time.monotonic()
+    try:
+        httpx.get(f"{cluster.gateway_url}/liveness", timeout=2.0)
+        liveness = round(time.monotonic() - t0, 3)
+    except httpx.HTTPError as e:
+        liveness = f"{type(e).__name__} after {time.monotonic() - t0:.3f} s"
+    return {"at_s": at_s, "connections": len(client_ends),
+            "client_unread_bytes": sum(c["rx"] for c in client_ends),
+            "gateway_unacked_bytes": sum(c["tx"] for c in gateway_ends),
+            "client_stack": thread_stack(client), "gateway_liveness_s": liveness}
+
+
+def look_note(look: dict) -> str:
+    """The look, in words ("" without one)."""
+    if not look:
+        return ""
+    return (f"{look['at_s']} s after the kill: {look['connections']} connection(s) to the "
+            f"gateway, {look['client_unread_bytes']} byte(s) received and unread by the client, "
+            f"{look['gateway_unacked_bytes']} sent by the gateway and undelivered; the client's "
+            f"thread at {look['client_stack']}; the gateway's /liveness answered in "
+            f"{look['gateway_liveness_s']} s")
+
+
 def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
              kill_after_s: float = 3.0, prompt_words: int = 0, hang_s: float = 120.0,
              freeze_first: bool = False) -> LegLoss:
@@ -701,6 +778,8 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
         for w in cluster.role(role):      # whatever of a worker's session the walk did not see
             w.process.signal_group(signal.SIGKILL)
         kill_call_s = round(time.monotonic() - t_kill, 3)
+        th.join(max(0.0, OPEN_LOOK_S - (time.monotonic() - t_kill)))
+        look = open_request_look(cluster, th, OPEN_LOOK_S) if th.is_alive() else {}
         th.join(hang_s + 30)
         if th.is_alive():
             raise HarnessError(f"leg loss ({role}): requests still open {hang_s + 30:.0f} s "
@@ -708,11 +787,14 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
         rep: load.RunReport = box["report"]
         res = LegLoss(role, killed, n, status_counts=rep.status_counts(),
                       frozen_first=freeze_first, kill_utc=kill_utc, kill_call_s=kill_call_s,
-                      signals_s=watch.signals_s)
+                      signals_s=watch.signals_s, open_look=look)
         kill_rel = t_kill - box["t_run"]
-        ends, all_ends = [], []
+        ends, all_ends, reads = [], [], []
+        res.client_stalls = [[round(at - kill_rel, 3), late] for at, late in rep.loop_stalls]
         for r in rep.results:
             end = r.start_s + r.latency_s
+            if r.error_read_s is not None:
+                reads.append(r.start_s + r.error_read_s - kill_rel)
             all_ends.append(end - kill_rel)
             if r.ttft_s is not None and r.start_s + r.ttft_s < kill_rel:
                 res.past_prefill_at_kill += 1
@@ -734,6 +816,7 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
         res.error_after_kill_s = load.percentiles(ends)
         res.max_error_after_kill_s = round(max(ends), 3) if ends else None
         res.max_end_after_kill_s = round(max(all_ends), 3) if all_ends else None
+        res.max_error_read_after_kill_s = round(max(reads), 3) if reads else None
         time.sleep(0.5)
         res.dead = cluster.dead_processes()
         t_after = time.monotonic() - t_kill
@@ -777,7 +860,15 @@ def host_note(loss: LegLoss) -> str:
 
 
 def _stall_over(loss: LegLoss, start: float, end: float) -> float:
-    return max((g for at, g in loss.harness_stalls if at <= end and at + g >= start), default=0.0)
+    """The longest stall of the harness overlapping [start, end] (s after the kill): the
+    watch's own (`harness_stalls`) or the client's event loop's (`client_stalls`)."""
+    return max((g for at, g in loss.harness_stalls + loss.client_stalls
+                if at <= end and at + g >= start), default=0.0)
+
+
+def _late(stalls: list) -> str:
+    return (f"at most {max(g for _, g in stalls)} s ({len(stalls)} stall(s) over 0.25 s)"
+            if stalls else "never over 0.25 s")
 
 
 def _open_after_gone(loss: LegLoss) -> float | None:
@@ -800,7 +891,15 @@ def leg_loss_void(loss: LegLoss, bound_s: float) -> str | None:
         stall = _stall_over(loss, start, loss.max_end_after_kill_s)
         if stall >= open_s - bound_s:
             out.append(f"a request ended {open_s} s after the leg could have been gone, while "
-                       f"the harness itself stalled {stall} s (stalls {loss.harness_stalls})")
+                       f"the harness itself stalled {stall} s (stalls {loss.harness_stalls}, "
+                       f"the client's {loss.client_stalls})")
+    look = loss.open_look
+    if (open_s is not None and open_s > bound_s and look
+            and look.get("client_unread_bytes", 0) > 0):
+        out.append(f"a request ended {open_s} s after the leg could have been gone, and "
+                   f"{look['client_unread_bytes']} byte(s) from the gateway lay unread in the "
+                   f"client's sockets {look['at_s']} s after the kill: the client was not "
+                   f"reading (its thread at {look['client_stack']})")
     after = loss.after_kill_request
     secs, at = after.get("seconds"), after.get("at_s")
     if secs is not None and at is not None and secs > bound_s and after.get("status") != 200:
@@ -842,9 +941,13 @@ def leg_loss_problems(loss: LegLoss, bound_s: float) -> list[str]:
         gone = ("" if not loss.seen_alive_until_s else
                 f"; {', '.join(loss.killed)} last seen alive {loss.seen_alive_until_s} s "
                 f"after the kill")
+        read = ("" if loss.max_error_read_after_kill_s is None else
+                f"; the client read the last error {loss.max_error_read_after_kill_s} s after "
+                f"the kill, its event loop late {_late(loss.client_stalls)}")
         out.append(f"a request was still open {loss.max_end_after_kill_s} s after the kill "
                    f"(bound {bound_s} s{gone}; gateway saw streams end at "
                    f"{loss.gateway_stream_failures or '-'} UTC, kill at {loss.kill_utc or '-'}"
+                   f"{read}{'; ' + look_note(loss.open_look) if loss.open_look else ''}"
                    f"{'; ' + host_note(loss) if host_note(loss) else ''})")
     if loss.gone_after_kill_s is None and loss.seen_alive_until_s:
         out.append(f"{', '.join(loss.killed)} still alive {loss.seen_alive_until_s} s after "
