@@ -21,9 +21,11 @@ import json
 import os
 import re
 import signal
+import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -694,8 +696,6 @@ def tcp_queues(port: int, table: str | None = None) -> list[dict]:
 
 def thread_stack(thread: threading.Thread, limit: int = 4) -> str:
     """The innermost `limit` frames of `thread` (file:line function), innermost last."""
-    import sys
-    import traceback
     frame = sys._current_frames().get(thread.ident)
     if frame is None:
         return "(no frame: the thread ended)"
@@ -726,9 +726,7 @@ def open_request_look(cluster, client: threading.Thread, at_s: float) -> dict:
 
 
 def look_note(look: dict) -> str:
-    """The look, in words ("" without one)."""
-    if not look:
-        return ""
+    """A look (open_request_look), in words."""
     return (f"{look['at_s']} s after the kill: {look['connections']} connection(s) to the "
             f"gateway, {look['client_unread_bytes']} byte(s) received and unread by the client, "
             f"{look['gateway_unacked_bytes']} sent by the gateway and undelivered; the client's "
