@@ -1,7 +1,9 @@
 """TokenSpeed command builder: exact argv and env per role (no process is started)."""
 
+import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -9,10 +11,13 @@ from e2e_test.infra.engines import EngineOptions, Ports, tokenspeed
 from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.specs.model_specs import get_spec, parse_spec
 from e2e_test.infra.specs.plan import plan_gpu
+from e2e_test.infra.specs.settings import options_from_env
 from e2e_test.infra.specs.topology import parse
 
 SPEC = get_spec("Qwen/Qwen3.5-9B")          # max_model_len 8192, memory fraction 0.85
-CUDA = EngineOptions(backend="cuda")
+# Built as TokenSpeed spawns its scheduler; the warm-spawn launcher is tested on its own below.
+COLD = {"warm_spawn": False}
+CUDA = EngineOptions(backend="cuda", engine_opts=COLD)
 DEVICES = (4, 5, 6)
 
 
@@ -56,7 +61,7 @@ def test_regular():
 
 def test_regular_small_window_eager_and_extra_args():
     t, e = entries("1")
-    opts = EngineOptions(backend="cuda", max_num_seqs=4, enforce_eager=True,
+    opts = EngineOptions(backend="cuda", engine_opts=COLD, max_num_seqs=4, enforce_eager=True,
                          extra_args=("--attention-backend", "fa3"))
     cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000, aux={"dist_init": 30001}),
                            "/models/q", opts)
@@ -75,7 +80,7 @@ def test_graphs_with_a_triton_sampler_is_refused_before_any_process(sampler):
     ports = Ports(api=32000, aux={"dist_init": 32001})
     with pytest.raises(ConfigError) as ei:
         tokenspeed.build(SPEC, t, e["decode"], ports, "/models/q",
-                         EngineOptions(backend="cuda", extra_args=sampler))
+                         EngineOptions(backend="cuda", engine_opts=COLD, extra_args=sampler))
     msg = str(ei.value)
     assert "\n" not in msg
     assert msg.startswith(f"TokenSpeed decode-0: CUDA graphs with --sampling-backend "
@@ -83,14 +88,14 @@ def test_graphs_with_a_triton_sampler_is_refused_before_any_process(sampler):
     assert "E2E_ENFORCE_EAGER=1" in msg
     # the negative controls: eager (by option, by flag), the always-eager prefill, another
     # sampler, and the default sampler are built
-    for opts in (EngineOptions(backend="cuda", enforce_eager=True, extra_args=sampler),
-                 EngineOptions(backend="cuda", extra_args=(*sampler, "--enforce-eager")),
-                 EngineOptions(backend="cuda", extra_args=("--sampling-backend", "greedy")),
+    for opts in (replace(CUDA, enforce_eager=True, extra_args=sampler),
+                 replace(CUDA, extra_args=(*sampler, "--enforce-eager")),
+                 replace(CUDA, extra_args=("--sampling-backend", "greedy")),
                  CUDA):
         assert tokenspeed.build(SPEC, t, e["decode"], ports, "/models/q", opts).argv
     assert tokenspeed.build(SPEC, t, e["prefill"],
                             Ports(api=1, aux={"bootstrap": 2, "dist_init": 3}), "/m",
-                            EngineOptions(backend="cuda", extra_args=sampler)).argv
+                            EngineOptions(backend="cuda", engine_opts=COLD, extra_args=sampler)).argv
 
 
 def test_serving_defaults_yield_to_what_the_worker_is_given():
@@ -102,7 +107,7 @@ def test_serving_defaults_yield_to_what_the_worker_is_given():
 
     def tail(extra=(), **kw):
         argv = tokenspeed.build(SPEC, t, e["worker"], ports, "/m",
-                                EngineOptions(backend="cuda", extra_args=extra, **kw)).argv
+                                replace(CUDA, extra_args=extra, **kw)).argv
         return argv[argv.index("127.0.0.1:30001") + 1:]
     assert tail() == GRAPH_TAIL
     assert tail(enforce_eager=True) == ["--enforce-eager"] + EAGER_TAIL
@@ -148,7 +153,7 @@ def test_decode():
     d = e["decode"]
     assert tokenspeed.aux_ports(t, d, CUDA) == ["dist_init"]
     # enforce_eager from the options is added once, after the role flags.
-    opts = EngineOptions(backend="cuda", enforce_eager=True)
+    opts = EngineOptions(backend="cuda", engine_opts=COLD, enforce_eager=True)
     cmd = tokenspeed.build(SPEC, t, d, Ports(api=32000, aux={"dist_init": 32001}), "/models/q",
                            opts)
     assert cmd.argv == head(32000) + [
@@ -163,7 +168,7 @@ def test_prefill_enforce_eager_not_repeated():
     t, e = entries("1p1d")
     cmd = tokenspeed.build(SPEC, t, e["prefill"],
                            Ports(api=1, aux={"bootstrap": 2, "dist_init": 3}), "/m",
-                           EngineOptions(backend="cuda", enforce_eager=True))
+                           EngineOptions(backend="cuda", engine_opts=COLD, enforce_eager=True))
     assert cmd.argv.count("--enforce-eager") == 1
 
 
@@ -226,7 +231,8 @@ def test_refuses_cpu_and_afd():
 def test_metrics_dir_and_tcp_transport():
     # The servicer has no /metrics: --enable-metrics plus a multiprocess folder per worker.
     t, e = entries("1p1d")
-    opts = EngineOptions(backend="cuda", state_dir="/r/state", engine_opts={"mooncake_transport": "tcp"})
+    opts = EngineOptions(backend="cuda", state_dir="/r/state",
+                         engine_opts={**COLD, "mooncake_transport": "tcp"})
     cmd = tokenspeed.build(SPEC, t, e["decode"], Ports(api=32000, aux={"dist_init": 32001}),
                            "/models/q", opts)
     assert cmd.argv[:len(head(32000)) + 1] == head(32000)[:-2] + [
@@ -237,7 +243,7 @@ def test_metrics_dir_and_tcp_transport():
     assert cmd.metrics_dir == "/r/state/prometheus/decode-0"
     with pytest.raises(ConfigError, match="mooncake transport 'rdma'"):
         tokenspeed.build(SPEC, t, e["decode"], Ports(api=1, aux={"dist_init": 2}), "/m",
-                         EngineOptions(backend="cuda", engine_opts={"mooncake_transport": "rdma"}))
+                         EngineOptions(backend="cuda", engine_opts={**COLD, "mooncake_transport": "rdma"}))
 
 
 def test_packed_schedule_is_cumulative_and_sequential():
@@ -256,7 +262,7 @@ def test_packed_schedule_is_cumulative_and_sequential():
     # The plan entry carries both: the share reaches the argv, the stage the command.
     en = replace(plan.entries[1], start_stage=1, mem_fraction=0.5)
     cmd = tokenspeed.build(small, t, en, Ports(api=1, aux={"bootstrap": 2, "dist_init": 3}),
-                           "/m", EngineOptions(backend="cuda"))
+                           "/m", EngineOptions(backend="cuda", engine_opts=COLD))
     assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.5"
     assert cmd.start_stage == 1
 
@@ -365,3 +371,56 @@ def test_a_regular_worker_gets_its_dist_init_block_too():
     span = driver.aux_port_span("dist_init", e["worker"])
     assert set(range(base, base + span)) <= ports._handed_out
     assert w.command.argv[w.command.argv.index("--dist-init-addr") + 1] == f"127.0.0.1:{base}"
+
+
+def test_warm_spawn_wraps_a_single_scheduler_worker(monkeypatch):
+    """By default a worker of tp 1, dp 1 runs the servicer through the warm-spawn launcher
+    (launchers/e2e_warm_spawn.py): the servicer gets exactly the arguments it gets without it,
+    the launcher folder goes ahead of the inherited PYTHONPATH (never instead of it), and the
+    scheduler's module is preloaded with the two CUDA variables TokenSpeed sets first."""
+    sys.path.insert(0, tokenspeed.LAUNCHERS)
+    try:
+        import e2e_warm_spawn
+    finally:
+        sys.path.remove(tokenspeed.LAUNCHERS)
+    monkeypatch.setenv("PYTHONPATH", "/stage/site:/stage/other")
+    warm = EngineOptions(backend="cuda")
+    for topo, role, ports in (("1", "worker", Ports(api=1, aux={"dist_init": 2})),
+                              ("1p1d", "decode", Ports(api=1, aux={"dist_init": 2})),
+                              ("1p1d", "prefill", Ports(api=1, aux={"bootstrap": 3,
+                                                                    "dist_init": 2}))):
+        t, e = entries(topo)
+        cold = tokenspeed.build(SPEC, t, e[role], ports, "/m", CUDA)
+        cmd = tokenspeed.build(SPEC, t, e[role], ports, "/m", warm)
+        assert cmd.argv[:3] == [sys.executable, "-m", "e2e_warm_spawn"]
+        ns, rest, child_env = e2e_warm_spawn.parse(cmd.argv[3:])
+        assert ns.run == "smg_grpc_servicer.tokenspeed" == cold.argv[2]
+        assert rest == cold.argv[3:]
+        assert ns.target == "tokenspeed.runtime.engine.event_loop:run_event_loop"
+        assert ns.preload == ["tokenspeed.runtime.engine.event_loop"]
+        assert child_env == {"CUDA_DEVICE_MAX_CONNECTIONS": "4", "CUDA_MODULE_LOADING": "AUTO"}
+        assert cmd.env == {**cold.env, "PYTHONPATH": os.pathsep.join(
+            [tokenspeed.LAUNCHERS, "/stage/site", "/stage/other"])}
+    # Nothing in the launcher folder shadows a package a worker imports.
+    assert sorted(p.name for p in Path(tokenspeed.LAUNCHERS).glob("*.py")) == [
+        "__init__.py", "e2e_warm_spawn.py"]
+
+
+def test_warm_spawn_not_for_several_schedulers_nor_when_off():
+    """tp > 1 or dp > 1 starts several scheduler processes (or a DP controller): as
+    TokenSpeed spawns them. E2E_TOKENSPEED_WARM_SPAWN=0 turns it off."""
+    warm = EngineOptions(backend="cuda")
+    t, e = entries("dp2-engine")
+    cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=1, aux={"dist_init": 2}), "/m", warm)
+    assert cmd.argv[1:3] == ["-m", "smg_grpc_servicer.tokenspeed"] and "PYTHONPATH" not in cmd.env
+    spec = parse_spec("m", {"weights": {"source": "path", "path": "/m"}, "tp": 2,
+                            "engines": ["tokenspeed"], "gpu_memory_fraction": 0.5})
+    t = parse("1")
+    w = plan_gpu(t, spec, (0, 1)).entries[0]
+    cmd = tokenspeed.build(spec, t, w, Ports(api=7, aux={"dist_init": 8}), "/m", warm)
+    assert cmd.argv[1:3] == ["-m", "smg_grpc_servicer.tokenspeed"]
+    off = options_from_env({"E2E_TOKENSPEED_WARM_SPAWN": "0"}, backend="cuda")
+    t, e = entries("1")
+    cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=1, aux={"dist_init": 2}), "/m", off)
+    assert cmd.argv[1:3] == ["-m", "smg_grpc_servicer.tokenspeed"]
+    assert options_from_env({}, backend="cuda").opt("warm_spawn") is True

@@ -35,6 +35,7 @@ flag's contract comes from:
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
@@ -43,7 +44,7 @@ from ..cluster.readiness import GrpcHealth
 from ..errors import ConfigError, HarnessError
 from ..specs.model_specs import ModelSpec
 from ..specs.plan import PlanEntry
-from ..specs.settings import Choice, Setting
+from ..specs.settings import Bool, Choice, Setting
 from ..specs.topology import Topology
 from ..verdicts.proof import (
     dispatch_problems,
@@ -61,6 +62,25 @@ from ..verdicts.proof import (
 from . import Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
+# Warm spawn (launchers/e2e_warm_spawn.py): the servicer's process imports TokenSpeed's
+# runtime, then starts the scheduler in a spawn child (0.1.0 runtime/entrypoints/engine.py
+# _set_envs_and_config: mp.set_start_method("spawn", force=True); _launch_subprocesses:
+# mp.Process(target=run_event_loop)), a fresh interpreter that imports it all again, one round
+# after the other: on the H200 at ac24287 the servicer's imports took 9.2-12.6 s and the
+# scheduler's first line came 9.3-13.4 s later (boot phases `starting` and `server imported,
+# starting engine`, medians), two thirds of a 30-39 s boot. The launcher starts the
+# scheduler's interpreter first, importing its module during the servicer's own imports; the
+# servicer's start of the scheduler then hands it over. Fork would not do: the runtime
+# initialises CUDA at import (tokenspeed_kernel platform.py current_platform() at module
+# level). The two variables TokenSpeed sets unconditionally before that start, and which a
+# CUDA context created during the imports reads, go to the warm interpreter from its start;
+# the rest of the servicer's environment at the start is applied before the scheduler runs.
+# Only for a single scheduler (tp 1, dp 1: one target process). Env E2E_TOKENSPEED_WARM_SPAWN.
+LAUNCHERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launchers")
+WARM_SPAWN = ("e2e_warm_spawn", "tokenspeed.runtime.engine.event_loop:run_event_loop",
+              ("tokenspeed.runtime.engine.event_loop",),
+              (("CUDA_DEVICE_MAX_CONNECTIONS", "4"), ("CUDA_MODULE_LOADING", "AUTO")))
+DEFAULT_WARM_SPAWN = True
 DISAGG_ROLES = ("encode", "prefill", "decode")
 KINDS = ("regular", "dp", "pd", "epd")     # smg's EPD mode speaks gRPC to TokenSpeed only
 HOST = "127.0.0.1"
@@ -242,6 +262,11 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                           f"{sampler} stall the boot: {GRAPH_STALL_SAMPLERS[sampler]}; "
                           f"run it eager (E2E_ENFORCE_EAGER=1) or with another sampler")
     argv += extra + serving_defaults(extra, graphs=graphs)
+    if options.opt("warm_spawn", DEFAULT_WARM_SPAWN) and entry.tp == 1 and entry.dp == 1:
+        argv = warm_spawn_argv(argv)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [LAUNCHERS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                           if p and p != LAUNCHERS])
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",
@@ -289,6 +314,20 @@ _PREFILL_GRAPH_FLAGS = ("--disable-prefill-graph", "--prefill-graph-max-tokens",
 
 def _has_flag(args: list[str], flags) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def warm_spawn_argv(argv: list[str]) -> list[str]:
+    """The servicer's argv (`python -m SERVICER_MODULE ARGS`) run through the warm-spawn
+    launcher (see WARM_SPAWN). Pure."""
+    module, target, preload, child_env = WARM_SPAWN
+    if argv[1:3] != ["-m", SERVICER_MODULE]:
+        raise ValueError(f"not a servicer command: {argv[:3]}")
+    out = [argv[0], "-m", module, "--run", SERVICER_MODULE, "--target", target]
+    for name in preload:
+        out += ["--preload", name]
+    for k, v in child_env:
+        out += ["--child-env", f"{k}={v}"]
+    return [*out, "--", *argv[3:]]
 
 
 def serving_defaults(extra: list[str], graphs: bool) -> list[str]:
@@ -610,13 +649,19 @@ PROGRESS_MARKERS = (
 class TokenSpeedEngine(Engine):
     idle_gauges = IDLE_GAUGES
     progress_markers = PROGRESS_MARKERS
-    option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT}  # noqa: RUF012
-    env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT"}  # noqa: RUF012
+    option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT,  # noqa: RUF012
+                       "warm_spawn": DEFAULT_WARM_SPAWN}
+    env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT",  # noqa: RUF012
+                   "warm_spawn": "E2E_TOKENSPEED_WARM_SPAWN"}
     packages = ("tokenspeed",)
     extra = "tokenspeed"
     stage_env = "/root/stage/ts-env.sh"
     settings_rows = (Setting("E2E_MOONCAKE_TRANSPORT", Choice("nvlink", "tcp"), DEFAULT_TRANSPORT,
-                             "TokenSpeed PD/EPD Mooncake transport on one host"),)
+                             "TokenSpeed PD/EPD Mooncake transport on one host"),
+                     Setting("E2E_TOKENSPEED_WARM_SPAWN", Bool(), DEFAULT_WARM_SPAWN,
+                             "start a TokenSpeed worker's scheduler interpreter, and its "
+                             "imports, beside the servicer's own (launchers/e2e_warm_spawn.py; "
+                             "a worker of tp 1, dp 1); 0: as TokenSpeed spawns it"))
     # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num
     # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
     # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled

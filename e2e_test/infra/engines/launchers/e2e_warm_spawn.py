@@ -1,0 +1,290 @@
+"""Warm spawn: a `multiprocessing` spawn child's interpreter started, and its imports done,
+before its parent asks for it.
+
+An entry point that starts its engine in a `spawn` child pays for its imports twice, one round
+after the other: the parent imports the runtime, then starts a fresh interpreter that imports
+it again before it can run. (TokenSpeed 0.1.0: the servicer's process imports the runtime, then
+`mp.set_start_method("spawn", force=True)` and starts the scheduler, runtime/entrypoints/
+engine.py; fork is no way out, the runtime initialises CUDA at import: tokenspeed_kernel
+platform.py current_platform(), called at module level.) This launcher starts that child's
+interpreter first and has it import the modules it will need (`--preload`) while the entry
+point (`--run`, run as `python -m` would) does its own imports. When the entry point starts a
+process whose target is `--target`, the request goes to the waiting interpreter instead of a
+new one: the preparation data and pickled process object spawn would write, the file
+descriptors the object carries (over a Unix socket, SCM_RIGHTS), and the parent's environment
+and open-file limit at that moment (an entry point sets variables before it starts its child,
+and spawn would have passed them). Every other process starts as spawn would; so does the
+target's if the waiting interpreter has died.
+
+`--child-env NAME=VALUE` sets a variable in the waiting interpreter from its start, for one
+the child reads during its imports (a CUDA context created at import reads
+CUDA_DEVICE_MAX_CONNECTIONS then). The child prints one line when it takes the request:
+how long its imports took, how long it then waited, and which variables differ between its
+start and the parent's environment at the request (applied before the target runs).
+
+    python -m e2e_warm_spawn --run MODULE --target MODULE:QUALNAME [--preload MODULE]...
+                             [--child-env NAME=VALUE]... -- ARGS...
+
+Standard library only, and importable by this name (its folder goes on PYTHONPATH), because
+the waiting interpreter and the pickled references to it resolve it by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import os
+import pickle
+import resource
+import runpy
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from multiprocessing import context, popen_fork, process, reduction, spawn, util
+
+NAME = "e2e_warm_spawn"
+_HEADER = struct.Struct("!Q")
+
+# The descriptors a request carried, in the order the parent's Popen collected them (child).
+_INHERITED: list[int] = []
+
+
+class _DupFd:
+    """A file descriptor the pickled process object carries: resolved in the child from the
+    ones the request brought (the parent's index into them)."""
+
+    def __init__(self, ind: int):
+        self.ind = ind
+
+    def detach(self) -> int:
+        return _INHERITED[self.ind]
+
+
+class Warm:
+    """The waiting interpreter, from the parent's side."""
+
+    def __init__(self, preload: list[str], child_env: dict[str, str]):
+        self.sock, theirs = socket.socketpair()
+        self.sentinel, sentinel_w = os.pipe()
+        env = {**os.environ, **child_env}
+        code = (f"import sys, {NAME} as w; "
+                f"sys.exit(w.child_main({theirs.fileno()}, {sentinel_w}, {preload!r}))")
+        exe = spawn.get_executable()
+        args = [exe, *util._args_from_interpreter_flags(), "-c", code]
+        saved = dict(os.environ)
+        try:
+            os.environ.clear()
+            os.environ.update(env)
+            self.pid = util.spawnv_passfds(exe, args, [theirs.fileno(), sentinel_w])
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        theirs.close()
+        os.close(sentinel_w)
+        self.available = True
+
+    def alive(self) -> bool:
+        try:
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        return pid == 0
+
+    def close(self) -> None:
+        """Unused: its end of the socket closes and it exits."""
+        if self.available:
+            self.available = False
+            self.sock.close()
+
+
+class WarmPopen(popen_fork.Popen):
+    """A spawn Popen that hands the process to the waiting interpreter."""
+
+    method = "spawn"
+    DupFd = _DupFd
+
+    def __init__(self, process_obj, warm: Warm):
+        self._fds: list[int] = []
+        self._warm = warm
+        super().__init__(process_obj)
+
+    def duplicate_for_child(self, fd):
+        self._fds.append(fd)
+        return len(self._fds) - 1
+
+    def _launch(self, process_obj):
+        from multiprocessing import resource_tracker
+        tracker_fd = resource_tracker.getfd()
+        prep = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            context.set_spawning_popen(None)
+        blob = buf.getvalue()
+        fds = [tracker_fd, *self._fds]
+        header = pickle.dumps({"env": dict(os.environ),
+                               "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
+                               "nfds": len(fds), "size": len(blob), "sent": time.time()})
+        w = self._warm
+        w.sock.sendall(_HEADER.pack(len(header)) + header)
+        reduction.sendfds(w.sock, fds)
+        w.sock.sendall(blob)
+        self.pid = w.pid
+        self.sentinel = w.sentinel
+        # The socket stays open as spawn's pipe to the child does: the child's
+        # parent_process() is alive until this closes.
+        self.finalizer = util.Finalize(self, _close, (self.sentinel, w.sock))
+
+
+def _close(fd: int, sock: socket.socket) -> None:
+    os.close(fd)
+    sock.close()
+
+
+def _matches(process_obj, target: str) -> bool:
+    fn = getattr(process_obj, "_target", None)
+    return f"{getattr(fn, '__module__', '')}:{getattr(fn, '__qualname__', '')}" == target
+
+
+def install(warm: Warm, target: str) -> None:
+    """Route the first spawn of `target` to `warm` (every other spawn as before)."""
+    plain = context.SpawnProcess._Popen
+
+    def _popen(process_obj):
+        if warm.available and _matches(process_obj, target):
+            warm.available = False
+            if warm.alive():
+                try:
+                    return WarmPopen(process_obj, warm)
+                except OSError as e:
+                    why = f"the request failed ({e})"
+            else:
+                why = "it is gone"
+            print(f"{NAME}: not using the waiting interpreter (pid {warm.pid}): {why}; "
+                  "spawning as usual", file=sys.stderr, flush=True)
+        return plain(process_obj)
+
+    context.SpawnProcess._Popen = staticmethod(_popen)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _receive(sock: socket.socket, box: dict) -> None:
+    try:
+        (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+        header = pickle.loads(_recv_exact(sock, n))
+        box["fds"] = reduction.recvfds(sock, header["nfds"])
+        box["blob"] = _recv_exact(sock, header["size"])
+        box["header"] = header
+        box["at"] = time.monotonic()
+    except EOFError:
+        box["eof"] = True
+    except BaseException as e:  # noqa: BLE001 (raised again by the main thread)
+        box["error"] = e
+
+
+def child_main(sock_fd: int, sentinel_w: int, preload: list[str]) -> int:
+    """The waiting interpreter: import, take the one request, become the spawn child."""
+    # sentinel_w stays open for this process's life (the parent's Popen.sentinel ends with
+    # it); neither it nor the socket goes to this process's own children.
+    os.set_inheritable(sentinel_w, False)
+    os.set_inheritable(sock_fd, False)
+    t0 = time.monotonic()
+    start_env = dict(os.environ)
+    sock = socket.socket(fileno=sock_fd)
+    box: dict = {}
+    reader = threading.Thread(target=_receive, args=(sock, box), daemon=True)
+    reader.start()
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001
+            # Unpickling the request imports it again, where the error belongs.
+            traceback.print_exc()
+    imported = time.monotonic()
+    reader.join()
+    if "eof" in box:
+        return 0  # the parent never asked
+    if "error" in box:
+        raise box["error"]
+    header = box["header"]
+    env = header["env"]
+    changed = sorted(k for k in set(env) | set(start_env) if env.get(k) != start_env.get(k))
+    os.environ.clear()
+    os.environ.update(env)
+    soft, hard = header["nofile"]
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    except (ValueError, OSError):
+        pass
+    print(f"{NAME} (pid {os.getpid()}): imports {imported - t0:.1f} s, request "
+          f"{max(0.0, box['at'] - imported):.1f} s after them ({len(preload)} preloaded); "
+          f"environment changed since start: {', '.join(changed) or 'none'}",
+          file=sys.stderr, flush=True)
+    from multiprocessing import resource_tracker
+    fds = box["fds"]
+    resource_tracker._resource_tracker._fd = fds[0]
+    _INHERITED[:] = fds[1:]
+    parent_sentinel = sock.detach()
+    fp = io.BytesIO(box["blob"])
+    process.current_process()._inheriting = True
+    try:
+        prep = reduction.pickle.load(fp)
+        spawn.prepare(prep)
+        obj = reduction.pickle.load(fp)
+    finally:
+        del process.current_process()._inheriting
+    return obj._bootstrap(parent_sentinel)
+
+
+def parse(argv: list[str]):
+    """(options, the entry point's arguments, the child's environment) from the launcher's
+    arguments. Pure."""
+    ap = argparse.ArgumentParser(prog=NAME)
+    ap.add_argument("--run", required=True, help="module to run as __main__")
+    ap.add_argument("--target", required=True, help="MODULE:QUALNAME of the child to warm")
+    ap.add_argument("--preload", action="append", default=[])
+    ap.add_argument("--child-env", action="append", default=[])
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    ns = ap.parse_args(argv)
+    rest = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    child_env = {}
+    for item in ns.child_env:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            ap.error(f"--child-env {item!r}: use NAME=VALUE")
+        child_env[k] = v
+    return ns, rest, child_env
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns, rest, child_env = parse(sys.argv[1:] if argv is None else argv)
+    warm = Warm(ns.preload, child_env)
+    install(warm, ns.target)
+    sys.argv = [ns.run, *rest]
+    try:
+        runpy.run_module(ns.run, run_name="__main__", alter_sys=True)
+    finally:
+        warm.close()
+
+
+if __name__ == "__main__":
+    import e2e_warm_spawn  # this module by its name, so that what pickles refers to it so
+
+    e2e_warm_spawn.main()
