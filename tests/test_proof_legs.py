@@ -45,3 +45,55 @@ def test_a_prefill_that_received_kv_acted_as_a_decode():
     _, problems = proof.legs_problems(WORKERS, before, after, OWN, FOREIGN)
     assert problems == [f"prefill-0 (prefill) acted as another role: "
                         f"{SRC}{{source=external_kv_transfer}} moved by 300"]
+
+
+def _gw(selected: float, http: float) -> dict:
+    sel = proof.SELECTIONS
+    return {(sel, (("worker_type", "prefill"),)): selected,
+            (sel, (("worker_type", "decode"),)): selected,
+            ("smg_http_requests_total", (("method", "POST"),)): http}
+
+
+def test_dispatch_evidence_tells_a_skipped_counter_from_a_frozen_page():
+    """Where smg's picks fall short of the requests served, the record says whether its request
+    counter moved over them and what a later scrape saw."""
+    skipped = proof.dispatch_evidence(_gw(83, 190), _gw(83, 194), _gw(83, 194))
+    assert skipped == {"http_requests": 4, "selections_1s_later": {"prefill": 0, "decode": 0}}
+    # the dispatch verdict itself is unchanged: 0 of 4 fails
+    gw = proof.gateway_dispatch(_gw(83, 190), _gw(83, 194))
+    assert proof.dispatch_problems(type("P", (), gw), 4) == [
+        "the gateway picked prefill 0 and decode 0 times for 4 requests"]
+    frozen = proof.dispatch_evidence(_gw(83, 190), _gw(83, 190), _gw(87, 194))
+    assert frozen == {"http_requests": 0, "selections_1s_later": {"prefill": 4, "decode": 4}}
+
+
+def _fallbacks(overload: float = 0, liveness: float = 0, stage: str = "selection") -> dict:
+    return {("smg_worker_overload_fallback_total", (("stage", stage),)): overload,
+            ("smg_worker_liveness_fallback_total", (("stage", stage),)): liveness}
+
+
+def test_pd_pairs_of_smgs_veto_fallback_count_as_picks_of_both_legs():
+    """smg 1.13.0 counts a PD pair its veto fallback picked (placement.rs relaxed_pair) under
+    its fallback counters only. H200, 5a89add-b: the prefill's overload veto (waiting 15 > 8)
+    held through the KV proof and the legs test, selections stood at 83, every request a
+    fallback pick. In a PD gateway each such pick is one prefill and one decode."""
+    before = {**_gw(83, 190), **_fallbacks()}
+    after = {**_gw(83, 194), **_fallbacks(overload=3, liveness=1)}
+    gw = proof.gateway_dispatch(before, after, pd=True)
+    assert (gw["gateway_prefill_selections"], gw["gateway_decode_selections"],
+            gw["gateway_fallback_pairs"]) == (4, 4, 4)
+    assert proof.dispatch_problems(type("P", (), gw), 4) == []
+    # Negative controls: a gateway that is not PD (the proof's negative control reads a
+    # regular topology as both legs) gets no credit for fallbacks; fallbacks at another stage
+    # (dispatch, PD admission) are no picks; and with nothing counted the proof fails.
+    for gw in (proof.gateway_dispatch(before, after),
+               proof.gateway_dispatch(before, {**_gw(83, 194),
+                                               **_fallbacks(overload=4, stage="dispatch")},
+                                      pd=True),
+               proof.gateway_dispatch(before, {**_gw(83, 194), **_fallbacks()}, pd=True)):
+        assert proof.dispatch_problems(type("P", (), gw), 4) == [
+            "the gateway picked prefill 0 and decode 0 times for 4 requests"]
+    # Selections and fallback picks add up; a short count still fails.
+    gw = proof.gateway_dispatch(before, {**_gw(85, 194), **_fallbacks(overload=1)}, pd=True)
+    assert proof.dispatch_problems(type("P", (), gw), 4) == [
+        "the gateway picked prefill 3 and decode 3 times for 4 requests"]

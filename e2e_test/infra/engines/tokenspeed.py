@@ -436,6 +436,9 @@ class TokenSpeedPDProof:
     decode_success: float
     decode_generation_tokens: float
     decode_prompt_tokens: float
+    # PD pairs smg's veto fallback picked, counted in the two selections above
+    # (proof.FALLBACKS); absent in records before 5a89add
+    gateway_fallback_pairs: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -484,7 +487,7 @@ def pd_transfer_tokenspeed(cluster, n: int = 4, roles: dict | None = None) -> To
           "messages": [{"role": "user", "content": long_unique_prompt(seed=i)}]}
          for i in range(n))))
     a_d, a_p, a_g = scrape_all(decode), scrape_all(prefill), cluster.gateway_metrics()
-    gw = gateway_dispatch(b_g, a_g)
+    gw = gateway_dispatch(b_g, a_g, pd=cluster.topology.kind == "pd")
     gw.pop("gateway_encode_selections")
     proof = TokenSpeedPDProof(
         requests=n, prompt_tokens=prompt_tokens, **gw,
