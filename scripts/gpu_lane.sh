@@ -71,7 +71,8 @@ if [ "$eng" = tokenspeed ]; then
   # CUDA graphs: the builder asks the greedy sampler and captures batch sizes up to 16 without
   # a prefill graph (engines/tokenspeed.py serving_defaults). Eager, TokenSpeed's scheduler was
   # CPU-bound at 22-34 ms a decode step and e2e-1gpu-pd took 187 s booted together; with
-  # graphs 68-71 s (H200, ac24287). The EPD lane stays eager, as it was measured.
+  # graphs 68-71 s (H200, ac24287), 60-63 s with the scheduler warm-spawned (5a89add). The
+  # EPD lane stays eager, as it was measured.
   [ "$lane" = e2e-1gpu-epd ] || export E2E_ENFORCE_EAGER=${E2E_ENFORCE_EAGER:-0}
   export E2E_MOONCAKE_TRANSPORT=${E2E_MOONCAKE_TRANSPORT:-tcp}
 fi

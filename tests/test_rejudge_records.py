@@ -96,6 +96,16 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                    "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
                    "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
                    "test_pd_kv_recall[tokenspeed-1p1d]"]]
+      # 5a89add: TokenSpeed's scheduler warm-spawned (default) and cold, together and serially
+      + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-5a89add{suffix}", t)
+         for kind, suffixes in [("warm-together", ("", "-b", "-c", "-d")),
+                                ("cold-together", ("", "-b")), ("warm-serial", ("",)),
+                                ("cold-serial", ("",))]
+         for suffix in suffixes
+         for t in ["test_oracle_negative_control[tokenspeed-1]",
+                   "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
+                   "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
+                   "test_pd_kv_recall[tokenspeed-1p1d]"]]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", "test_oracle_negative_control[vllm-1]")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", t.format(shape=shape))
          for shape in ("1p2d", "2p1d", "2p2d")

@@ -19,8 +19,10 @@ target's if the waiting interpreter has died.
 `--child-env NAME=VALUE` sets a variable in the waiting interpreter from its start, for one
 the child reads during its imports (a CUDA context created at import reads
 CUDA_DEVICE_MAX_CONNECTIONS then). The child prints one line when it takes the request:
-how long its imports took, how long it then waited, and which variables differ between its
-start and the parent's environment at the request (applied before the target runs).
+how long its imports took, how long it then waited, and which variables of the parent's
+environment at the request differ from its own after its imports (applied before the target
+runs, but not seen by the imports: a variable the entry point sets from its arguments and a
+module reads at import would show here).
 
     python -m e2e_warm_spawn --run MODULE --target MODULE:QUALNAME [--preload MODULE]...
                              [--child-env NAME=VALUE]... -- ARGS...
@@ -206,7 +208,6 @@ def child_main(sock_fd: int, sentinel_w: int, preload: list[str]) -> int:
     os.set_inheritable(sentinel_w, False)
     os.set_inheritable(sock_fd, False)
     t0 = time.monotonic()
-    start_env = dict(os.environ)
     sock = socket.socket(fileno=sock_fd)
     box: dict = {}
     reader = threading.Thread(target=_receive, args=(sock, box), daemon=True)
@@ -225,7 +226,9 @@ def child_main(sock_fd: int, sentinel_w: int, preload: list[str]) -> int:
         raise box["error"]
     header = box["header"]
     env = header["env"]
-    changed = sorted(k for k in set(env) | set(start_env) if env.get(k) != start_env.get(k))
+    # What the parent's environment has that this one, after its own imports, has not: set
+    # now, before the target runs, but not seen by the imports.
+    changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
     os.environ.clear()
     os.environ.update(env)
     soft, hard = header["nofile"]
@@ -235,7 +238,7 @@ def child_main(sock_fd: int, sentinel_w: int, preload: list[str]) -> int:
         pass
     print(f"{NAME} (pid {os.getpid()}): imports {imported - t0:.1f} s, request "
           f"{max(0.0, box['at'] - imported):.1f} s after them ({len(preload)} preloaded); "
-          f"environment changed since start: {', '.join(changed) or 'none'}",
+          f"the parent's environment differs in: {', '.join(changed) or 'nothing'}",
           file=sys.stderr, flush=True)
     from multiprocessing import resource_tracker
     fds = box["fds"]
