@@ -106,6 +106,12 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                    "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
                    "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
                    "test_pd_kv_recall[tokenspeed-1p1d]"]]
+      # 20a2049: vLLM booted together, the machine's first vLLM lane
+      + [("h200-e2e-1gpu-pd-vllm-20a2049", t)
+         for t in ["test_oracle_negative_control[vllm-1]",
+                   "test_pd_answers_match_regular[vllm-1p1d-gsm8k]",
+                   "test_pd_answers_match_regular[vllm-1p1d-mmlu]",
+                   "test_pd_kv_recall[vllm-1p1d]"]]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", "test_oracle_negative_control[vllm-1]")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", t.format(shape=shape))
          for shape in ("1p2d", "2p1d", "2p2d")
