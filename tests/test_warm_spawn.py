@@ -48,7 +48,7 @@ import stand_in_target
 if __name__ == "__main__":
     os.environ["STAND_IN_LATE"] = "late"
     mp.set_start_method("spawn", force=True)
-    time.sleep(1.5)             # the entry point's own imports, meanwhile
+    time.sleep(float(os.environ.get("STAND_IN_SLEEP", "1.5")))  # its own imports, meanwhile
     out = {"argv": sys.argv[1:], "parent": os.getpid()}
     for name, target, args in (("first", stand_in_target.work, (3,)),
                                ("second", stand_in_target.other, ())):
@@ -85,7 +85,8 @@ def test_warm_child_imported_before_the_request_and_runs_the_target(stand_in):
     tmp, env = stand_in
     out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
                      "--target", "stand_in_target:work", "--preload", "stand_in_target",
-                     "--child-env", "STAND_IN_EARLY=early", "--", "--flag", "x"], env, tmp)
+                     "--child-env", "STAND_IN_EARLY=early", "--", "--flag", "x"],
+                    {**env, "STAND_IN_SLEEP": "3"}, tmp)
     first, second = out["first"], out["second"]
     assert out["argv"] == ["--flag", "x"]
     # Warm: its 1 s import was done while the entry point slept, before the request.
@@ -111,12 +112,13 @@ def test_negative_control_without_the_launcher_the_child_imports_after_the_reque
 def test_an_unused_waiting_interpreter_ends_with_its_parent(stand_in, tmp_path):
     tmp, env = stand_in
     (tmp / "stand_in_idle.py").write_text("import time\nif __name__ == '__main__':\n"
-                                          "    time.sleep(1.5)\n")
+                                          "    time.sleep(3)\n")
     p = subprocess.Popen([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_idle",
                           "--target", "stand_in_target:work", "--preload", "stand_in_target",
                           "--"], env=env, cwd=tmp)
-    time.sleep(0.5)
-    kids = psutil.Process(p.pid).children()
+    deadline = time.monotonic() + 10
+    while not (kids := psutil.Process(p.pid).children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(kids) == 1, kids  # the waiting interpreter
     assert p.wait(30) == 0
     kids[0].wait(10)  # raises psutil.TimeoutExpired if it outlived its parent
@@ -126,9 +128,10 @@ def test_an_unused_waiting_interpreter_ends_with_its_parent(stand_in, tmp_path):
 def test_a_dead_waiting_interpreter_falls_back_to_spawn(stand_in):
     tmp, env = stand_in
     (tmp / "stand_in_crash.py").write_text("import os\nos._exit(9)\n")
+    # the entry point waits long enough for the interpreter to have died on a loaded machine
     out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
                      "--target", "stand_in_target:work", "--preload", "stand_in_crash",
-                     "--"], env, tmp)
+                     "--"], {**env, "STAND_IN_SLEEP": "4"}, tmp)
     assert "not using the waiting interpreter" in err and "it is gone" in err
     assert out["first"]["imported_at"] > out["first"]["started"]  # a plain spawn
     assert out["first"]["exitcode"] == 3 and out["first"]["late"] == "late"
