@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ..cluster.readiness import GrpcHealth
 from ..errors import ConfigError, HarnessError
+from ..lifecycle.reaper import extend_pythonpath
 from ..specs.model_specs import ModelSpec
 from ..specs.plan import PlanEntry
 from ..specs.settings import Bool, Choice, Setting
@@ -264,9 +265,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     argv += extra + serving_defaults(extra, graphs=graphs)
     if options.opt("warm_spawn", DEFAULT_WARM_SPAWN) and entry.tp == 1 and entry.dp == 1:
         argv = warm_spawn_argv(argv)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [LAUNCHERS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                           if p and p != LAUNCHERS])
+        env["PYTHONPATH"] = extend_pythonpath(LAUNCHERS)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",

@@ -133,8 +133,8 @@ def gateway_dispatch(before: dict, after: dict, pd: bool = False) -> dict:
     """smg's per-role worker selections and its PD/EPD failure counters, as deltas. `pd`: the
     gateway routes prefill/decode pairs, so its veto-fallback picks count for both legs
     (FALLBACKS), and `gateway_fallback_pairs` says how many there were."""
-    sel = SELECTIONS
-    out = {**{f"gateway_{role}_selections": metrics.delta(before, after, sel, worker_type=role)
+    out = {**{f"gateway_{role}_selections": metrics.delta(before, after, SELECTIONS,
+                                                          worker_type=role)
               for role in ("encode", "prefill", "decode")},
            "gateway_transfer_failures": (
                metrics.delta(before, after, "smg_pd_bootstrap_failures_total")
