@@ -72,15 +72,13 @@ class Warm:
     def __init__(self, preload: list[str], child_env: dict[str, str]):
         self.sock, theirs = socket.socketpair()
         self.sentinel, sentinel_w = os.pipe()
-        env = {**os.environ, **child_env}
         code = (f"import sys, {NAME} as w; "
                 f"sys.exit(w.child_main({theirs.fileno()}, {sentinel_w}, {preload!r}))")
         exe = spawn.get_executable()
         args = [exe, *util._args_from_interpreter_flags(), "-c", code]
         saved = dict(os.environ)
         try:
-            os.environ.clear()
-            os.environ.update(env)
+            os.environ.update(child_env)
             self.pid = util.spawnv_passfds(exe, args, [theirs.fileno(), sentinel_w])
         finally:
             os.environ.clear()
@@ -133,7 +131,7 @@ class WarmPopen(popen_fork.Popen):
         fds = [tracker_fd, *self._fds]
         header = pickle.dumps({"env": dict(os.environ),
                                "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
-                               "nfds": len(fds), "size": len(blob), "sent": time.time()})
+                               "nfds": len(fds), "size": len(blob)})
         w = self._warm
         w.sock.sendall(_HEADER.pack(len(header)) + header)
         reduction.sendfds(w.sock, fds)
