@@ -112,6 +112,18 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                    "test_pd_answers_match_regular[vllm-1p1d-gsm8k]",
                    "test_pd_answers_match_regular[vllm-1p1d-mmlu]",
                    "test_pd_kv_recall[vllm-1p1d]"]]
+      # f78e3d1: both engines together and serially on one machine; vLLM's engine process
+      # forked (the default since f78e3d1) and, once, spawned
+      + [(f"h200-e2e-1gpu-pd-{eng}-{kind}-f78e3d1{suffix}", t.format(eng=eng))
+         for eng, kind, suffix in [("tokenspeed", "together-first", ""),
+                                   ("tokenspeed", "serial", ""), ("tokenspeed", "together", ""),
+                                   ("tokenspeed", "together", "-b"),
+                                   ("vllm", "together-first", ""), ("vllm", "serial", ""),
+                                   ("vllm", "together", ""), ("vllm", "together-spawn", "")]
+         for t in ["test_oracle_negative_control[{eng}-1]",
+                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
+                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
+                   "test_pd_kv_recall[{eng}-1p1d]"]]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", "test_oracle_negative_control[vllm-1]")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", t.format(shape=shape))
          for shape in ("1p2d", "2p1d", "2p2d")
