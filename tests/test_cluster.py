@@ -93,6 +93,8 @@ def test_a_registered_fake_engine_runs_a_whole_cluster(fake, weights, tmp_path):
     assert _gone(pids)
     facts = json.loads((tmp_path / "cluster" / "cluster.json").read_text())
     assert facts["engine"] == "fake" and facts["teardown"]["ok"]
+    # the real gateway served its first probe: no failed probe recorded (readiness.ModelServed)
+    assert facts["timing"]["gateway_probe_failures"] == []
     assert (tmp_path / "cluster" / "logs" / "worker-0.log").is_file()
 
 

@@ -14,10 +14,12 @@ from e2e_test.infra.cluster.readiness import (
     AllOf,
     GrpcHealth,
     HttpGet,
+    NOT_LISTED,
     ModelServed,
     PortBound,
     Step,
     legs_to_warm,
+    probe_ready,
 )
 from e2e_test.infra.lifecycle import ports
 
@@ -126,3 +128,50 @@ def test_legs_to_warm():
     assert legs_to_warm(["prefill", "decode", "decode"]) == 2
     assert legs_to_warm(["encode", "prefill", "prefill", "prefill", "decode"]) == 3
     assert legs_to_warm([]) == 1
+
+
+def test_model_served_keeps_the_probes_that_failed():
+    """A gateway that lists the model late, then answers the first chat 504 (smg's prefill
+    silence verdict on a new PD pair, as on the H200 at f78e3d1): the 504 is kept with its
+    reason and duration, the not-yet-listed polls are not (they are the gateway starting)."""
+    state = {"models": 0, "chats": 0}
+
+    def handle(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/v1/models":
+            state["models"] += 1
+            return httpx.Response(200, json={"data": [{"id": "m"}] if state["models"] > 1 else []})
+        state["chats"] += 1
+        if state["chats"] == 1:
+            return httpx.Response(504, text="PD prefill leg produced nothing within 3.0s")
+        return httpx.Response(200, json={"choices": [{"message": {"content": "OK"}}]})
+
+    ready = ModelServed("http://gw", "m")
+    with httpx.Client(transport=httpx.MockTransport(handle)) as c:
+        assert [ready.ready(c) for _ in range(3)] == [False, False, True]
+    assert len(ready.failures) == 1
+    assert ready.failures[0]["error"].startswith("probe chat completion HTTP 504: PD prefill")
+    assert ready.failures[0]["after_s"] >= 0
+    # negative control: a gateway that serves the first probe keeps no failure
+    transport, _ = _round_robin_gateway(1)
+    clean = ModelServed("http://gw", "m")
+    with httpx.Client(transport=transport) as c:
+        assert clean.ready(c)
+    assert clean.failures == []
+
+
+def test_probe_ready_tells_not_listed_from_a_failed_completion():
+    def down(req: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=req)
+
+    with httpx.Client(transport=httpx.MockTransport(down)) as c:
+        ok, why = probe_ready("http://gw", "m", c)
+    assert not ok and why.startswith(NOT_LISTED)
+
+    def chat_down(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        raise httpx.ReadTimeout("slow", request=req)
+
+    with httpx.Client(transport=httpx.MockTransport(chat_down)) as c:
+        ok, why = probe_ready("http://gw", "m", c)
+    assert not ok and why.startswith("probe chat completion ReadTimeout")

@@ -93,3 +93,18 @@ def test_the_report_carries_the_runs_time_report_and_its_boot_phases(tmp_path):
             "20.1 s") in report.render([d])
     (d / "timing.json").unlink()
     assert "- time:" not in report.render([d])
+
+
+def test_gateway_cell_says_which_probes_failed():
+    """A gateway's readiness with the probes that failed on the way (readiness.ModelServed),
+    as TokenSpeed's 1p1d gateways saw on the H200 at f78e3d1; a record without them (before
+    they were kept) or with none reads as before."""
+    assert report.gateway_cell({"gateway_ready_s": 1.87}) == "1.9 s"
+    assert report.gateway_cell({"gateway_ready_s": 1.87, "gateway_probe_failures": []}) == "1.9 s"
+    cell = report.gateway_cell({"gateway_ready_s": 7.17, "gateway_probe_failures": [
+        {"after_s": 3.0, "error": "probe chat completion HTTP 504: {\"error\": |silence|}"}]})
+    assert cell == "7.2 s (1 failed probe: HTTP 504 after 3.0 s)"
+    many = report.gateway_cell({"gateway_ready_s": 20.0, "gateway_probe_failures": [
+        {"after_s": 3.0, "error": "probe chat completion ReadTimeout('slow')"}] * 5})
+    assert many.startswith("20.0 s (5 failed probes: ReadTimeout('slow') after 3.0 s;")
+    assert many.endswith("; 2 more)") and "|" not in many

@@ -119,6 +119,9 @@ class Timing:
     workers: dict[str, float] = field(default_factory=dict)   # name -> seconds to ready
     topology_ready_s: float | None = None                     # first start -> last worker ready
     gateway_ready_s: float | None = None
+    # The gateway's readiness probes that failed once it listed the model, each {"after_s",
+    # "error"} (readiness.ModelServed.failures): why a gateway took long to be ready.
+    gateway_probe_failures: list = field(default_factory=list)
     total_ready_s: float | None = None
     teardown_s: float | None = None
     # Epoch seconds, for the lane's time report (time_report.py): when the boot and the
@@ -389,7 +392,8 @@ class Cluster:
         t0 = time.monotonic()
         self.gateway_argv, self.gateway, dynamic = self._spawn_gateway(
             self.gateway_port, self.prometheus_port, self.admission, "gateway")
-        self._await_gateway(self.gateway_port, self.gateway, "gateway", dynamic)
+        self.timing.gateway_probe_failures = self._await_gateway(
+            self.gateway_port, self.gateway, "gateway", dynamic)
         self.timing.gateway_ready_s = round(time.monotonic() - t0, 2)
 
     def _spawn_gateway(self, port: int, prometheus_port: int, admission: gw.Admission | None,
@@ -412,18 +416,19 @@ class Cluster:
                                      self.dir / "logs" / f"{name}.log")
         return argv, handle, [g for g in gws if g.register_dynamically]
 
-    def _await_gateway(self, port: int, handle: Handle, name: str, dynamic: list) -> None:
+    def _await_gateway(self, port: int, handle: Handle, name: str, dynamic: list) -> list:
         """Until the gateway is ready: workers registered where the mode registers them, the
-        model served; StartupError when it dies or the time is up."""
+        model served; StartupError when it dies or the time is up. Returns the probes that
+        failed on the way (readiness.ModelServed.failures)."""
         t0 = time.monotonic()
         url = f"http://127.0.0.1:{port}"
+        served = ModelServed(url, self.model_name, legs_to_warm(
+            w.command.worker_type for w in self.workers if w.command.worker_type != "none"))
         ready = AllOf(HttpGet(port, "/health"),
                       *([Step("registering workers", lambda: gw.register_workers(
                           url, dynamic, timeout=GATEWAY_READY_S,
                           alive=handle.alive))] if dynamic else []),
-                      ModelServed(url, self.model_name, legs_to_warm(
-                          w.command.worker_type for w in self.workers
-                          if w.command.worker_type != "none")))
+                      served)
         deadline = t0 + GATEWAY_READY_S
         with httpx.Client(timeout=30.0) as client:
             while True:
@@ -432,7 +437,7 @@ class Cluster:
                     raise StartupError(head, details)
                 self._check_others_alive([])
                 if ready.ready(client):
-                    return
+                    return list(served.failures)
                 if time.monotonic() > deadline:
                     raise StartupError(f"{name} not ready within {GATEWAY_READY_S:.0f} s: "
                                        f"{ready.pending()}", handle.log_tail(20))

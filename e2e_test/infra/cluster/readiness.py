@@ -16,6 +16,7 @@ The timeouts are named here once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,17 +28,22 @@ from ..lifecycle import ports
 POLL_S = 0.25                 # between two polls of a starting process
 GATEWAY_READY_S = 120.0       # gateway start -> /health, worker registration, a real completion
 GRPC_CHECK_S = 1.0            # one gRPC health call
+NOT_LISTED = "/v1/models"     # how probe_ready's answers start while the model is not listed
 
 
 def probe_ready(base_url: str, model: str, client: httpx.Client) -> tuple[bool, str]:
-    """Ready = /v1/models lists the model AND one real chat completion succeeds."""
+    """Ready = /v1/models lists the model AND one real chat completion succeeds. While the
+    model is not listed (or /v1/models does not answer) the reason starts with NOT_LISTED."""
     try:
         r = client.get(f"{base_url}/v1/models")
         if r.status_code != 200:
-            return False, f"/v1/models HTTP {r.status_code}"
+            return False, f"{NOT_LISTED} HTTP {r.status_code}"
         ids = [m.get("id") for m in r.json().get("data", [])]
-        if model not in ids:
-            return False, f"/v1/models lists {ids}, not {model!r}"
+    except (httpx.HTTPError, ValueError) as e:
+        return False, f"{NOT_LISTED} {e!r}"
+    if model not in ids:
+        return False, f"{NOT_LISTED} lists {ids}, not {model!r}"
+    try:
         r = client.post(f"{base_url}/v1/chat/completions", json={
             "model": model, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": "Say OK."}]})
@@ -47,7 +53,7 @@ def probe_ready(base_url: str, model: str, client: httpx.Client) -> tuple[bool, 
             return False, "probe chat completion had no choices"
         return True, ""
     except (httpx.HTTPError, ValueError) as e:
-        return False, repr(e)
+        return False, f"probe chat completion {e!r}"
 
 
 class Readiness(Protocol):
@@ -124,17 +130,27 @@ class ModelServed:
     """Ready = /v1/models lists the model AND `completions` real chat completions succeeded,
     one after another (one per poll). More than one where a role has several workers behind
     a round-robin gateway: k in a row reach every worker of a role of k or fewer, so no leg's
-    first generation is a test's (see legs_to_warm)."""
+    first generation is a test's (see legs_to_warm).
+
+    `failures` keeps each probe that failed once the model was listed, with how long it took
+    and what the gateway said, so that a slow gateway readiness says why (H200, TokenSpeed
+    1p1d: the first request through a new prefill-decode pair outlasted smg's 3 s prefill
+    silence bound and was answered 504; the retry served)."""
     base_url: str
     model: str
     completions: int = 1
     last: str = ""
     served: int = 0
+    failures: list = field(default_factory=list)
 
     def ready(self, client: httpx.Client) -> bool:
         if self.served < self.completions:
+            t0 = time.monotonic()
             ok, self.last = probe_ready(self.base_url, self.model, client)
             self.served += ok
+            if not ok and not self.last.startswith(NOT_LISTED):
+                self.failures.append({"after_s": round(time.monotonic() - t0, 2),
+                                      "error": self.last[:300]})
         return self.served >= self.completions
 
     def pending(self) -> str:

@@ -159,7 +159,7 @@ def render(dirs: list[Path]) -> str:
                     td += "; GPU memory back to baseline (NVML)"
                 lines.append(f"| {name} | {max(w.values()) if w else 0:.1f} s / "
                              f"{tm.get('topology_ready_s') or 0:.1f} s | "
-                             f"{tm.get('gateway_ready_s') or 0:.1f} s | {td} |")
+                             f"{gateway_cell(tm)} | {td} |")
             lines.append("")
         lines += ["| test | outcome | topology | plan | ready per role | results |",
                   "|---|---|---|---|---|---|"]
@@ -173,3 +173,22 @@ def render(dirs: list[Path]) -> str:
                          f"{t.get('topology', '')} | {where} | {_fmt_ready(t)} | {details(t)} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def gateway_cell(timing: dict) -> str:
+    """A topology's gateway readiness, with the probes that failed on the way (a record from
+    before they were kept has none): `7.2 s (1 failed probe: HTTP 504 after 3.0 s)`."""
+    cell = f"{timing.get('gateway_ready_s') or 0:.1f} s"
+    failed = timing.get("gateway_probe_failures") or []
+    if failed:
+        what = "; ".join(f"{_probe_error(f.get('error', ''))} after {f.get('after_s', 0):.1f} s"
+                         for f in failed[:3])
+        more = f"; {len(failed) - 3} more" if len(failed) > 3 else ""
+        cell += f" ({len(failed)} failed probe{'s' if len(failed) > 1 else ''}: {what}{more})"
+    return cell
+
+
+def _probe_error(error: str) -> str:
+    """The short form of a failed probe's reason: `HTTP 504`, `ReadTimeout(...)`."""
+    short = error.removeprefix("probe chat completion ").split(":", 1)[0]
+    return short.replace("|", "/")[:60]

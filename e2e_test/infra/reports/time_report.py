@@ -243,7 +243,9 @@ def cluster_entry(c) -> dict:
             "profile": "eager" if c.options.enforce_eager else "compiled",
             "boot_started": t.boot_started, "total_ready_s": t.total_ready_s,
             "workers": dict(t.workers), "roles": {w.name: w.entry.role for w in c.workers},
-            "gateway_ready_s": t.gateway_ready_s, "teardown_started": t.teardown_started,
+            "gateway_ready_s": t.gateway_ready_s,
+            "gateway_probe_failures": list(t.gateway_probe_failures),
+            "teardown_started": t.teardown_started,
             "teardown_s": t.teardown_s, "restart_boots": list(t.restart_boots),
             "boot_waits": list(t.boot_waits),
             "compile_cache": cache, "phases": {k: dict(v) for k, v in t.phases.items()}}
