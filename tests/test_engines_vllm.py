@@ -2,6 +2,7 @@
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -339,3 +340,74 @@ def test_gpu_engine_process_forked_unless_off():
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in cpu.env
     with pytest.raises(Exception, match="E2E_VLLM_FORK_ENGINE"):
         options_from_env({"E2E_VLLM_FORK_ENGINE": "maybe"})
+
+
+# -- a CPU worker's dtype -----------------------------------------------------------------------
+
+ZEN3 = "fpu sse2 avx avx2 fma bmi2"                      # AVX2 only: no bf16 instructions
+ZEN4 = ZEN3 + " avx512f avx512bw avx512_bf16"
+
+
+def test_cpu_dtype_follows_the_cpus_bf16_instructions():
+    """bfloat16 where the CPU has bf16 instructions (x86 avx512_bf16 / amx_bf16, ARM bf16),
+    float32 elsewhere: bf16 on an AVX2-only CPU is several times slower (vllm.CPU_DTYPES)."""
+    assert vllm.cpu_dtype_for(ZEN3.split()) == "float32"
+    assert vllm.cpu_dtype_for(ZEN4.split()) == "bfloat16"
+    assert vllm.cpu_dtype_for(["amx_bf16", "amx_tile"]) == "bfloat16"
+    assert vllm.cpu_dtype_for(["fp", "asimd", "bf16"]) == "bfloat16"
+    # avx512f without the bf16 extension is not enough (Skylake, Zen 3's absence alike)
+    assert vllm.cpu_dtype_for(["avx512f", "avx512bw"]) == "float32"
+    assert vllm.cpu_dtype_for([]) == "float32"
+
+
+def test_host_cpu_flags_reads_the_first_flags_line(tmp_path):
+    f = tmp_path / "cpuinfo"
+    f.write_text(f"processor\t: 0\nflags\t\t: {ZEN4}\n\nprocessor\t: 1\nflags\t\t: {ZEN3}\n")
+    assert vllm.host_cpu_flags(str(f)) == frozenset(ZEN4.split())
+    f.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert "bf16" in vllm.host_cpu_flags(str(f))
+    assert vllm.host_cpu_flags(str(tmp_path / "none")) == frozenset()
+
+
+def test_cpu_worker_dtype_replaces_the_models_and_the_users_comes_last(tmp_path):
+    t, e = cpu_entries("1", cores=(0, 1))
+    w = e["worker-0"]
+    f32 = vllm.build(SMOL, t, w, Ports(api=1), "/models/smol", CPU.with_opts(cpu_dtype="float32"))
+    assert f32.argv == head(1) + ["--dtype", "float32"]      # the model's bfloat16 replaced
+    for keep in ("auto", "model"):     # auto unresolved (no prepare) and model: the model's
+        cmd = vllm.build(SMOL, t, w, Ports(api=1), "/models/smol", CPU.with_opts(cpu_dtype=keep))
+        assert cmd.argv == head(1) + ["--dtype", "bfloat16"]
+    user = replace(CPU.with_opts(cpu_dtype="float32"), extra_args=("--dtype", "float16"))
+    assert vllm.build(SMOL, t, w, Ports(api=1), "/models/smol", user).argv[-4:] == [
+        "--dtype", "float32", "--dtype", "float16"]
+    assert vllm.with_dtype(["--a", "1", "--dtype=half", "--b"], "float32") == [
+        "--a", "1", "--b", "--dtype", "float32"]
+    # a GPU worker keeps the model's dtype whatever the CPU option says
+    tg, eg = gpu_entries("1", SMOL, devices=(0,))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "head_dim": 64, "hidden_size": 576}))
+    gpu = vllm.build(SMOL, tg, eg["worker-0"], Ports(api=1), str(tmp_path),
+                     CUDA.with_opts(cpu_dtype="float32"))
+    assert gpu.argv[gpu.argv.index("--dtype") + 1] == "bfloat16"
+
+
+def test_prepare_resolves_auto_from_this_host(tmp_path, monkeypatch):
+    """`prepare` (per cluster) turns auto into this host's dtype, on CPU only; an explicit
+    choice and the GPU backend are left as they are; a bad value is one line naming the
+    variable."""
+    t = parse("1")
+    monkeypatch.setattr(vllm, "host_cpu_flags", lambda: frozenset(ZEN3.split()))
+    got = vllm.ENGINE.prepare(t, SMOL, options_from_env({}), tmp_path, None)
+    assert got.opt("cpu_dtype") == "float32"
+    monkeypatch.setattr(vllm, "host_cpu_flags", lambda: frozenset(ZEN4.split()))
+    assert vllm.ENGINE.prepare(t, SMOL, options_from_env({}), tmp_path, None) \
+        .opt("cpu_dtype") == "bfloat16"
+    for env in ({"E2E_VLLM_CPU_DTYPE": "model"}, {"E2E_VLLM_CPU_DTYPE": "float32"}):
+        o = options_from_env(env)
+        assert vllm.ENGINE.prepare(t, SMOL, o, tmp_path, None).opt("cpu_dtype") == \
+            env["E2E_VLLM_CPU_DTYPE"]
+    cuda = options_from_env({}, backend="cuda")
+    assert vllm.ENGINE.prepare(t, SMOL, cuda, tmp_path, None).opt("cpu_dtype") == "auto"
+    with pytest.raises(Exception, match="E2E_VLLM_CPU_DTYPE"):
+        options_from_env({"E2E_VLLM_CPU_DTYPE": "fp8"})

@@ -39,6 +39,9 @@ def test_kv_dtype_and_cache_config():
     assert proof.kv_dtype("fp8", ["--dtype", "bfloat16"], {}) == "fp8"
     assert proof.kv_dtype(None, [], {"torch_dtype": "float16"}) == "float16"
     assert proof.kv_dtype(None, [], SMOLLM2) == "bfloat16"
+    # argparse keeps the last --dtype: the model's, then a CPU worker's or the user's extra
+    assert proof.kv_dtype(None, ["--dtype", "bfloat16", "--dtype", "float32"], {}) == "float32"
+    assert proof.kv_dtype(None, ["--dtype=bfloat16", "--dtype", "float32"], {}) == "float32"
     samples = {("vllm:cache_config_info", (("block_size", "16"), ("cache_dtype", "auto"))): 1.0,
                ("vllm:num_requests_running", ()): 0.0}
     assert vllm.cache_config(samples) == {"block_size": "16", "cache_dtype": "auto"}

@@ -21,7 +21,7 @@ from ..cluster.readiness import HttpGet
 from ..errors import ConfigError, HarnessError
 from ..specs.model_specs import ModelSpec
 from ..specs.plan import PlanEntry
-from ..specs.settings import Bool, Setting
+from ..specs.settings import Bool, Choice, Setting
 from ..specs.topology import Topology
 from ..verdicts.proof import (
     kv_bytes_per_token,
@@ -46,8 +46,52 @@ from . import Engine, EngineOptions, Ports, WorkerCommand, core_list, kv_corrupt
 #                     Never set from the environment.
 #   cpu_kv_cache_gib  VLLM_CPU_KVCACHE_SPACE of a CPU worker
 #   fork_engine       a GPU worker's engine process forked from its API server (FORK_ENGINE)
+#   cpu_dtype         a CPU worker's --dtype (CPU_DTYPES): "auto" is resolved per cluster by
+#                     `prepare` from this host's CPU flags (cpu_dtype_for); "model": the model
+#                     spec's own dtype, unchanged
 OPTIONS = {"kv_connector": "nixl", "kv_shared_path": "", "kv_corrupt": "",
-           "cpu_kv_cache_gib": 2, "fork_engine": True}
+           "cpu_kv_cache_gib": 2, "fork_engine": True, "cpu_dtype": "auto"}
+
+# A CPU worker computes in bfloat16 only where the CPU has bf16 instructions; elsewhere in
+# float32. On an AVX2-only AMD EPYC (Zen 3, no avx512_bf16; the CI runners of 2026-12-03 on)
+# torch 2.13 multiplies a bf16 [512 x 576] x [576 x 1536] at 4.8 GFLOP/s against 27.6 in
+# float32 (one thread), and one vllm-cpu 0.32 worker of SmolLM2-135M took 115.6 s for 32
+# GSM8K items and 300.8 s for 32 MMLU items in bfloat16 against 37.0 s and 42.3 s in float32:
+# the e2e-cpu lane went from 35 to over 90 minutes, its PD traffic past the stall watchdog.
+# Where the CPU has them (avx512_bf16, amx_bf16; ARM's bf16) bf16 is the fast one and the
+# model's own dtype, as on the GPUs. Env E2E_VLLM_CPU_DTYPE.
+CPU_DTYPES = ("auto", "model", "bfloat16", "float32")
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_dtype_for(flags) -> str:
+    """The dtype a CPU worker computes in on a CPU with these flags (/proc/cpuinfo's `flags`,
+    ARM's `Features`): bfloat16 where it has bf16 instructions, else float32. Pure."""
+    return "bfloat16" if NATIVE_BF16_FLAGS & set(flags) else "float32"
+
+
+def host_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """This host's CPU flags (the first `flags` or `Features` line of /proc/cpuinfo); empty
+    where there is none to read."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return frozenset()
+    m = re.search(r"^(?:flags|Features)\s*:(.*)$", text, re.MULTILINE)
+    return frozenset(m.group(1).split()) if m else frozenset()
+
+
+def with_dtype(args: list[str], dtype: str) -> list[str]:
+    """`args` with its --dtype (both spellings) replaced by `dtype`. Pure."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--dtype":
+            skip = True
+        elif not a.startswith("--dtype="):
+            out.append(a)
+    return out + ["--dtype", dtype]
 
 # The engine process, forked. vLLM's CLI sets VLLM_WORKER_MULTIPROC_METHOD=spawn when it is
 # unset (entrypoints/.../api_utils.py cli_env_setup), so the API server starts its engine core
@@ -274,7 +318,10 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             kv_connector = "MooncakeConnector"
     elif topology.kind not in ("regular", "dp"):
         raise ConfigError(f"engines/vllm builds regular, dp and pd workers, not {topology.kind!r}")
-    argv += list(spec.engine_args("vllm", entry.role)) + list(options.extra_args)
+    model_args = list(spec.engine_args("vllm", entry.role))
+    if options.backend == "cpu" and opt(options, "cpu_dtype") not in ("auto", "model"):
+        model_args = with_dtype(model_args, opt(options, "cpu_dtype"))
+    argv += model_args + list(options.extra_args)
     if options.backend == "cuda":
         # sized from the worker's whole argv: a --dtype in the user's extra args counts
         kv_bytes = kv_cache_bytes(spec, model_path, argv)
@@ -473,11 +520,16 @@ PROGRESS_MARKERS = (
 class VllmEngine(Engine):
     idle_gauges = IDLE_GAUGES
     option_defaults = OPTIONS
-    env_options = {"fork_engine": "E2E_VLLM_FORK_ENGINE"}  # noqa: RUF012
+    env_options = {"fork_engine": "E2E_VLLM_FORK_ENGINE",   # noqa: RUF012
+                   "cpu_dtype": "E2E_VLLM_CPU_DTYPE"}                           # (read only)
     settings_rows = (Setting("E2E_VLLM_FORK_ENGINE", Bool(), OPTIONS["fork_engine"],
                              "fork a GPU worker's engine process from its API server "
                              "(VLLM_WORKER_MULTIPROC_METHOD=fork) instead of the fresh "
-                             "interpreter vLLM's CLI spawns; 0: as the CLI starts it"),)
+                             "interpreter vLLM's CLI spawns; 0: as the CLI starts it"),
+                     Setting("E2E_VLLM_CPU_DTYPE", Choice(*CPU_DTYPES), OPTIONS["cpu_dtype"],
+                             "a CPU worker's --dtype: auto = bfloat16 where the CPU has bf16 "
+                             "instructions (avx512_bf16, amx_bf16), else float32 (bf16 on an "
+                             "AVX2-only CPU ran MMLU 7x slower); model = the model's own"))
     packages = ("vllm", "vllm-cpu", "nixl")
     name = "vllm"
     kinds = ("regular", "dp", "pd")
@@ -499,6 +551,9 @@ class VllmEngine(Engine):
         return None
 
     def prepare(self, topology, spec, options, run_dir, allocate_block):
+        if options.backend == "cpu" and opt(options, "cpu_dtype") == "auto":
+            # reads this host's CPU (a Ray node elsewhere is assumed to be of its kind)
+            options = options.with_opts(cpu_dtype=cpu_dtype_for(host_cpu_flags()))
         if opt(options, "kv_connector") == "example" and not opt(options, "kv_shared_path"):
             # ExampleConnector: prefill writes the KV to files that decode reads.
             return options.with_opts(kv_shared_path=str(run_dir.resolve() / "kv-store"))

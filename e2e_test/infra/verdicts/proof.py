@@ -49,12 +49,15 @@ def kv_bytes_per_token(config: dict, dtype: str) -> tuple[int, dict]:
 
 
 def _argv_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` in `argv` as argparse takes it: the last one given (a model's
+    --dtype followed by the user's extra args' --dtype is the user's)."""
+    found = None
     for i, a in enumerate(argv):
         if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
+            found = argv[i + 1]
+        elif a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+    return found
 
 
 def kv_dtype(cache_dtype: str | None, argv: list[str], config: dict) -> str:
