@@ -72,6 +72,32 @@ def test_pairing_holds_a_lone_request_then_releases_it():
     assert p.take(now=5.0) == ([], [("c", [4])]) and not p.held
 
 
+def test_donors_give_a_lone_request_the_newest_other_requests_kv():
+    """cross_request where transfers come further apart than the hold: a lone request gets
+    the newest other request's KV as it arrived, never its own; none before a second one."""
+    d = kc.Donors(keep=2)
+    d.add("a", "snap-a")
+    assert d.for_request("a") is None                 # only itself: nothing to receive
+    d.add("b", "snap-b")
+    assert d.for_request("b") == ("a", "snap-a") and d.for_request("x") == ("b", "snap-b")
+    d.add("c", "snap-c")                              # keeps the last two
+    assert [r for r, _ in d.items] == ["b", "c"] and d.for_request("c") == ("b", "snap-b")
+    d.clear()
+    assert d.for_request("c") is None
+
+
+def test_transplant_writes_another_requests_blocks():
+    caches = {"model.layers.0.self_attn.attn": cpu_cache(num_blocks=4)}
+    c = kc.Corruptor(caches, num_blocks=4)
+    before = caches["model.layers.0.self_attn.attn"].clone()
+    snap = c.snapshot([0, 1])                         # request A's two blocks
+    assert c.transplant(snap, [3]) == 1               # B has one block: A's first goes there
+    after = caches["model.layers.0.self_attn.attn"]
+    assert torch.equal(after[3], before[0])
+    assert torch.equal(after[:3], before[:3])         # nothing else touched
+    assert c.transplant(snap, []) == 0 and c.transplant([], [2]) == 0
+
+
 def cpu_cache(num_blocks=3, heads=2, block_size=4, head_size=3, dtype=torch.float32):
     return torch.arange(num_blocks * heads * block_size * 2 * head_size, dtype=dtype).view(
         num_blocks, heads, block_size, 2 * head_size)

@@ -37,7 +37,9 @@ the `vllm.e2e_kv_corrupt` logger and adds to `<dir>/counts.json`):
 - `cross_request`: the received blocks of two requests exchanged (block i of one with block i
   of the other, for i below the shorter count: cross-request bleed). A request whose transfer
   finishes alone is held back (not yet reported to the scheduler) for up to `HOLD_S` seconds
-  for a partner; unpaired at the deadline it is released uncorrupted (logged as `unpaired`).
+  for a partner; alone at the deadline it receives the KV of the newest other request as that
+  one arrived (`Donors`; counted `from_earlier`), or, the first of a case, is released
+  uncorrupted (logged as `unpaired`).
 
 The pure parts (kind parsing, block selection, pairing, layer order, the KV views of each
 cache layout) are unit-tested in tests/test_kv_corrupt.py without vLLM.
@@ -184,6 +186,30 @@ class Pairing:
         return {r[0] for r in self.waiting}
 
 
+class Donors:
+    """cross_request's fallback where transfers finish further apart than the hold (on an
+    AVX2-only 2-core runner in float32 a 2k-token recall prompt's prefill took about 40 s on
+    its one core, so every recall transfer came alone after a 10 s hold and went through
+    uncorrupted): the last `keep` requests' KV as it arrived, so that a lone request still
+    receives another request's KV, the newest one's that is not its own."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.items: list[tuple[str, object]] = []
+
+    def add(self, req_id: str, snapshot) -> None:
+        self.items = [d for d in self.items if d[0] != req_id][-(self.keep - 1):] \
+            if self.keep > 1 else []
+        self.items.append((req_id, snapshot))
+
+    def for_request(self, req_id: str):
+        """(donor req_id, snapshot) of the newest other request, or None."""
+        return next(((r, s) for r, s in reversed(self.items) if r != req_id), None)
+
+    def clear(self) -> None:
+        self.items = []
+
+
 # -- the harness side: the control file and the counts --------------------------------------
 
 def set_kind(folder: str, kind: str) -> None:
@@ -315,6 +341,17 @@ class Corruptor:
             for h in self.halves():
                 flip_bits(h[b], self.rng)
 
+    def transplant(self, snap: list, blocks: list[int]) -> int:
+        """Write the first blocks of another request's `snapshot` into `blocks` (as many as
+        both have); returns how many."""
+        n = min(len(blocks), *(len(s) for s in snap)) if snap else 0
+        if n == 0:
+            return 0
+        idx = self._idx(blocks[:n])
+        for h, s in zip(self.halves(), snap):
+            h[idx] = s[:n]
+        return n
+
     def exchange(self, a: list[int], b: list[int]) -> int:
         n = min(len(a), len(b))
         if n == 0:
@@ -349,6 +386,9 @@ class _State:
         self.counts: dict = {}
         self.stale: dict = {}                 # req_id -> (blocks, snapshot)
         self.pairing = Pairing()
+        # cross_request: the last requests' own KV as it arrived, (req_id, snapshot), newest
+        # last: a request left alone past the hold receives the newest other one's (Donors)
+        self.donors = Donors()
         self.metas: dict = {}                 # held req_id -> blocks
         self.corruptor: Corruptor | None = None
 
@@ -536,12 +576,19 @@ def _make_class():
                     if blocks:
                         st.pairing.add(r, blocks, now)
                         report.discard(r)
+                        c = self._e2e_corruptor()
+                        if c is not None:       # its own KV, before anything touches it
+                            import torch
+                            with torch.inference_mode():
+                                st.donors.add(r, c.snapshot(blocks))
             if kind.name == "cross_request":
                 pairs, alone = st.pairing.take(now)
             else:       # the mode moved on: whoever waits goes uncorrupted
                 pairs, alone = [], [(r[0], r[1]) for r in st.pairing.waiting]
                 st.pairing.waiting.clear()
-            c = self._e2e_corruptor() if pairs else None
+                st.donors.clear()
+            c = self._e2e_corruptor() if pairs or (alone and kind.name == "cross_request") \
+                else None
             if c is not None:
                 import torch
                 with torch.inference_mode():
@@ -554,6 +601,18 @@ def _make_class():
             for (ra, _), (rb, _) in pairs:
                 report.update((ra, rb))
             for r, blocks in alone:
+                donor = st.donors.for_request(r) if kind.name == "cross_request" else None
+                if donor is not None and c is not None:
+                    import torch
+                    with torch.inference_mode():
+                        n = c.transplant(donor[1], blocks)
+                    if n:
+                        st.count("cross_request", requests=1, blocks=n, from_earlier=1)
+                        log.warning("e2e-kv-corrupt: kind=cross_request req=%s alone after "
+                                    "%.1f s: received req=%s's KV in %d of its %d blocks", r,
+                                    st.pairing.hold_s, donor[0], n, len(blocks))
+                        report.add(r)
+                        continue
                 st.count("cross_request", unpaired=1)
                 log.warning("e2e-kv-corrupt: kind=cross_request req=%s unpaired after %.1f s: "
                             "released uncorrupted", r, st.pairing.hold_s)
