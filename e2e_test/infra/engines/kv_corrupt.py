@@ -198,9 +198,8 @@ class Donors:
         self.items: list[tuple[str, object]] = []
 
     def add(self, req_id: str, snapshot) -> None:
-        self.items = [d for d in self.items if d[0] != req_id][-(self.keep - 1):] \
-            if self.keep > 1 else []
-        self.items.append((req_id, snapshot))
+        self.items = [d for d in self.items if d[0] != req_id] + [(req_id, snapshot)]
+        del self.items[:-self.keep]
 
     def for_request(self, req_id: str):
         """(donor req_id, snapshot) of the newest other request, or None."""

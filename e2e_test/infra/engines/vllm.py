@@ -520,8 +520,8 @@ PROGRESS_MARKERS = (
 class VllmEngine(Engine):
     idle_gauges = IDLE_GAUGES
     option_defaults = OPTIONS
-    env_options = {"fork_engine": "E2E_VLLM_FORK_ENGINE",   # noqa: RUF012
-                   "cpu_dtype": "E2E_VLLM_CPU_DTYPE"}                           # (read only)
+    env_options = {"fork_engine": "E2E_VLLM_FORK_ENGINE",   # noqa: RUF012 (read only)
+                   "cpu_dtype": "E2E_VLLM_CPU_DTYPE"}
     settings_rows = (Setting("E2E_VLLM_FORK_ENGINE", Bool(), OPTIONS["fork_engine"],
                              "fork a GPU worker's engine process from its API server "
                              "(VLLM_WORKER_MULTIPROC_METHOD=fork) instead of the fresh "
