@@ -327,3 +327,25 @@ def test_second_ctrl_c_kills_every_tree_at_once(weights, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_engine_work_keeps_a_late_workers_last_answer():
+    """The watchdog's progress signal: a worker whose /metrics did not answer in time counts
+    with its last answer, so the sum neither drops (its work hidden) nor rises spuriously
+    when it answers again; a restarted worker's fresh counter is taken as it is."""
+    from types import SimpleNamespace
+    c = Cluster.__new__(Cluster)
+    c.workers = [SimpleNamespace(name="prefill-0"), SimpleNamespace(name="decode-0")]
+    c._work_seen = {}
+    answers = {}
+    c.worker_work = lambda w, timeout=None: answers[w.name]
+    answers.update({"prefill-0": None, "decode-0": None})
+    assert c.engine_work() is None                 # nobody answered yet: no value, not 0
+    answers.update({"prefill-0": 1600.0, "decode-0": 50.0})
+    assert c.engine_work() == 1650.0
+    answers.update({"prefill-0": None, "decode-0": 60.0})   # the prefill is late
+    assert c.engine_work() == 1660.0               # the old sum of answers said 60: a drop
+    answers.update({"prefill-0": 3200.0, "decode-0": 60.0})
+    assert c.engine_work() == 3260.0               # its prompt finished meanwhile: a rise
+    answers.update({"prefill-0": 0.0, "decode-0": 60.0})    # restarted: counters from 0
+    assert c.engine_work() == 60.0

@@ -36,3 +36,64 @@ def test_stuck_role_dead_metrics_and_missing_gauges():
     c.workers = [SimpleNamespace(name="w-0", http_url="http://127.0.0.1:1")]
     q = diagnostics.worker_queues(c)
     assert "names no queue gauges" in diagnostics.stuck_role(q)
+
+
+def test_stuck_role_says_how_busy_the_worker_is():
+    q = {"prefill-0": {"running": 1.0, "waiting": 0.0, "cores": 1.27},
+         "decode-0": {"running": 0.0, "waiting": 0.0, "cores": 0.6}}
+    assert diagnostics.stuck_role(q) == "prefill-0 (running 1, waiting 0, 1.3 cores busy)"
+
+
+def test_cpu_cores_tells_a_computing_worker_from_a_waiting_one():
+    import subprocess
+    import sys
+
+    import psutil
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        def w(name, proc):
+            p = psutil.Process(proc.pid)
+            return SimpleNamespace(name=name, process=SimpleNamespace(tree=lambda: [p]))
+        gone = SimpleNamespace(name="remote-0", process=SimpleNamespace(tree=list))
+        cores = diagnostics.cpu_cores([w("busy-0", busy), w("idle-0", idle), gone], 1.0)
+        assert cores["busy-0"] > 0.3, cores
+        assert cores["idle-0"] < 0.1, cores           # negative control: a waiting process
+        assert cores["remote-0"] is None, cores       # nothing to read is not "idle"
+    finally:
+        busy.kill()
+        idle.kill()
+        busy.wait()
+        idle.wait()
+
+
+def test_a_stopped_worker_is_named_without_waiting_for_its_metrics():
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        p = psutil.Process(proc.pid)
+        w = SimpleNamespace(name="decode-0", http_url="http://127.0.0.1:9",
+                            process=SimpleNamespace(tree=lambda: [p]))
+        assert diagnostics.stopped_pid(w) is None          # negative control: running
+        proc.send_signal(signal.SIGSTOP)
+        for _ in range(50):
+            if p.status() == psutil.STATUS_STOPPED:
+                break
+            time.sleep(0.02)
+        assert diagnostics.stopped_pid(w) == proc.pid
+        c = _cluster(vllm.ENGINE)
+        c.workers = [w]
+        q = diagnostics.worker_queues(c)
+        assert diagnostics.stuck_role(q) == \
+            f"decode-0 (process {proc.pid} is stopped (state T, e.g. SIGSTOP))"
+        # named before a worker that merely did not answer
+        q["prefill-0"] = {"error": "ReadTimeout"}
+        assert diagnostics.stuck_role(dict(reversed(q.items()))).startswith("decode-0")
+    finally:
+        proc.kill()
+        proc.wait()

@@ -369,3 +369,23 @@ def test_progress_lines_count_done_requests(fake_openai_server, monkeypatch):
     lines.clear()
     run(url, [chat()], concurrency=1)            # no label, no watchdog: silent
     assert lines == []
+
+
+def test_a_slow_engine_poll_does_not_hold_the_stall_error(fake_openai_server):
+    """The engine poll waits long for a loaded worker's /metrics; a stall's error must not wait
+    for it (asyncio.run joins its default executor at exit: there it held the error 10 s)."""
+    _, url = fake_openai_server
+    release = threading.Event()
+
+    def slow_metrics():
+        release.wait(10.0)       # a worker that does not answer
+        return None
+
+    wd = Watchdog(window_s=1.0, what="recall", engine_progress=slow_metrics, engine_poll_s=0.1)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StallError):
+            run(url, [completion("hang")], watchdog=wd)
+        assert time.monotonic() - t0 < 1.0 + 2.5
+    finally:
+        release.set()

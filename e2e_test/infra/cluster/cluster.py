@@ -55,6 +55,12 @@ from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Ste
 PORT_RETRIES = 2
 STOP_GRACE_S = 15.0
 REQUEST_TIMEOUT_S = 120.0     # one request of Cluster.client (chat, evals through it)
+# How long the watchdog's engine poll waits for a worker's /metrics. On a 2-core runner,
+# during a 1p1d cross_request recall pass in float32, the API servers answered in up to
+# 10.5 s (the prefill's engine used 1.3 cores, the decode's 0.6 while it held KV); the poll
+# waited 2 s, so a slow answer was no answer and the work done meanwhile no progress.
+WORK_SCRAPE_S = 15.0
+
 _ids = itertools.count(1)
 
 
@@ -224,6 +230,7 @@ class Cluster:
         self._client: httpx.Client | None = None
         # worker name -> Future of its restart_in_background (await_restart takes it)
         self._restarting: dict = {}
+        self._work_seen: dict[str, float] = {}     # engine_work: each worker's last answer
         self._extra_ports: set[int] = set()          # extra_gateway's
         self._extra_gateways: list[Handle] = []      # ... running
         self._extra_stops: list[StopReport] = []     # ... stopped
@@ -578,20 +585,27 @@ class Cluster:
                         died=self.death_error,
                         engine_progress=self.engine_work)
 
-    def worker_work(self, w: Worker) -> float | None:
+    def worker_work(self, w: Worker, timeout: float = WORK_SCRAPE_S) -> float | None:
         """Tokens worker `w` has processed (the sum of the engine's work counters); None when
-        it does not answer."""
+        it does not answer within `timeout`."""
         try:
-            s = w.metrics(timeout=2.0)
+            s = w.metrics(timeout=timeout)
         except Exception:
             return None
         return sum(metrics.total(s, name) for name in self.driver.work_counters)
 
     def engine_work(self) -> float | None:
-        """Tokens all workers have processed; None when no worker answered. A worker that does
-        not answer contributes nothing."""
-        work = [x for x in map(self.worker_work, self.workers) if x is not None]
-        return sum(work) if work else None
+        """Tokens all workers have processed, asked in parallel; a worker that does not
+        answer counts with its last answer (its counters only grow while it lives), so a
+        late /metrics is never a drop in work and a rise is always work done. None until a
+        worker has answered."""
+        workers = list(self.workers)
+        with ThreadPoolExecutor(max_workers=max(1, len(workers))) as ex:
+            answers = list(ex.map(self.worker_work, workers))
+        for w, v in zip(workers, answers):
+            if v is not None:
+                self._work_seen[w.name] = v
+        return sum(self._work_seen.values()) if self._work_seen else None
 
     def gateway_metrics(self) -> dict:
         return metrics.scrape(self.gateway_metrics_url)

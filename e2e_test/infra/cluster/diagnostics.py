@@ -21,6 +21,27 @@ def queue_gauges(cluster) -> dict[str, str]:
     return {k: g[k] for k in ("running", "waiting") if k in g}
 
 
+# The stall report's wait for a worker's /metrics: on a loaded 2-core runner an API server
+# answered in up to 10.5 s (cluster.WORK_SCRAPE_S). A stopped worker is named without it.
+QUEUE_SCRAPE_S = 10.0
+
+
+def stopped_pid(w) -> int | None:
+    """A process of worker `w` that is stopped (state T: SIGSTOP, a debugger), or None."""
+    proc = getattr(w, "process", None)
+    try:
+        tree = list(proc.tree()) if proc is not None else []
+    except Exception:  # noqa: BLE001 (a launcher's handle that cannot list: unknown)
+        return None
+    for p in tree:
+        try:
+            if p.status() == psutil.STATUS_STOPPED:
+                return p.pid
+        except psutil.Error:
+            pass
+    return None
+
+
 def worker_queues(cluster) -> dict[str, dict[str, float]]:
     gauges = queue_gauges(cluster)
 
@@ -28,8 +49,12 @@ def worker_queues(cluster) -> dict[str, dict[str, float]]:
         if not gauges:
             return {"error": f"engine {cluster.engine!r} names no queue gauges",
                     "no_gauges": 1.0}
+        pid = stopped_pid(w)
+        if pid is not None:
+            return {"error": f"process {pid} is stopped (state T, e.g. SIGSTOP)",
+                    "stopped": 1.0}
         try:
-            s = metrics.scrape(f"{w.http_url}/metrics", timeout=3.0)
+            s = metrics.scrape(f"{w.http_url}/metrics", timeout=QUEUE_SCRAPE_S)
             return {k: metrics.total(s, name) for k, name in gauges.items()}
         except Exception as e:
             return {"error": repr(e)[:120]}
@@ -38,11 +63,44 @@ def worker_queues(cluster) -> dict[str, dict[str, float]]:
         return dict(zip([w.name for w in cluster.workers], ex.map(one, cluster.workers)))
 
 
+def cpu_cores(workers, interval: float = 1.0) -> dict[str, float | None]:
+    """Cores each worker's processes used over `interval` seconds (user + system time of its
+    process tree); None where they cannot be read (another machine, gone). An engine's
+    gauges move once a step, so in a long step (a 2k-token prefill on one CPU core takes
+    tens of seconds) they show the step's start: about a core busy says it computes, about
+    none that it waits. A hint, not a verdict: a spinning wait is busy too."""
+    def times(ps):
+        out = 0.0
+        for p in ps:
+            try:
+                t = p.cpu_times()
+                out += t.user + t.system
+            except psutil.Error:
+                pass
+        return out
+
+    trees = {}
+    for w in workers:
+        try:
+            trees[w.name] = list(w.process.tree()) if w.process is not None else []
+        except Exception:  # noqa: BLE001 (a launcher's handle that cannot list: unknown)
+            trees[w.name] = []
+    t0 = {n: times(ps) for n, ps in trees.items()}
+    m0 = time.monotonic()
+    time.sleep(interval)
+    dt = max(time.monotonic() - m0, 1e-6)
+    return {n: (round((times(ps) - t0[n]) / dt, 2) if ps else None) for n, ps in trees.items()}
+
+
 def stuck_role(queues: dict[str, dict[str, float]], cluster=None) -> str:
-    """The worker that holds requests (running or waiting) or stopped answering."""
-    dead = [n for n, q in queues.items() if "error" in q]
+    """The worker that holds requests (running or waiting) or stopped answering; with the
+    cores it used (`cores`, from cpu_cores) where known."""
+    # a stopped worker first: it explains the others' silence, not the other way round
+    dead = sorted((n for n, q in queues.items() if "error" in q),
+                  key=lambda n: "stopped" not in queues[n])
     if dead:
-        why = queues[dead[0]]["error"] if "no_gauges" in queues[dead[0]] else \
+        q = queues[dead[0]]
+        why = q["error"] if "no_gauges" in q or "stopped" in q else \
             "metrics endpoint not answering"
         return f"{dead[0]} ({why})"
 
@@ -52,7 +110,9 @@ def stuck_role(queues: dict[str, dict[str, float]], cluster=None) -> str:
     busy = sorted(queues.items(), key=lambda kv: -held(kv[1]))
     if busy and held(busy[0][1]) > 0:
         name, q = busy[0]
-        return f"{name} (running {q.get('running', 0):.0f}, waiting {q.get('waiting', 0):.0f})"
+        cores = f", {q['cores']:.1f} cores busy" if q.get("cores") is not None else ""
+        return (f"{name} (running {q.get('running', 0):.0f}, "
+                f"waiting {q.get('waiting', 0):.0f}{cores})")
     return "gateway (no worker holds the requests)"
 
 
@@ -93,7 +153,12 @@ def stack_dumps(cluster, out_dir: Path, timeout: float = 8.0, workers=None) -> l
 def diagnose_stall(cluster) -> str:
     """First line: topology and the role that looks stuck. Then queues and dump paths."""
     t0 = time.monotonic()
-    queues = worker_queues(cluster)
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        cores = ex.submit(cpu_cores, cluster.workers)
+        queues = worker_queues(cluster)
+        for name, c in cores.result().items():
+            if name in queues and c is not None:
+                queues[name]["cores"] = c
     role = stuck_role(queues)
     dumps = stack_dumps(cluster, cluster.dir / "stall")
     lines = [f"topology {cluster.topology.name} ({cluster.engine}): looks stuck at {role}",

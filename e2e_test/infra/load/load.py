@@ -14,6 +14,7 @@ import json
 import math
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -355,8 +356,8 @@ async def _run_async(base_url: str, requests: list[Request], concurrency: int,
                         engine_poll = None
                     if engine_poll is None and (time.monotonic() - progress.last
                                                 >= watchdog.engine_poll_s or engine_seen is None):
-                        engine_poll = asyncio.ensure_future(
-                            asyncio.to_thread(_safe_call, watchdog.engine_progress))
+                        engine_poll = asyncio.get_running_loop().run_in_executor(
+                            _ENGINE_POLLS, _safe_call, watchdog.engine_progress)
                 dead = watchdog.check() if watchdog.check else None
                 if dead:
                     watchdog.fired_at = time.monotonic() - t_run
@@ -405,6 +406,12 @@ async def _run_async(base_url: str, requests: list[Request], concurrency: int,
     # latencies to see that the client is not the bottleneck.
     per_request = (time.process_time() - cpu0) / max(1, len(requests))
     return RunReport(list(results), wall, per_request)
+
+
+# The watchdog's engine polls run here, not in the loop's default executor: asyncio.run joins
+# that one at exit, so a poll still waiting for a slow /metrics (Cluster.WORK_SCRAPE_S) would
+# hold every run's result, and a stall's error, until it timed out.
+_ENGINE_POLLS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-poll")
 
 
 def _safe_call(fn):

@@ -984,7 +984,7 @@ def watched_request(cluster, body: dict, timeout: float) -> dict:
     gauges = idle.gauges_of(cluster) or {}
     live = [w for w in cluster.workers if w.process is not None and w.process.alive()]
     log0 = len(_gateway_log(cluster))
-    work0 = {w.name: cluster.worker_work(w) for w in live}
+    work0 = {w.name: cluster.worker_work(w, timeout=2.0) for w in live}
     busy = {w.name: 0.0 for w in live}
     stop = threading.Event()
 
@@ -1011,7 +1011,8 @@ def watched_request(cluster, body: dict, timeout: float) -> dict:
     th.join(5)
     text = _gateway_log(cluster, log0)
     out["gateway_transport_errors"] = sum("transport error" in ln for ln in text.splitlines())
-    out["workers"] = {w.name: {"tokens": _delta(work0[w.name], cluster.worker_work(w)),
+    out["workers"] = {w.name: {"tokens": _delta(work0[w.name],
+                                                     cluster.worker_work(w, timeout=2.0)),
                                "busy_s": round(busy[w.name], 2)} for w in live}
     return out
 
