@@ -349,3 +349,30 @@ def test_engine_work_keeps_a_late_workers_last_answer():
     assert c.engine_work() == 3260.0               # its prompt finished meanwhile: a rise
     answers.update({"prefill-0": 0.0, "decode-0": 60.0})    # restarted: counters from 0
     assert c.engine_work() == 60.0
+
+
+def test_liveness_asks_every_handle_at_once():
+    """Cluster._dead asks its handles in parallel: a remote handle's status call may take its
+    whole timeout on a busy host, and asked in turn the waits add up. Each stand-in handle's
+    alive() waits at a barrier that only opens when all of them are asking at once."""
+    import threading
+    from types import SimpleNamespace
+    barrier = threading.Barrier(3, timeout=5.0)
+
+    def handle(pid, up):
+        def alive():
+            barrier.wait()          # BrokenBarrierError when asked one after the other
+            return up
+        return SimpleNamespace(pid=pid, where="", started_at=1.0, alive=alive,
+                               death_reason=lambda: "signal 9", log_text=lambda n: "")
+
+    c = Cluster.__new__(Cluster)
+    c.gateway = handle(1, True)
+    c._extra_gateways = []
+    c.workers = [SimpleNamespace(name="prefill-0", entry=SimpleNamespace(role="prefill"),
+                                 process=handle(2, True)),
+                 SimpleNamespace(name="decode-0", entry=SimpleNamespace(role="decode"),
+                                 process=handle(3, False))]
+    c.restarts_in_flight = lambda: []
+    c.driver = SimpleNamespace(known_crash=lambda role, text: None)
+    assert c._dead() == [("decode-0 (pid 3) died: signal 9", None)]

@@ -547,9 +547,18 @@ class Cluster:
         out = []
         roles = {id(w.process): w.entry.role for w in self.workers}
         booting = set(self.restarts_in_flight())
-        for name, p in ([("gateway", self.gateway)] + [(h.name, h) for h in self._extra_gateways]
-                        + [(w.name, w.process) for w in self.workers if w.name not in booting]):
-            if p is not None and p.started_at is not None and not p.alive():
+        handles = [(name, p) for name, p in
+                   ([("gateway", self.gateway)] + [(h.name, h) for h in self._extra_gateways]
+                    + [(w.name, w.process) for w in self.workers if w.name not in booting])
+                   if p is not None and p.started_at is not None]
+        # asked at once: on a busy host a remote handle's answer may take its whole status
+        # timeout (ray_launcher.STATUS_TIMEOUT_S, 5 s), and asked one after the other the
+        # waits added up; a killed decode across two simulated nodes was named after 10.01 s,
+        # twice that timeout, against the multi-node test's 10 s (local run at 7848507)
+        with ThreadPoolExecutor(max_workers=max(1, len(handles))) as ex:
+            alive = list(ex.map(lambda h: h[1].alive(), handles))
+        for (name, p), up in zip(handles, alive):
+            if not up:
                 known = (self.driver.known_crash(roles[id(p)], p.log_text(200_000))
                          if id(p) in roles else None)
                 out.append((f"{name} (pid {p.pid}{p.where}) died: {p.death_reason()}", known))
