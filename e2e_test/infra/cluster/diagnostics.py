@@ -26,14 +26,19 @@ def queue_gauges(cluster) -> dict[str, str]:
 QUEUE_SCRAPE_S = 10.0
 
 
-def stopped_pid(w) -> int | None:
-    """A process of worker `w` that is stopped (state T: SIGSTOP, a debugger), or None."""
+def _tree(w) -> list:
+    """Worker `w`'s processes as psutil objects; [] where they cannot be listed (not started,
+    another machine, a launcher's handle that cannot say)."""
     proc = getattr(w, "process", None)
     try:
-        tree = list(proc.tree()) if proc is not None else []
+        return list(proc.tree()) if proc is not None else []
     except Exception:  # noqa: BLE001 (a launcher's handle that cannot list: unknown)
-        return None
-    for p in tree:
+        return []
+
+
+def stopped_pid(w) -> int | None:
+    """A process of worker `w` that is stopped (state T: SIGSTOP, a debugger), or None."""
+    for p in _tree(w):
         try:
             if p.status() == psutil.STATUS_STOPPED:
                 return p.pid
@@ -79,12 +84,7 @@ def cpu_cores(workers, interval: float = 1.0) -> dict[str, float | None]:
                 pass
         return out
 
-    trees = {}
-    for w in workers:
-        try:
-            trees[w.name] = list(w.process.tree()) if w.process is not None else []
-        except Exception:  # noqa: BLE001 (a launcher's handle that cannot list: unknown)
-            trees[w.name] = []
+    trees = {w.name: _tree(w) for w in workers}
     t0 = {n: times(ps) for n, ps in trees.items()}
     m0 = time.monotonic()
     time.sleep(interval)
