@@ -34,12 +34,14 @@ def head(port: int, tp: int = 1) -> list[str]:
             "--disable-kvstore", "--max-model-len", "8192"]
 
 
-HOPPER = dict(tokenspeed.HOPPER_ENV)        # every worker: the Hopper kernel overrides
+# every worker: the Hopper kernel overrides, and Inductor compiling in the worker's own process
+HOPPER = {**dict(tokenspeed.HOPPER_ENV), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 DISAGG_ENV = {"MC_INTRANODE_NVLINK": "1", "TOKENSPEED_SKIP_GRPC_WARMUP": "1",
               "NO_PROXY": "*", "no_proxy": "*", **HOPPER}
-# The harness's defaults after the worker's own flags (serving_defaults): the greedy sampler,
-# and with CUDA graphs capture sizes up to 16 and no prefill graph.
-EAGER_TAIL = ["--sampling-backend", "greedy"]
+# The harness's defaults after the worker's own flags (serving_defaults): the greedy sampler, a
+# host KV pool of 0.05 of the device's, and with CUDA graphs capture sizes up to 16 and no
+# prefill graph.
+EAGER_TAIL = ["--sampling-backend", "greedy", "--kvstore-ratio", "0.05"]
 GRAPH_TAIL = EAGER_TAIL + ["--max-cudagraph-capture-size", "16", "--disable-prefill-graph"]
 
 
@@ -114,10 +116,14 @@ def test_serving_defaults_yield_to_what_the_worker_is_given():
     assert tail(("--enforce-eager",)) == ["--enforce-eager"] + EAGER_TAIL
     assert tail(("--sampling-backend=flashinfer",)) == ["--sampling-backend=flashinfer",
                                                         *GRAPH_TAIL[2:]]
+    # the host pool: a ratio or a size of the worker's own wins (either spelling)
+    assert tail(("--kvstore-ratio", "1.5")) == ["--kvstore-ratio", "1.5", *GRAPH_TAIL[:2],
+                                                *GRAPH_TAIL[4:]]
+    assert tail(("--kvstore-size=4",)) == ["--kvstore-size=4", *GRAPH_TAIL[:2], *GRAPH_TAIL[4:]]
     assert tail(("--cudagraph-capture-sizes", "1", "2")) == [
         "--cudagraph-capture-sizes", "1", "2", *EAGER_TAIL, "--disable-prefill-graph"]
     assert tail(("--prefill-graph-max-tokens", "512")) == [
-        "--prefill-graph-max-tokens", "512", *GRAPH_TAIL[:4]]
+        "--prefill-graph-max-tokens", "512", *GRAPH_TAIL[:6]]
     assert tail(("--max-cudagraph-capture-size=8", "--disable-prefill-graph")) == [
         "--max-cudagraph-capture-size=8", "--disable-prefill-graph", *EAGER_TAIL]
 

@@ -205,7 +205,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     # The Hopper kernel overrides in every worker's own environment, so that every way to
     # start one (a lane, `bench`, `main`, a probe) gets them: without them a worker on the
     # H200 died in its first forward ("no kernel image is available", rope.cu; ac24287).
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus)), **dict(HOPPER_ENV)}
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus)), **dict(HOPPER_ENV),
+           **dict(COMPILE_ENV)}
     if disagg:
         # A disaggregated worker cannot run the servicer's standalone 1-token warmup (no peer
         # to pair with), so it skips it, as smg's own harness does for these roles only
@@ -304,8 +305,20 @@ GRAPH_STALL_SAMPLERS = {
 # Eager (E2E_ENFORCE_EAGER=1, and the always-eager prefill) TokenSpeed's scheduler was
 # CPU-bound at 22-34 ms a decode step for this 135M model, every request shape alike (the
 # probe of ac24287); with graphs `1`'s oracle passes took 10-15 s instead of 116 s.
+# - a host KV pool of KVSTORE_RATIO of the device pool: with --disable-kvstore TokenSpeed
+#   0.1.0 still allocates its host pool, for retraction (event_loop.py "KVStore L2 cache will
+#   not be used during normal execution, but it will still be used when retraction happens"),
+#   at --kvstore-ratio 2.0 x the device pool, and pins it for the GPU
+#   (kv_cache_host.py init_kv_buffer: torch.empty on the host, then
+#   register_host_tensor_for_gpu_access): 6 GB for SmolLM2's 131072-token pool, in every
+#   worker. On the H200 (2026-12-04, 551b223) a worker's `allocating KV cache` to ready took
+#   2.3-3.3 s with it and 0.3-0.8 s at 0.05 (the whole lane booted together 52 s, 23 passed).
+#   The suites never fill the device pool (at most 16 requests of at most 4096 tokens in
+#   flight, half of it), so nothing is retracted; the host tier is not under test.
 DEFAULT_SAMPLER = "greedy"
 GRAPH_MAX_BS = 16
+KVSTORE_RATIO = "0.05"
+_KVSTORE_FLAGS = ("--kvstore-ratio", "--kvstore-size")
 _CAPTURE_FLAGS = ("--max-cudagraph-capture-size", "--cudagraph-capture-sizes")
 _PREFILL_GRAPH_FLAGS = ("--disable-prefill-graph", "--prefill-graph-max-tokens",
                         "--prefill-graph-capture-sizes")
@@ -333,6 +346,8 @@ def serving_defaults(extra: list[str], graphs: bool) -> list[str]:
     """The flags of the harness's defaults that `extra` does not set (see above). Pure."""
     out = [] if _has_flag(extra, ("--sampling-backend",)) else [
         "--sampling-backend", DEFAULT_SAMPLER]
+    if not _has_flag(extra, _KVSTORE_FLAGS):
+        out += ["--kvstore-ratio", KVSTORE_RATIO]
     if graphs:
         if not _has_flag(extra, _CAPTURE_FLAGS):
             out += ["--max-cudagraph-capture-size", str(GRAPH_MAX_BS)]
@@ -632,6 +647,16 @@ HOPPER_ENV = (
     ("TOKENSPEED_KERNEL_OVERRIDE_EMBEDDING_ROPE", "triton_embedding_rope"),
     ("TOKENSPEED_KERNEL_OVERRIDE_ATTENTION_ATTN_MERGE_STATE", "triton_attn_merge_state"),
 )
+
+
+# Torch Inductor compiles in the worker's own process (TORCHINDUCTOR_COMPILE_THREADS=1), not
+# through its pool of compile subprocesses. TokenSpeed 0.1.0 torch.compiles the chosen tokens'
+# logprobs (sampling/utils.py gather_token_logprobs_torch, with --enable-output-logprobs) at a
+# worker's first forward: the first graph capture, or an eager worker's first request. py-spy
+# on the H200 (2026-12-04, scripts/probe_boot.py) caught the scheduler in that compile while a
+# thread waited on the pool (compile_worker/subproc_pool.py) and 17 pool processes, each
+# importing torch, beside every worker with graphs. The same kernel is compiled either way.
+COMPILE_ENV = (("TORCHINDUCTOR_COMPILE_THREADS", "1"),)
 
 
 # TokenSpeed counts tokens per request at its end; per scheduler step, only this.
