@@ -73,6 +73,7 @@ def test_pd_static_workers_with_bootstrap_port():
                              runtime_type="tokenspeed"),
                GatewayWorker("grpc://127.0.0.1:32000", "decode", runtime_type="tokenspeed"))
     assert not any(w.register_dynamically for w in workers)
+    assert cfg("pd", *workers).dynamic() == []      # a PD worker answers smg's shallow probe
     argv = build_argv(cfg("pd", *workers))
     assert argv == HEAD + ["--pd-disaggregation",
                            "--prefill", "grpc://127.0.0.1:31000", "31001",
@@ -155,8 +156,8 @@ def test_registration_body():
 
 def test_grpc_workers_get_the_model_path_for_smg_tokenizer():
     # smg tokenizes for gRPC workers: it needs the local model folder; HTTP workers do not.
-    argv = build_argv(cfg("regular", GatewayWorker("grpc://127.0.0.1:20001",
-                                                   runtime_type="tokenspeed"),
+    argv = build_argv(cfg("dp", GatewayWorker("grpc://127.0.0.1:20001",
+                                              runtime_type="tokenspeed"),
                           model_path="/models/smol"))
     assert argv == HEAD + ["--model-path", "/models/smol", "--worker-urls",
                            "grpc://127.0.0.1:20001", "--policy", "round_robin"]
@@ -168,3 +169,29 @@ def test_grpc_workers_get_the_model_path_for_smg_tokenizer():
     assert epd[len(HEAD):len(HEAD) + 3] == ["--model-path", "/m", "--epd-disaggregation"]
     http = build_argv(cfg("regular", GatewayWorker("http://127.0.0.1:1"), model_path="/m"))
     assert "--model-path" not in http
+
+
+def test_a_regular_gateways_grpc_workers_register_with_their_runtime():
+    """smg 1.13 probes a gRPC worker of --worker-urls deeply twice for its runtime before it
+    probes the connection; POST /workers with runtime_type skips both (1.5 s of every
+    TokenSpeed `1` gateway on the H200, each deep probe 0.5 s). The gateway starts with no
+    worker on its command line and the cluster registers them."""
+    a = GatewayWorker("grpc://127.0.0.1:20001", runtime_type="tokenspeed")
+    b = GatewayWorker("grpc://127.0.0.1:20002", runtime_type="tokenspeed")
+    c = cfg("regular", a, b, model_path="/models/smol")
+    assert c.dynamic() == [a, b]
+    argv = build_argv(c)
+    assert argv == HEAD + ["--model-path", "/models/smol", "--policy", "round_robin"]
+    parsed = smg_reads(argv)
+    assert parsed.worker_urls == [] and not parsed.pd_disaggregation
+    assert a.registration() == {"url": "grpc://127.0.0.1:20001", "worker_type": "regular",
+                                "runtime_type": "tokenspeed"}
+    # the negative controls: HTTP workers of a regular gateway, gRPC workers of a DP, PD or
+    # EPD gateway stay on the command line
+    http = GatewayWorker("http://127.0.0.1:1")
+    assert cfg("regular", http).dynamic() == []
+    assert "--worker-urls" in build_argv(cfg("regular", http))
+    assert cfg("dp", a).dynamic() == []
+    enc = GatewayWorker("grpc://127.0.0.1:3", "encode", bootstrap_port=4)
+    dec = GatewayWorker("grpc://127.0.0.1:5", "decode")
+    assert cfg("epd", enc, dec).dynamic() == []

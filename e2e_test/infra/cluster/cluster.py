@@ -403,25 +403,32 @@ class Cluster:
             self.gateway_port, self.gateway, "gateway", dynamic)
         self.timing.gateway_ready_s = round(time.monotonic() - t0, 2)
 
+    def _gateway_worker(self, w: Worker) -> gw.GatewayWorker:
+        return gw.GatewayWorker(url=w.url, worker_type=w.command.worker_type,
+                                bootstrap_port=w.command.bootstrap_port,
+                                kv_connector=w.command.kv_connector,
+                                runtime_type=self.driver.gateway_runtime)
+
+    def _gateway_config(self, port: int, prometheus_port: int,
+                        admission: gw.Admission | None) -> gw.GatewayConfig:
+        gws = tuple(self._gateway_worker(w) for w in self.workers
+                    if w.command.worker_type != "none")
+        return gw.GatewayConfig(kind=self.topology.kind, workers=gws, port=port,
+                                prometheus_port=prometheus_port, policy=self.policy,
+                                dp_aware=self.topology.engine_dp, admission=admission,
+                                extra_args=(*self.driver.gateway_args(self.topology),
+                                            *self.gateway_args),
+                                model_path=str(self.model_path))
+
     def _spawn_gateway(self, port: int, prometheus_port: int, admission: gw.Admission | None,
                        name: str) -> tuple[list[str], Handle, list]:
         """A gateway in front of every serving worker, started: (argv, handle, the workers
         it must be sent through POST /workers)."""
-        gws = tuple(gw.GatewayWorker(url=w.url, worker_type=w.command.worker_type,
-                                     bootstrap_port=w.command.bootstrap_port,
-                                     kv_connector=w.command.kv_connector,
-                                     runtime_type=self.driver.gateway_runtime)
-                    for w in self.workers if w.command.worker_type != "none")
-        cfg = gw.GatewayConfig(kind=self.topology.kind, workers=gws, port=port,
-                               prometheus_port=prometheus_port, policy=self.policy,
-                               dp_aware=self.topology.engine_dp, admission=admission,
-                               extra_args=(*self.driver.gateway_args(self.topology),
-                                           *self.gateway_args),
-                               model_path=str(self.model_path))
+        cfg = self._gateway_config(port, prometheus_port, admission)
         argv = gw.build_argv(cfg)
         handle = self.launcher.start(name, WorkerCommand(argv, {}),
                                      self.dir / "logs" / f"{name}.log")
-        return argv, handle, [g for g in gws if g.register_dynamically]
+        return argv, handle, cfg.dynamic()
 
     def _await_gateway(self, port: int, handle: Handle, name: str, dynamic: list) -> list:
         """Until the gateway is ready: workers registered where the mode registers them, the
@@ -689,10 +696,9 @@ class Cluster:
             with httpx.Client(timeout=2.0) as client:
                 self._wait_ready([w], client, t0 + (timeout or self.startup_timeout))
         self.timing.restart_boots.append([epoch, round(time.monotonic() - t0, 2)])
-        if w.command.kv_connector is not None and self.gateway is not None:
-            gw.register_workers(self.gateway_url, [gw.GatewayWorker(
-                url=w.url, worker_type=w.command.worker_type,
-                bootstrap_port=w.command.bootstrap_port, kv_connector=w.command.kv_connector,
-                runtime_type=self.driver.gateway_runtime)], timeout=120, alive=self.gateway.alive,
-                existing_ok=True)
+        again = self._gateway_worker(w)
+        if self.gateway is not None and again in self._gateway_config(
+                self.gateway_port, self.prometheus_port, self.admission).dynamic():
+            gw.register_workers(self.gateway_url, [again], timeout=120,
+                                alive=self.gateway.alive, existing_ok=True)
         return w

@@ -1,10 +1,12 @@
 """The smg gateway: a pure argv builder plus worker registration (its readiness check is
 readiness.ModelServed).
 
-Regular/DP: `--worker-urls`. PD: `--pd-disaggregation`; vLLM+NIXL workers are registered
-through `POST /workers` with their `kv_connector` (with static --prefill/--decode smg runs in
-passthrough and the decode worker silently recomputes the prompt). EPD: `--epd-disaggregation`
-with gRPC TokenSpeed workers. AFD: the attention endpoint is the only worker.
+Regular/DP: `--worker-urls`, except the gRPC workers of a regular gateway, which are
+registered through `POST /workers` with their runtime_type (see GatewayConfig.dynamic). PD:
+`--pd-disaggregation`; vLLM+NIXL workers are registered through `POST /workers` with their
+`kv_connector` (with static --prefill/--decode smg runs in passthrough and the decode worker
+silently recomputes the prompt). EPD: `--epd-disaggregation` with gRPC TokenSpeed workers. AFD:
+the attention endpoint is the only worker.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from ..errors import ConfigError, StartupError
 # smg's per-worker count of requests it has in flight to workers (its Prometheus endpoint);
 # idle verification wants it back at 0 after traffic.
 ACTIVE_REQUESTS = "smg_worker_requests_active"
+# Between two reads of smg's worker list while workers register (a boot waits on it).
+REGISTER_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class GatewayWorker:
 
     @property
     def register_dynamically(self) -> bool:
+        """Through POST /workers whatever the gateway's mode (GatewayConfig.dynamic adds the
+        ones its mode registers that way)."""
         return self.kv_connector is not None
 
     def registration(self) -> dict:
@@ -88,6 +94,20 @@ class GatewayConfig:
     # becomes 0 and a clean stop takes what it needs (it took 5.0 s, every teardown).
     shutdown_grace_secs: int = 1
 
+    def dynamic(self) -> list[GatewayWorker]:
+        """The workers registered through POST /workers, the rest go on the command line: those
+        with a kv_connector (vLLM NIXL), and a regular gateway's gRPC workers. A gRPC worker on
+        --worker-urls comes with no runtime, and smg 1.13's registration probes it deeply twice
+        before it probes the connection (classify_worker_type, then detect_backend: a gRPC
+        health check per runtime it knows); named (runtime_type) it probes the connection
+        only (workflow/steps classify.rs, local/detect_backend.rs). A TokenSpeed servicer
+        answers every health check after at least 0.5 s (servicer.py HealthCheck: a 1-token
+        generate, then a 0.5 s sleep before it looks), so the `1` gateways of the H200 lanes
+        spent 1.5 s in those three steps (502, 503, 504 ms in their logs). A PD or EPD worker
+        answers a shallow check, and stays on the command line."""
+        return [w for w in self.workers if w.register_dynamically
+                or (self.kind == "regular" and w.url.startswith("grpc://"))]
+
 
 def build_argv(cfg: GatewayConfig) -> list[str]:
     argv = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(cfg.port),
@@ -95,7 +115,8 @@ def build_argv(cfg: GatewayConfig) -> list[str]:
             "--log-level", "info", "--shutdown-grace-period-secs", str(cfg.shutdown_grace_secs)]
     if cfg.model_path and any(w.url.startswith("grpc://") for w in cfg.workers):
         argv += ["--model-path", cfg.model_path]
-    static = [w for w in cfg.workers if not w.register_dynamically]
+    dynamic = cfg.dynamic()
+    static = [w for w in cfg.workers if w not in dynamic]
     if cfg.kind in ("pd", "epd"):
         argv.append("--pd-disaggregation" if cfg.kind == "pd" else "--epd-disaggregation")
         for w in static:
@@ -144,6 +165,6 @@ def register_workers(base_url: str, workers: list[GatewayWorker], timeout: float
                 last = str([(w["url"], w.get("status")) for w in listed])
             except (httpx.HTTPError, ValueError) as e:
                 last = repr(e)
-            time.sleep(0.5)
+            time.sleep(REGISTER_POLL_S)
     raise StartupError(f"gateway did not report workers {sorted(wanted)} healthy within "
                        f"{timeout:.0f} s (last: {last[:300]})")
