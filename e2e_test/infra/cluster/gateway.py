@@ -1,9 +1,8 @@
 """The smg gateway: a pure argv builder plus worker registration (its readiness check is
 readiness.ModelServed).
 
-Regular/DP: `--worker-urls`, except the gRPC workers of a regular gateway, which are
-registered through `POST /workers` with their runtime_type (see GatewayConfig.dynamic). PD:
-`--pd-disaggregation`; vLLM+NIXL workers are registered through `POST /workers` with their
+Regular/DP: `--worker-urls` (GatewayConfig.dynamic says why gRPC workers stay there too).
+PD: `--pd-disaggregation`; vLLM+NIXL workers are registered through `POST /workers` with their
 `kv_connector` (with static --prefill/--decode smg runs in passthrough and the decode worker
 silently recomputes the prompt). EPD: `--epd-disaggregation` with gRPC TokenSpeed workers. AFD:
 the attention endpoint is the only worker.
@@ -95,18 +94,21 @@ class GatewayConfig:
     shutdown_grace_secs: int = 1
 
     def dynamic(self) -> list[GatewayWorker]:
-        """The workers registered through POST /workers, the rest go on the command line: those
-        with a kv_connector (vLLM NIXL), and a regular gateway's gRPC workers. A gRPC worker on
-        --worker-urls comes with no runtime, and smg 1.13's registration probes it deeply twice
-        before it probes the connection (classify_worker_type, then detect_backend: a gRPC
-        health check per runtime it knows); named (runtime_type) it probes the connection
-        only (workflow/steps classify.rs, local/detect_backend.rs). A TokenSpeed servicer
-        answers every health check after at least 0.5 s (servicer.py HealthCheck: a 1-token
-        generate, then a 0.5 s sleep before it looks), so the `1` gateways of the H200 lanes
-        spent 1.5 s in those three steps (502, 503, 504 ms in their logs). A PD or EPD worker
-        answers a shallow check, and stays on the command line."""
-        return [w for w in self.workers if w.register_dynamically
-                or (self.kind == "regular" and w.url.startswith("grpc://"))]
+        """The workers registered through POST /workers (those with a kv_connector: vLLM
+        NIXL); the rest go on the command line.
+
+        A regular gateway's gRPC workers stay on --worker-urls, though smg 1.13 probes such a
+        worker twice for its runtime before its connection probe (classify_worker_type, then
+        detect_backend: a gRPC health check per runtime it knows, workflow/steps classify.rs,
+        local/detect_backend.rs) and a TokenSpeed servicer answers each after at least 0.5 s
+        (servicer.py HealthCheck sleeps 0.5 s before it looks): the TokenSpeed `1` gateways of
+        the H200 lanes spent 1.5 s in those steps (502, 503, 504 ms in their logs). Registered
+        through POST /workers with runtime_type "tokenspeed" instead (H200, 2026-12-04, at
+        0a9b744), smg listed the worker and answered every chat completion 404
+        model_not_found ("No worker available for model 'SmolLM2-135M-Instruct'") until the
+        120 s gateway limit, three boots out of three; the gateway logs of those boots were not
+        kept."""
+        return [w for w in self.workers if w.register_dynamically]
 
 
 def build_argv(cfg: GatewayConfig) -> list[str]:
