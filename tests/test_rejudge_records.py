@@ -124,6 +124,15 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                    "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
                    "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
                    "test_pd_kv_recall[{eng}-1p1d]"]]
+      # 2026-12-04: TokenSpeed's host KV pool at 0.05 (551b223 with E2E_ENGINE_ARGS, then
+      # 43c47c7's code on a second machine), together and serially
+      + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}", t)
+         for kind in ("together-kvstore-551b223", "serial-kvstore-551b223", "together-43c47c7",
+                      "serial-43c47c7", "together-43c47c7-b")
+         for t in ["test_oracle_negative_control[tokenspeed-1]",
+                   "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
+                   "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
+                   "test_pd_kv_recall[tokenspeed-1p1d]"]]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", "test_oracle_negative_control[vllm-1]")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", t.format(shape=shape))
          for shape in ("1p2d", "2p1d", "2p2d")
