@@ -104,10 +104,13 @@ class GatewayConfig:
         (servicer.py HealthCheck sleeps 0.5 s before it looks): the TokenSpeed `1` gateways of
         the H200 lanes spent 1.5 s in those steps (502, 503, 504 ms in their logs). Registered
         through POST /workers with runtime_type "tokenspeed" instead (H200, 2026-12-04, at
-        0a9b744), smg listed the worker and answered every chat completion 404
-        model_not_found ("No worker available for model 'SmolLM2-135M-Instruct'") until the
-        120 s gateway limit, three boots out of three; the gateway logs of those boots were not
-        kept."""
+        0a9b744), smg listed the worker healthy and ready under its model and answered every
+        chat completion 404 model_not_found ("No worker available for model"): started with no
+        worker on its command line, a regular smg builds its HTTP router ("Created single
+        router with ID: http-regular"; the router's connection mode comes from the startup
+        URLs, routers/gateway.rs from_config), which never routes to a gRPC worker. smg's
+        --backend names the startup workers' runtime only over ZMQ (main.rs
+        startup_worker_runtime_type)."""
         return [w for w in self.workers if w.register_dynamically]
 
 
