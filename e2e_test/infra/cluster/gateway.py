@@ -58,8 +58,8 @@ class GatewayWorker:
 
     @property
     def register_dynamically(self) -> bool:
-        """Through POST /workers whatever the gateway's mode (GatewayConfig.dynamic adds the
-        ones its mode registers that way)."""
+        """Through POST /workers, not the command line: a kv_connector worker (GatewayConfig.
+        dynamic, which lists them, says why a regular gateway's gRPC workers are not)."""
         return self.kv_connector is not None
 
     def registration(self) -> dict:
