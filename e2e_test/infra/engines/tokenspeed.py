@@ -302,9 +302,6 @@ GRAPH_STALL_SAMPLERS = {
 #   burst's E2E_BURST_N default), a larger batch runs without a graph (cuda_graph_wrapper
 #   can_run: bs <= max_bs). Ready in 26-39 s against 70-75 s with TokenSpeed's default sizes
 #   (1-32, 64, 96, 128, 160) and its prefill graph.
-# Eager (E2E_ENFORCE_EAGER=1, and the always-eager prefill) TokenSpeed's scheduler was
-# CPU-bound at 22-34 ms a decode step for this 135M model, every request shape alike (the
-# probe of ac24287); with graphs `1`'s oracle passes took 10-15 s instead of 116 s.
 # - a host KV pool of KVSTORE_RATIO of the device pool: with --disable-kvstore TokenSpeed
 #   0.1.0 still allocates its host pool, for retraction (event_loop.py "KVStore L2 cache will
 #   not be used during normal execution, but it will still be used when retraction happens"),
@@ -315,6 +312,9 @@ GRAPH_STALL_SAMPLERS = {
 #   2.3-3.3 s with it and 0.3-0.8 s at 0.05 (the whole lane booted together 52 s, 23 passed).
 #   The suites never fill the device pool (at most 16 requests of at most 4096 tokens in
 #   flight, half of it), so nothing is retracted; the host tier is not under test.
+# Eager (E2E_ENFORCE_EAGER=1, and the always-eager prefill) TokenSpeed's scheduler was
+# CPU-bound at 22-34 ms a decode step for this 135M model, every request shape alike (the
+# probe of ac24287); with graphs `1`'s oracle passes took 10-15 s instead of 116 s.
 DEFAULT_SAMPLER = "greedy"
 GRAPH_MAX_BS = 16
 KVSTORE_RATIO = "0.05"
