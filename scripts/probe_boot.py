@@ -40,8 +40,13 @@ def probe(a) -> int:
     from e2e_test.__main__ import cluster_from_args
     from e2e_test.infra.cluster import cluster as cluster_mod
     from e2e_test.infra.cluster import signals as lifecycle
+    from e2e_test.infra.cluster.diagnostics import pyspy_exe
 
     lifecycle.install()
+    spy_exe = pyspy_exe()
+    if a.spy_s > 0 and spy_exe is None:
+        print("probe_boot: py-spy is not installed (or give --spy-s 0)", file=sys.stderr)
+        return 2
     OUT.mkdir(parents=True, exist_ok=True)
     spy_dir = Path("/tmp/probe-spy")
     shutil.rmtree(spy_dir, ignore_errors=True)
@@ -60,7 +65,7 @@ def probe(a) -> int:
         f = spy_dir / f"{self.topology.name}-{w.name}.json"
         with open(f.with_suffix(".err"), "w") as err:     # Popen keeps its own copy
             spies.append(subprocess.Popen(
-                ["py-spy", "record", "--pid", str(w.process.pid), "--subprocesses", "--idle",
+                [spy_exe, "record", "--pid", str(w.process.pid), "--subprocesses", "--idle",
                  "--nonblocking", "--rate", str(a.rate), "--duration", str(a.spy_s),
                  "--format", "speedscope", "--output", str(f)],
                 stdout=subprocess.DEVNULL, stderr=err))
@@ -135,7 +140,6 @@ def analyze(path: Path, rate: int, top: int) -> int:
             samples, weights = prof.get("samples", []), prof.get("weights", [])
             if not samples:
                 continue
-            idle = Counter()
             buckets: dict[int, Counter] = {}
             t = 0.0
             for stack, w in zip(samples, weights):
@@ -143,7 +147,6 @@ def analyze(path: Path, rate: int, top: int) -> int:
                 t += w if prof.get("unit") == "seconds" else w / rate
                 leaf = _pick(stack, frames)
                 buckets.setdefault(sec, Counter())[leaf] += 1
-                idle[leaf] += 1
             busy = [s for s, cnt in buckets.items()
                     if not all(_is_idle(k) for k in cnt)]
             if not busy:

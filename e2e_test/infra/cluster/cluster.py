@@ -697,8 +697,7 @@ class Cluster:
                 self._wait_ready([w], client, t0 + (timeout or self.startup_timeout))
         self.timing.restart_boots.append([epoch, round(time.monotonic() - t0, 2)])
         again = self._gateway_worker(w)
-        if self.gateway is not None and again in self._gateway_config(
-                self.gateway_port, self.prometheus_port, self.admission).dynamic():
+        if self.gateway is not None and again.register_dynamically:
             gw.register_workers(self.gateway_url, [again], timeout=120,
                                 alive=self.gateway.alive, existing_ok=True)
         return w

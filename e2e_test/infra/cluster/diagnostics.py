@@ -136,12 +136,18 @@ def _dump(exe: str | None, p: psutil.Process, f: Path, timeout: float) -> Path:
     return f
 
 
-def stack_dumps(cluster, out_dir: Path, timeout: float = 8.0, workers=None) -> list[Path]:
-    """py-spy dump of every process of every worker (or of `workers`), in parallel; one file
-    per process."""
+def pyspy_exe() -> str | None:
+    """py-spy on PATH, else beside this interpreter (a virtualenv's bin), else None."""
     exe = shutil.which("py-spy")
     if exe is None and (Path(sys.executable).parent / "py-spy").is_file():
         exe = str(Path(sys.executable).parent / "py-spy")
+    return exe
+
+
+def stack_dumps(cluster, out_dir: Path, timeout: float = 8.0, workers=None) -> list[Path]:
+    """py-spy dump of every process of every worker (or of `workers`), in parallel; one file
+    per process."""
+    exe = pyspy_exe()
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(p, out_dir / f"stack-{w.name}-{p.pid}.txt")
             for w in (cluster.workers if workers is None else workers) if w.process
