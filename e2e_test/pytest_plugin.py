@@ -262,6 +262,8 @@ def pytest_collection_modifyitems(session, config, items):
             keys.append(ck)
     st = state(config)
     st.cluster_keys = keys
+    st.restarting_keys = {ck for i in items
+                          if (ck := _shared_key(i)) and i.get_closest_marker("restarting")}
     if not keys:
         return
     try:
@@ -313,6 +315,27 @@ def _shared_key(item):
     if not ck or "own_cluster" in getattr(item, "fixturenames", ()):
         return None
     return ck
+
+
+def decide_held(config, sched: coboot.BootSchedule) -> tuple[tuple, str]:
+    """Which shared topologies start their workers' restarts ahead, held (coboot.
+    held_restarts; Cluster.hold_restarts), and why; E2E_HOLD_RESTARTS=0 says none."""
+    st = state(config)
+    if not st.restarting_keys:
+        return (), "no test restarts a worker"
+    if not settings.get("E2E_HOLD_RESTARTS"):
+        return (), "E2E_HOLD_RESTARTS=0"
+    if settings.get("E2E_LAUNCHER") != "local":
+        return (), "a held interpreter starts on this host only (E2E_LAUNCHER=local)"
+    backend = startup.resolve_backend(config.getoption("--backend"))
+    keyed = []
+    for k in st.cluster_keys:
+        engine, topo, *_ = k
+        plan = reusable_plan(config, topologies.parse(topo), backend, engine)
+        if plan is not None:
+            keyed.append((k, plan))
+    return coboot.held_restarts(sched, keyed, st.restarting_keys, backend,
+                                len(devices.affinity()))
 
 
 def decide_schedule(config) -> coboot.BootSchedule:
@@ -422,9 +445,12 @@ class ClusterPool:
             if st.ahead:
                 st.boot_schedule["ahead"] = {coboot.key_name(k): len(v)
                                              for k, v in st.ahead.items()}
+            st.held_keys, why = decide_held(self.config, self.schedule)
+            st.boot_schedule["held"] = {"keys": [coboot.key_name(k) for k in st.held_keys],
+                                        "reason": why}
             print(f"\nboot schedule: {self.schedule.mode}: {self.schedule.reason}"
                   + (f"; passes ahead: {', '.join(coboot.key_name(k) for k in st.ahead)}"
-                     if st.ahead else ""))
+                     if st.ahead else "") + f"; restarts {why}")
         return self.schedule
 
     def _cobooted(self, key) -> bool:
@@ -662,6 +688,7 @@ def _make_for_key(config, key, **kw) -> Cluster:
     engine, topo, *profile = key
     if profile:
         kw["options"] = cluster_profile(profile[0]).options()
+    kw.setdefault("hold_restarts", key in state(config).held_keys)
     backend = startup.resolve_backend(config.getoption("--backend"))
     return make_cluster(config, engine, topo, backend, **kw)
 
@@ -896,5 +923,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"time: {time_report.headline(st.time_report)}", bold=True)
         if st.time_report.get("boot_schedule"):
             terminalreporter.write_line(f"boot schedule: {st.time_report['boot_schedule']['reason']}")
+            held = st.time_report["boot_schedule"].get("held")
+            if held and held.get("keys"):
+                terminalreporter.write_line(f"restarts: {held['reason']}")
         if time_report.phases_line(st.time_report):
             terminalreporter.write_line(time_report.phases_line(st.time_report))

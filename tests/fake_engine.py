@@ -11,6 +11,7 @@ from pathlib import Path
 from e2e_test.infra import engines
 from e2e_test.infra.cluster.readiness import HttpGet
 from e2e_test.infra.engines import Engine, WorkerCommand
+from e2e_test.infra.lifecycle.reaper import extend_pythonpath
 from e2e_test.infra.specs.model_specs import parse_spec
 
 SERVER = Path(__file__).with_name("fake_engine_server.py")
@@ -23,15 +24,22 @@ class FakeEngine(Engine):
     work_counters = ("fake:tokens_total",)
 
     def __init__(self, env: dict | None = None, stages: dict | None = None,
-                 stop_grace_s: float | None = None):
+                 stop_grace_s: float | None = None, module: bool = False):
         self.env = env or {}            # worker name -> extra env (the server's failure modes)
         self.stages = stages or {}      # worker name -> start stage
         self.stop_grace_s = stop_grace_s    # the worker's own SIGTERM -> SIGKILL grace
+        self.module = module            # run as `python -m fake_engine_server` (holdable)
 
     def build(self, spec, topology, entry, ports, model_path, options):
+        env = dict(self.env.get(entry.name, {}))
+        if self.module:
+            head = [sys.executable, "-m", SERVER.stem]
+            env["PYTHONPATH"] = extend_pythonpath(str(SERVER.parent))
+        else:
+            head = [sys.executable, str(SERVER)]
         return WorkerCommand(
-            argv=[sys.executable, str(SERVER), "--port", str(ports.api), "--model", spec.id],
-            env=dict(self.env.get(entry.name, {})), readiness=HttpGet(ports.api, "/health"),
+            argv=[*head, "--port", str(ports.api), "--model", spec.id],
+            env=env, readiness=HttpGet(ports.api, "/health"),
             start_stage=self.stages.get(entry.name, 0), stop_grace_s=self.stop_grace_s)
 
 

@@ -9,6 +9,8 @@ Prometheus /metrics with one work counter. Failure modes for Cluster tests, from
   FAKE_ENGINE_BUSY_ONCE=FILE      if FILE does not exist: create it, print "Address already
                                   in use" and exit 1 (a port collision, once)
   FAKE_ENGINE_IGNORE_TERM=1       ignore SIGTERM (a worker that needs SIGKILL)
+  FAKE_ENGINE_IMPORT_S=S          its imports take S seconds (fake_engine_import.py; run as
+                                  `-m fake_engine_server` with tests/ on PYTHONPATH)
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+try:                    # beside it, run by path or as `-m fake_engine_server`
+    import fake_engine_import
+except ImportError:     # its folder not on the path
+    fake_engine_import = None
+
 COUNTER = "fake:tokens_total"
 
 
@@ -29,7 +36,8 @@ def main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", required=True)
     a = p.parse_args()
-    print(f"fake engine: model {a.model} port {a.port}", flush=True)
+    print(f"fake engine: model {a.model} port {a.port}, pid {os.getpid()}, imported at "
+          f"{getattr(fake_engine_import, 'IMPORTED_AT', None)}", flush=True)
     if os.environ.get("FAKE_ENGINE_IGNORE_TERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))

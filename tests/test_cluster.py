@@ -167,6 +167,81 @@ def test_a_port_collision_restarts_on_new_ports(fake, weights, tmp_path):
     assert c.teardown_report.ok, c.teardown_report.verdict()
 
 
+@pytest.fixture
+def fake_module():
+    """The fake engine run as `python -m fake_engine_server`, which a Cluster can hold."""
+    yield fake_engine.register(module=True)
+    engines.unregister(fake_engine.NAME)
+
+
+def _wait_held(w, timeout=20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cluster_mod.HELD_LINE.search(w.held.log_text()):
+        assert time.monotonic() < deadline, w.held.log_tail()
+        time.sleep(0.05)
+
+
+def test_a_held_restart_has_its_imports_done_ahead(fake_module, weights, tmp_path):
+    """Cluster.hold_restarts: each worker's restart starts with the boot, runs its module's
+    imports (1.5 s here, FAKE_ENGINE_IMPORT_S) and waits; restart() releases it, so the
+    restart's boot no longer holds the imports, and they count as boot seconds of their own
+    (Timing.held_imports). Negative control: without it the same restart pays them."""
+    fake_module.env = {"worker-0": {"FAKE_ENGINE_IMPORT_S": "1.5"}}
+    took = {}
+    for hold in (True, False):
+        c = make(weights, tmp_path / str(hold), hold_restarts=hold)
+        with c:
+            w = c.workers[0]
+            if hold:
+                held = w.held
+                assert held is not None and held.alive() and held.pid != w.process.pid
+                assert "--hold" in held.argv and held.log_path.name == "worker-0.1.log"
+                _wait_held(w)
+            else:
+                assert w.held is None
+            old = w.process.pid
+            os.kill(old, signal.SIGKILL)                   # the leg lost
+            assert _gone([old])
+            c.restart("worker-0")
+            took[hold] = c.timing.restart_boots[-1][1]
+            assert c.chat("x")["choices"]
+            if hold:
+                assert w.process is held and w.held is None and w.restarts == 1
+                assert c.timing.held == {"worker-0": "released"}
+                [(start, s)] = c.timing.held_imports
+                assert start == pytest.approx(c.timing.boot_started, abs=1.0)
+                assert 1.5 <= s < 10
+                assert "e2e_warm_spawn (pid" in held.log_text() and ": go," in held.log_text()
+            else:
+                assert c.timing.held == {} and c.timing.held_imports == []
+        assert c.teardown_report.ok, c.teardown_report.verdict()
+    assert took[True] < 1.0 and took[False] >= 1.5, took
+
+
+def test_a_held_process_unused_is_stopped_and_a_dead_one_replaced(fake_module, weights,
+                                                                   tmp_path):
+    """A held process no restart took is stopped with its topology (its imports still
+    counted); one that died before its restart is replaced by a fresh launch, said so."""
+    c = make(weights, tmp_path / "unused", hold_restarts=True)
+    with c:
+        pid = c.workers[0].held.pid
+        _wait_held(c.workers[0])
+    assert c.timing.held == {"worker-0": "stopped unused"} and len(c.timing.held_imports) == 1
+    assert c.teardown_report.ok, c.teardown_report.verdict()
+    assert _gone([pid])
+    c = make(weights, tmp_path / "dead", hold_restarts=True)
+    with c:
+        w = c.workers[0]
+        dead = w.held
+        os.kill(dead.pid, signal.SIGKILL)
+        assert _gone([dead.pid])
+        c.restart("worker-0")
+        assert w.process is not dead and w.process.alive() and w.held is None
+        assert c.timing.held["worker-0"].startswith("gone (signal 9) at the restart")
+        assert c.chat("x")["choices"]
+    assert c.teardown_report.ok, c.teardown_report.verdict()
+
+
 def test_a_restart_in_the_background_boots_while_the_caller_goes_on(fake, weights, tmp_path):
     """Cluster.restart_in_background (a fault test's lost leg, booting beside other tests):
     it returns before the worker is back; await_restart gives the worker (once);

@@ -59,6 +59,27 @@ def test_regular_cpu_worker():
         HttpGet(20100, "/health"), 0, None, ())
 
 
+def test_a_worker_held_for_its_restart_runs_its_module_after_go(monkeypatch):
+    """engines.held_command (Cluster.hold_restarts): the same command through the launcher's
+    `--hold`, the launchers' folder ahead of the inherited PYTHONPATH, everything else as it
+    was. None for a command that is no `-m MODULE`, or that writes Prometheus multiprocess
+    files (the live worker's folder); a warm-spawn command gets `--hold` of its own."""
+    from e2e_test.infra.engines import LAUNCHERS, held_command
+    monkeypatch.setenv("PYTHONPATH", "/stage/site")
+    t, e = cpu_entries("1", cores=(0, 1))
+    cmd = vllm.build(SMOL, t, e["worker-0"], Ports(api=20100), "/models/smol", CPU)
+    held = held_command(cmd)
+    assert held.argv == [sys.executable, "-m", "e2e_warm_spawn", "--hold", "--run",
+                         "vllm.entrypoints.openai.api_server", "--", *cmd.argv[3:]]
+    assert held.env == {**cmd.env, "PYTHONPATH": f"{LAUNCHERS}:/stage/site"}
+    assert replace(held, argv=cmd.argv, env=cmd.env) == cmd
+    assert held_command(replace(cmd, metrics_dir="/r/state/prometheus/worker-0")) is None
+    assert held_command(replace(cmd, argv=[sys.executable, "server.py"])) is None
+    warm = replace(cmd, argv=[sys.executable, "-m", "e2e_warm_spawn", "--run", "svc", "--"])
+    assert held_command(warm).argv == [sys.executable, "-m", "e2e_warm_spawn", "--hold",
+                                       "--run", "svc", "--"]
+
+
 def test_dp2_cpu_workers_get_their_own_cores():
     t, e = cpu_entries("dp2", cores=(0, 1, 2, 3))
     opts = EngineOptions(engine_opts={"cpu_kv_cache_gib": 4})

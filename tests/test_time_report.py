@@ -49,6 +49,19 @@ def test_roles_from_the_cluster_and_restarts_count_as_boot():
     assert rep["clusters"][0]["restarts_s"] == [5]
 
 
+def test_a_held_restarts_imports_count_as_boot_where_they_fall():
+    """Cluster.hold_restarts: a held interpreter's imports are boot seconds of their own,
+    besides the restart's boot from its release. Inside the topology's boot (0..30, imports
+    1..13) they add nothing; running past it (20..40) they add 10 s (negative control)."""
+    inside = cl("a", 0, 30, 90, 2, held_imports=[[1, 12]], restart_boots=[[60, 10]],
+                held={"decode-0": "released"})
+    rep = tr.compute([inside], [(30, 90)], 0, 100)
+    assert rep["boot_s"] == 30 + 10
+    assert rep["clusters"][0]["held"] == {"decode-0": "released"}
+    past = cl("a", 0, 30, 90, 2, held_imports=[[20, 20]], restart_boots=[[60, 10]])
+    assert tr.compute([past], [(30, 90)], 0, 100)["boot_s"] == 30 + 10 + 10
+
+
 def test_boots_beside_the_tests_are_not_waited_on():
     # booted together (the shape of TokenSpeed's e2e-1gpu-pd at 44140a5): `1` boots 0..55 in a
     # thread while the 1p1d topology, ready at 30, runs its tests 30..60; the main thread

@@ -135,3 +135,122 @@ def test_a_dead_waiting_interpreter_falls_back_to_spawn(stand_in):
     assert "not using the waiting interpreter" in err and "it is gone" in err
     assert out["first"]["imported_at"] > out["first"]["started"]  # a plain spawn
     assert out["first"]["exitcode"] == 3 and out["first"]["late"] == "late"
+
+
+# -- held (`--hold`): the entry point's own interpreter started ahead -------------------------
+
+HELD = """
+import json, os, sys, time
+import stand_in_target
+BODY_AT = time.time()
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps({"argv": sys.argv[1:], "imported_at": stand_in_target.IMPORTED_AT,
+                                  "body_at": BODY_AT, "by_name": "stand_in_held" in sys.modules}),
+          flush=True)
+"""
+
+
+def _held(argv, env, cwd, settle_s=0.3):
+    """Start a held interpreter, wait for its held line (and `settle_s`), send `go`:
+    (its RESULT, stderr, the held line, when go was sent)."""
+    p = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    line = p.stderr.readline()
+    assert f"e2e_warm_spawn (pid {p.pid}): held: imports" in line, line
+    time.sleep(settle_s)
+    go_at = time.time()
+    out, err = p.communicate("go\n", timeout=60)
+    assert p.returncode == 0, err
+    res = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
+    return res, err, line, go_at
+
+
+def test_held_imports_ahead_and_runs_the_body_once_at_go(stand_in):
+    """The held interpreter runs its module's import statements (stand_in_target's 1 s),
+    prints its line and waits; `go` runs the module as __main__ (its body once, after the
+    go, never under its own name), with the arguments it was started with."""
+    tmp, env = stand_in
+    (tmp / "stand_in_held.py").write_text(textwrap.dedent(HELD))
+    res, err, line, go_at = _held([sys.executable, "-m", "e2e_warm_spawn", "--hold", "--run",
+                                   "stand_in_held", "--", "--flag", "x"], env, tmp)
+    assert "(2 import statements of stand_in_held, 0 failed)" in line
+    assert res["imported_at"] < go_at < res["body_at"], (res, go_at)
+    assert res["argv"] == ["--flag", "x"] and res["by_name"] is False
+    assert ": go, " in err
+
+
+def test_negative_control_unheld_the_imports_come_after_the_start(stand_in):
+    tmp, env = stand_in
+    (tmp / "stand_in_held.py").write_text(textwrap.dedent(HELD))
+    t0 = time.time()
+    out, _ = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_held", "--"],
+                  env, tmp)
+    assert out["imported_at"] >= t0 + 1.0
+
+
+def test_held_without_go_exits_and_runs_nothing(stand_in):
+    """End of input (the harness stopped, or never needed it) or any line but `go`: exit 0,
+    the module's body never run."""
+    tmp, env = stand_in
+    (tmp / "stand_in_held.py").write_text(textwrap.dedent(HELD))
+    argv = [sys.executable, "-m", "e2e_warm_spawn", "--hold", "--run", "stand_in_held", "--"]
+    for given in ("", "stop\n"):
+        proc = subprocess.run(argv, env=env, cwd=tmp, input=given, capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert proc.returncode == 0 and "RESULT" not in proc.stdout, proc
+        assert "held: imports" in proc.stderr and ": go, " not in proc.stderr
+
+
+def test_held_with_a_warm_child_hands_the_target_over_after_go(stand_in):
+    """`--hold` with `--target` (a TokenSpeed servicer's form): the child's interpreter is
+    started ahead too, and still takes the target's spawn after the go."""
+    tmp, env = stand_in
+    out, err, _, _ = _held([sys.executable, "-m", "e2e_warm_spawn", "--hold", "--run",
+                            "stand_in_entry", "--target", "stand_in_target:work", "--preload",
+                            "stand_in_target", "--", "--flag", "x"],
+                           {**env, "STAND_IN_SLEEP": "0"}, tmp, settle_s=1.0)
+    assert out["argv"] == ["--flag", "x"] and out["first"]["exitcode"] == 3
+    assert out["first"]["imported_at"] < out["first"]["started"], (out, err)
+    assert out["first"]["pid"] == out["first"]["popen_pid"]
+
+
+def test_import_statements_are_the_module_bodys_own(monkeypatch):
+    monkeypatch.syspath_prepend(str(LAUNCHERS))
+    from e2e_warm_spawn import import_statements
+    src = textwrap.dedent("""
+        from __future__ import annotations
+        import a, b.c
+        from .d import e
+        try:
+            import f
+        except ImportError:
+            import g
+        if TYPE_CHECKING:
+            import h
+        if sys.version_info >= (3, 11):
+            import i
+        else:
+            import j
+        with ctx():
+            import k
+        def fn():
+            import l
+        class C:
+            import m
+        if __name__ == "__main__":
+            import n
+    """)
+    import ast
+    got = [ast.unparse(m) for m in import_statements(src)]
+    assert got == ["import a, b.c", "from .d import e", "import f", "import i", "import j",
+                   "import k"]
+
+
+def test_parse_refuses_child_options_without_a_target(monkeypatch):
+    monkeypatch.syspath_prepend(str(LAUNCHERS))
+    from e2e_warm_spawn import parse
+    with pytest.raises(SystemExit):
+        parse(["--run", "m", "--preload", "x", "--"])
+    ns, rest, _ = parse(["--hold", "--run", "m", "--", "--a", "1"])
+    assert ns.hold and ns.target is None and rest == ["--a", "1"]

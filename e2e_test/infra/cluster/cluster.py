@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +34,15 @@ from pathlib import Path
 import httpx
 
 from .. import engines, startup
-from ..engines import DEFAULT_ENGINE, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
+from ..engines import (
+    DEFAULT_ENGINE,
+    Engine,
+    EngineOptions,
+    KnownCrash,
+    Ports,
+    WorkerCommand,
+    held_command,
+)
 from ..errors import ConfigError, HarnessError, StartupError, UpstreamBug, WorkerDied
 from ..lifecycle import ports, reaper, teardown
 from ..lifecycle.launcher import Baseline, Handle, Launcher, LocalLauncher
@@ -90,6 +99,9 @@ class Worker:
     process: Handle | None = None
     ready_s: float | None = None
     restarts: int = 0
+    # Its next restart's process, started ahead with the boot and held (Cluster.hold_restarts).
+    held: Handle | None = None
+    held_at: float | None = None       # epoch seconds of that start
 
     @property
     def name(self) -> str:
@@ -142,6 +154,15 @@ class Timing:
     # Per worker boot (a restart as NAME#N): seconds after its launch when each boot state of
     # its log (progress.py's markers) was first seen, and `ready` (time_report.boot_phases).
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    # [start, seconds] of every held interpreter's imports (Cluster.hold_restarts): boot
+    # seconds of their own, wherever they fall (time_report), besides the restart's own boot
+    # from its release; `held` what became of each: {name: "released" | why not}.
+    held_imports: list = field(default_factory=list)
+    held: dict[str, str] = field(default_factory=dict)
+
+
+# The line a held interpreter prints once its imports are done (launchers/e2e_warm_spawn.py).
+HELD_LINE = re.compile(r"e2e_warm_spawn \(pid \d+\): held: imports ([0-9.]+) s")
 
 
 def _on_main_thread() -> bool:
@@ -171,7 +192,7 @@ class Cluster:
                  startup_timeout: float | None = None, results_dir: Path | str | None = None,
                  name: str | None = None, gateway_args: tuple[str, ...] = (),
                  launcher: Launcher | None = None, plan: Plan | None = None,
-                 shared_devices: bool = False):
+                 shared_devices: bool = False, hold_restarts: bool = False):
         self.spec: ModelSpec = model if isinstance(model, ModelSpec) else get_spec(model)
         self.engine = engine
         self.topology = topologies.parse(topology)     # a Topology is taken as it is
@@ -226,6 +247,12 @@ class Cluster:
         # checks this topology's own processes, not the devices' memory, which the others
         # still hold (launcher.Baseline).
         self.shared_devices = shared_devices
+        # Each worker's next restart started ahead, with the boot, and held until restart()
+        # releases it (engines.held_command: its imports done beside the boot, not after the
+        # loss). Chosen by the caller where restarts will come and cores are to spare
+        # (pytest_plugin: a topology with `restarting` tests, booted together); on this host
+        # only.
+        self.hold_restarts = hold_restarts and isinstance(self.launcher, LocalLauncher)
         self.stopped = False
         self._client: httpx.Client | None = None
         # worker name -> Future of its restart_in_background (await_restart takes it)
@@ -284,7 +311,9 @@ class Cluster:
             "plan": self.plan.to_dict(),
             "workers": [{"name": w.name, "url": w.url, "argv": w.command.argv,
                          "env": w.command.env, "ready_s": w.ready_s, "restarts": w.restarts,
-                         "log": str(w.process.log_path) if w.process else None}
+                         "log": str(w.process.log_path) if w.process else None,
+                         "held": {"pid": w.held.pid, "log": str(w.held.log_path)}
+                         if w.held else None}
                         for w in self.workers],
             "gateway": {"url": self.gateway_url, "metrics": self.gateway_metrics_url,
                         "argv": self.gateway_argv},
@@ -326,10 +355,34 @@ class Cluster:
         (self.dir / "cluster.json").write_text(json.dumps(self.describe(), indent=2, default=str))
         return self
 
+    def _log_path(self, w: Worker, restarts: int) -> Path:
+        return self.dir / "logs" / f"{w.name}{'.' + str(restarts) if restarts else ''}.log"
+
     def _launch(self, w: Worker) -> None:
-        log = self.dir / "logs" / f"{w.name}{'.' + str(w.restarts) if w.restarts else ''}.log"
-        w.process = self.launcher.start(w.name, w.command, log, cores=w.entry.cores,
-                                        node=w.entry.node)
+        w.process = self.launcher.start(w.name, w.command, self._log_path(w, w.restarts),
+                                        cores=w.entry.cores, node=w.entry.node)
+
+    def _hold(self, w: Worker) -> None:
+        """Start `w`'s next restart ahead, held (hold_restarts)."""
+        cmd = held_command(w.command)
+        if cmd is None:
+            self.timing.held[w.name] = "not held: its command cannot be (engines.held_command)"
+            return
+        w.held_at = time.time()
+        w.held = self.launcher.start(w.name, cmd, self._log_path(w, w.restarts + 1),
+                                     cores=w.entry.cores, node=w.entry.node, held=True)
+
+    def _held_done(self, w: Worker, outcome: str) -> Handle | None:
+        """Take `w`'s held process off it, recording its imports as boot seconds (to the line
+        it printed, or to now where it printed none) and what became of it."""
+        h, w.held = w.held, None
+        if h is None:
+            return None
+        m = HELD_LINE.search(h.log_text(200_000))
+        took = float(m.group(1)) if m else max(0.0, time.time() - w.held_at)
+        self.timing.held_imports.append([w.held_at, round(took, 2)])
+        self.timing.held[w.name] = outcome
+        return h
 
     def _start_workers(self, t0: float) -> None:
         stages = sorted({w.command.start_stage for w in self.workers})
@@ -339,6 +392,9 @@ class Cluster:
                 group = [w for w in self.workers if w.command.start_stage == stage]
                 for w in group:        # all at once: launching returns immediately
                     self._launch(w)
+                if self.hold_restarts:
+                    for w in group:
+                        self._hold(w)
                 self._wait_ready(group, client, deadline)
 
     def _wait_ready(self, group: list[Worker], client: httpx.Client, deadline: float) -> None:
@@ -488,6 +544,7 @@ class Cluster:
         if self._client:
             self._client.close()
         procs = [w.process for w in self.workers if w.process] + self._extra_gateways
+        procs += [h for w in self.workers if (h := self._held_done(w, "stopped unused"))]
         self._extra_gateways = []
         if self.gateway:
             procs.insert(0, self.gateway)
@@ -529,7 +586,8 @@ class Cluster:
 
     def kill_now(self) -> None:
         """Second Ctrl-C: SIGKILL every process tree at once, no grace."""
-        for p in [self.gateway, *self._extra_gateways] + [w.process for w in self.workers]:
+        for p in [self.gateway, *self._extra_gateways] + [w.process for w in self.workers] \
+                + [w.held for w in self.workers]:
             if p:
                 p.kill()
 
@@ -662,6 +720,21 @@ class Cluster:
         with waiting_on_boot(self.timing):
             return fut.result()
 
+    def _release_or_launch(self, w: Worker) -> None:
+        """Release `w`'s held process as its new one, or launch one where none is held or the
+        held one is gone (stopped, its end recorded)."""
+        h = w.held
+        if h is not None and h.release():
+            self._held_done(w, "released")
+            w.process = h
+            return
+        if h is not None:
+            why = f"gone ({h.death_reason()}) at the restart: launched afresh"
+            self._held_done(w, why)
+            h.stop(grace=2.0)
+            print(f"{self.name}: {w.name}'s held process {why}", flush=True)
+        self._launch(w)
+
     def restarts_in_flight(self) -> list[str]:
         return [n for n, f in self._restarting.items() if not f.done()]
 
@@ -692,7 +765,7 @@ class Cluster:
         t0, epoch = time.monotonic(), time.time()
         w.restarts += 1
         with waiting_on_boot(self.timing):
-            self._launch(w)
+            self._release_or_launch(w)
             with httpx.Client(timeout=2.0) as client:
                 self._wait_ready([w], client, t0 + (timeout or self.startup_timeout))
         self.timing.restart_boots.append([epoch, round(time.monotonic() - t0, 2)])

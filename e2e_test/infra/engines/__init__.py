@@ -16,6 +16,7 @@ No process is started here; every builder is unit-tested for its exact argv and 
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,9 @@ from typing import Any
 from ..cluster.readiness import Alive, HttpGet, Readiness
 from ..errors import ConfigError
 from ..specs.devices import core_list  # noqa: F401 (the builders' name for it)
+
+# Programs that run inside a worker's own processes (launchers/), put on its PYTHONPATH.
+LAUNCHERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launchers")
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,26 @@ class WorkerCommand:
     def health_path(self) -> str | None:
         """The HTTP path its readiness asks, None when it is not an HTTP check."""
         return self.readiness.path if isinstance(self.readiness, HttpGet) else None
+
+
+def held_command(command: WorkerCommand) -> WorkerCommand | None:
+    """The same worker started ahead and held (launchers/e2e_warm_spawn.py `--hold`): its
+    interpreter runs the imports of the module it would run, then waits for `go` on its
+    standard input (Cluster.restart). None where that cannot be: a command that is not
+    `PYTHON -m MODULE ...`, or one whose engine writes Prometheus multiprocess files
+    (`metrics_dir`), which are per process in a folder the live worker still writes. Pure
+    but for the inherited PYTHONPATH, which the launchers' folder goes ahead of."""
+    from ..lifecycle.reaper import extend_pythonpath   # lifecycle imports this module
+    argv = command.argv
+    if command.metrics_dir or len(argv) < 3 or argv[1] != "-m":
+        return None
+    if argv[2] == "e2e_warm_spawn":
+        held = [*argv[:3], "--hold", *argv[3:]]
+    else:
+        held = [argv[0], "-m", "e2e_warm_spawn", "--hold", "--run", argv[2], "--", *argv[3:]]
+    env = {**command.env,
+           "PYTHONPATH": extend_pythonpath(LAUNCHERS, command.env.get("PYTHONPATH"))}
+    return replace(command, argv=held, env=env)
 
 
 # -- the engine interface ------------------------------------------------------------------

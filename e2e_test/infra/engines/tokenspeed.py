@@ -60,7 +60,7 @@ from ..verdicts.proof import (
     sum_delta,
     verdict,
 )
-from . import Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
+from . import LAUNCHERS, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 # Warm spawn (launchers/e2e_warm_spawn.py): the servicer's process imports TokenSpeed's
@@ -77,7 +77,6 @@ SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 # CUDA context created during the imports reads, go to the warm interpreter from its start;
 # the rest of the servicer's environment at the start is applied before the scheduler runs.
 # Only for a single scheduler (tp 1, dp 1: one target process). Env E2E_TOKENSPEED_WARM_SPAWN.
-LAUNCHERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launchers")
 WARM_SPAWN = ("e2e_warm_spawn", "tokenspeed.runtime.engine.event_loop:run_event_loop",
               ("tokenspeed.runtime.engine.event_loop",),
               (("CUDA_DEVICE_MAX_CONNECTIONS", "4"), ("CUDA_MODULE_LOADING", "AUTO")))

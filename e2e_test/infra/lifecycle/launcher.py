@@ -103,12 +103,18 @@ class LocalLauncher:
                         gpu_mib=teardown.gpu_memory_mib(gpus) if gpus else {})
 
     def start(self, name: str, command: WorkerCommand, log_path: Path,
-              cores: tuple[int, ...] = (), node: int | None = None) -> ManagedProcess:
+              cores: tuple[int, ...] = (), node: int | None = None,
+              held: bool = False) -> ManagedProcess:
+        """`held`: started ahead, waiting for its release() (engines.held_command; a held
+        command has no metrics folder, which the live worker would still be writing)."""
         if command.metrics_dir:   # must exist, and start empty (a restart starts counters anew)
+            if held:
+                raise ValueError(f"{name}: a held command cannot have a metrics folder")
             shutil.rmtree(command.metrics_dir, ignore_errors=True)
             Path(command.metrics_dir).mkdir(parents=True)
         return ManagedProcess(name, command.argv, command.env, log_path,
-                              unset_env=command.unset_env, cpu_affinity=cores).start()
+                              unset_env=command.unset_env, cpu_affinity=cores,
+                              held=held).start()
 
     def verify(self, stops: list[StopReport], ports: set[int],
                baseline: Baseline) -> teardown.TeardownReport:

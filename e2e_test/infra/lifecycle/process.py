@@ -110,7 +110,7 @@ def pidfd_ended(fd: int) -> bool:
 class ManagedProcess:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
                  cwd: str | None = None, unset_env: tuple[str, ...] | list[str] = (),
-                 cpu_affinity: tuple[int, ...] | list[int] = ()):
+                 cpu_affinity: tuple[int, ...] | list[int] = (), held: bool = False):
         self.name = name
         self.argv = [str(a) for a in argv]
         self.env_overrides = dict(env)
@@ -120,6 +120,9 @@ class ManagedProcess:
         self.cpu_affinity = tuple(cpu_affinity)
         self.log_path = Path(log_path)
         self.cwd = cwd
+        # Started ahead and held (engines.held_command): its standard input is a pipe on which
+        # release() sends `go`; until then it waits, and it exits when the pipe closes unsent.
+        self.held = held
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
         self.known: dict[int, float] = {}   # pid -> create_time, descendants seen alive
@@ -135,13 +138,28 @@ class ManagedProcess:
         env.update(reaper.marker_env())     # ownership: sweeps stop marked processes only
         cores = set(self.cpu_affinity)
         pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
-        self.proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+        stdin = subprocess.PIPE if self.held else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=stdin,
                                      stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=pin)
         self.started_at = time.monotonic()
         reaper.watch(self.pid, self.name)
         self.remember_descendants()
         return self
+
+    def release(self) -> bool:
+        """A held process goes on (`go` on its standard input); its start counts from now.
+        False where it cannot: not held, released already, or gone."""
+        if not self.held or self.proc is None or self.proc.stdin is None \
+                or self.proc.stdin.closed or not self.alive():
+            return False
+        try:
+            self.proc.stdin.write(b"go\n")
+            self.proc.stdin.close()
+        except OSError:         # it died just now: the pipe is broken
+            return False
+        self.started_at = time.monotonic()
+        return True
 
     @property
     def pid(self) -> int:

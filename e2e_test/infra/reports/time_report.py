@@ -11,7 +11,8 @@ Inputs are plain data, so the arithmetic is pure (tests/test_time_report.py):
 - the session's start and end.
 
 The four shares partition the session's wall time, each second counted once, in this order:
-boot (any cluster booting or a worker restarting), teardown (any cluster stopping, outside a
+boot (any cluster booting, a worker restarting, or a restart's held interpreter importing
+ahead: Cluster.hold_restarts), teardown (any cluster stopping, outside a
 boot), traffic (a test body running or a regular topology's passes running ahead of its tests
 (coboot.py), outside boots and teardowns: the window tests and the fault tests boot inside
 their body; that part is a boot), idle (the rest: collection, fixture and idle-verification
@@ -93,6 +94,8 @@ def _boot_intervals(c: dict) -> list[Interval]:
         out.append((start, start + took))
     for s, took in c.get("restart_boots", ()):
         out.append((s, s + took))
+    for s, took in c.get("held_imports", ()):     # a restart's imports, done ahead
+        out.append((s, s + took))
     return out
 
 
@@ -129,6 +132,7 @@ def compute(clusters: list[dict], tests: list[Interval], t_start: float, t_end: 
                             "boot_s": c.get("total_ready_s"),
                             "teardown_s": c.get("teardown_s"),
                             "restarts_s": [round(t, 2) for _, t in c.get("restart_boots", ())],
+                            "held": c.get("held") or {},
                             "compile_cache": c.get("compile_cache") or {},
                             "phases": c.get("phases") or {}})
 
@@ -247,6 +251,7 @@ def cluster_entry(c) -> dict:
             "gateway_probe_failures": list(t.gateway_probe_failures),
             "teardown_started": t.teardown_started,
             "teardown_s": t.teardown_s, "restart_boots": list(t.restart_boots),
+            "held_imports": list(t.held_imports), "held": dict(t.held),
             "boot_waits": list(t.boot_waits),
             "compile_cache": cache, "phases": {k: dict(v) for k, v in t.phases.items()}}
 

@@ -24,8 +24,16 @@ environment at the request differ from its own after its imports (applied before
 runs, but not seen by the imports: a variable the entry point sets from its arguments and a
 module reads at import would show here).
 
-    python -m e2e_warm_spawn --run MODULE --target MODULE:QUALNAME [--preload MODULE]...
-                             [--child-env NAME=VALUE]... -- ARGS...
+    python -m e2e_warm_spawn --run MODULE [--target MODULE:QUALNAME [--preload MODULE]...
+                             [--child-env NAME=VALUE]...] [--hold] -- ARGS...
+
+Held (`--hold`): the interpreter of the entry point itself is started ahead too, for a restart
+known to come (Cluster.restart: a fault test's lost leg). It runs the import statements of
+`--run`'s own source, each on its own (its module body is not run: that happens once, as
+__main__, as `python -m` runs it), prints one line (how long they took), and waits for one line
+on its standard input: `go` runs the entry point as above; end of file (the harness stopped,
+or never needed it) exits with status 0 and runs nothing. `--target` may go with it, whose
+waiting interpreter is then started ahead as well.
 
 Standard library only, and importable by this name (its folder goes on PYTHONPATH), because
 the waiting interpreter and the pickled references to it resolve it by name.
@@ -259,12 +267,16 @@ def parse(argv: list[str]):
     arguments. Pure."""
     ap = argparse.ArgumentParser(prog=NAME)
     ap.add_argument("--run", required=True, help="module to run as __main__")
-    ap.add_argument("--target", required=True, help="MODULE:QUALNAME of the child to warm")
+    ap.add_argument("--target", help="MODULE:QUALNAME of the child to warm")
     ap.add_argument("--preload", action="append", default=[])
     ap.add_argument("--child-env", action="append", default=[])
+    ap.add_argument("--hold", action="store_true",
+                    help="import --run's imports, then wait for `go` on stdin")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     ns = ap.parse_args(argv)
     rest = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    if not ns.target and (ns.preload or ns.child_env):
+        ap.error("--preload and --child-env are for the child of --target")
     child_env = {}
     for item in ns.child_env:
         k, sep, v = item.partition("=")
@@ -274,15 +286,90 @@ def parse(argv: list[str]):
     return ns, rest, child_env
 
 
+def import_statements(source: str) -> list:
+    """The import statements of a module's own body (inside its top-level `try`, `if`,
+    `with`), each as a module of its own; not those under `if TYPE_CHECKING` or
+    `if __name__ == "__main__"`, nor any inside a function or class. Pure."""
+    import ast
+
+    def skipped(test) -> bool:
+        text = ast.unparse(test)
+        return "TYPE_CHECKING" in text or "__name__" in text
+
+    out = []
+
+    def walk(body) -> None:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
+                    out.append(ast.Module(body=[node], type_ignores=[]))
+            elif isinstance(node, ast.If):
+                if not skipped(node.test):
+                    walk(node.body)
+                    walk(node.orelse)
+            elif isinstance(node, (ast.Try, ast.With)):
+                walk(node.body)
+    walk(ast.parse(source).body)
+    return out
+
+
+def hold(run: str, stdin_fd: int = 0) -> bool:
+    """Import what module `run` imports, then wait for `go` on `stdin_fd`; whether it came."""
+    import importlib.util
+    t0 = time.monotonic()
+    statements = []
+    name = run
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.submodule_search_locations is not None:
+        name = f"{run}.__main__"           # a package runs as its __main__, as with -m
+        spec = importlib.util.find_spec(name)
+    if spec is not None and spec.origin and spec.origin.endswith(".py"):
+        with open(spec.origin, encoding="utf-8") as f:
+            statements = import_statements(f.read())
+    # Relative imports resolve against the module's package, as they would in its body.
+    package = name.rpartition(".")[0]
+    failed = 0
+    for tree in statements:
+        try:
+            # the module's own import statements, which its body runs anyway
+            exec(compile(tree, spec.origin, "exec"), {"__name__": f"{NAME}.ahead",  # noqa: S102
+                                                      "__package__": package})
+        except (Exception, SystemExit):  # noqa: BLE001 (its own import raises it again, at go)
+            failed += 1
+    imported = time.monotonic()
+    print(f"{NAME} (pid {os.getpid()}): held: imports {imported - t0:.1f} s "
+          f"({len(statements)} import statements of {run}, {failed} failed); waiting for go",
+          file=sys.stderr, flush=True)
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(stdin_fd, 64)
+        if not chunk:
+            break
+        line += chunk
+    if line.strip() != b"go":
+        return False
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, stdin_fd)
+    os.close(devnull)
+    print(f"{NAME} (pid {os.getpid()}): go, {time.monotonic() - imported:.1f} s after the "
+          "imports", file=sys.stderr, flush=True)
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     ns, rest, child_env = parse(sys.argv[1:] if argv is None else argv)
-    warm = Warm(ns.preload, child_env)
-    install(warm, ns.target)
-    sys.argv = [ns.run, *rest]
+    warm = None
+    if ns.target:
+        warm = Warm(ns.preload, child_env)
+        install(warm, ns.target)
     try:
+        if ns.hold and not hold(ns.run):
+            return
+        sys.argv = [ns.run, *rest]
         runpy.run_module(ns.run, run_name="__main__", alter_sys=True)
     finally:
-        warm.close()
+        if warm is not None:
+            warm.close()
 
 
 if __name__ == "__main__":
