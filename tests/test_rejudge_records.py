@@ -133,6 +133,18 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                    "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
                    "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
                    "test_pd_kv_recall[tokenspeed-1p1d]"]]
+      # f1eece8: held restarts; both engines together and serially on one machine, vLLM's
+      # restart also unheld (E2E_HOLD_RESTARTS=0)
+      + [(f"h200-e2e-1gpu-pd-{eng}-{kind}-f1eece8{suffix}", t.format(eng=eng))
+         for eng, kind, suffix in [("vllm", "serial", ""), ("vllm", "together", ""),
+                                   ("vllm", "together-unheld", ""), ("vllm", "together", "-b"),
+                                   ("tokenspeed", "together", ""),
+                                   ("tokenspeed", "serial", ""),
+                                   ("tokenspeed", "together", "-b")]
+         for t in ["test_oracle_negative_control[{eng}-1]",
+                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
+                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
+                   "test_pd_kv_recall[{eng}-1p1d]"]]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", "test_oracle_negative_control[vllm-1]")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", t.format(shape=shape))
          for shape in ("1p2d", "2p1d", "2p2d")
