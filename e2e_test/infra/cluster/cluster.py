@@ -250,8 +250,8 @@ class Cluster:
         # Each worker's next restart started ahead, with the boot, and held until restart()
         # releases it (engines.held_command: its imports done beside the boot, not after the
         # loss). Chosen by the caller where restarts will come and cores are to spare
-        # (pytest_plugin: a topology with `restarting` tests, booted together); on this host
-        # only.
+        # (pytest_plugin.decide_held, coboot.held_restarts: a topology with `restarting` tests,
+        # on a GPU, its wave within the cores' limit); on this host only.
         self.hold_restarts = hold_restarts and isinstance(self.launcher, LocalLauncher)
         self.stopped = False
         self._client: httpx.Client | None = None

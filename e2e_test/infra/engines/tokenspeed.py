@@ -35,7 +35,6 @@ flag's contract comes from:
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
