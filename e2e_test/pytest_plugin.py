@@ -321,8 +321,6 @@ def decide_held(config, sched: coboot.BootSchedule) -> tuple[tuple, str]:
     """Which shared topologies start their workers' restarts ahead, held (coboot.
     held_restarts; Cluster.hold_restarts), and why; E2E_HOLD_RESTARTS=0 says none."""
     st = state(config)
-    if not st.restarting_keys:
-        return (), "no test restarts a worker"
     if not settings.get("E2E_HOLD_RESTARTS"):
         return (), "E2E_HOLD_RESTARTS=0"
     if settings.get("E2E_LAUNCHER") != "local":

@@ -213,7 +213,8 @@ def held_restarts(sched: BootSchedule, keyed_plans, restarting, backend: str, co
     wave, counting every held interpreter as a booting worker, still keeps within
     cores // cores_per_worker, as the waves themselves do. (keys, the reason in one line).
     None on CPU: a held interpreter's imports would take a booting worker's cores. Pure."""
-    wanted = [k for k, _ in keyed_plans if k in set(restarting)]
+    restarting = set(restarting)
+    wanted = [k for k, _ in keyed_plans if k in restarting]
     if not wanted:
         return (), "no test restarts a worker"
     if backend != "cuda":
