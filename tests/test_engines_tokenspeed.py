@@ -405,8 +405,14 @@ def test_warm_spawn_wraps_a_single_scheduler_worker(monkeypatch):
         assert ns.target == "tokenspeed.runtime.engine.event_loop:run_event_loop"
         assert ns.preload == ["tokenspeed.runtime.engine.event_loop"]
         assert child_env == {"CUDA_DEVICE_MAX_CONNECTIONS": "4", "CUDA_MODULE_LOADING": "AUTO"}
+        assert ns.collector_on is False            # its imports with the collector off
         assert cmd.env == {**cold.env, "PYTHONPATH": os.pathsep.join(
             [tokenspeed.LAUNCHERS, "/stage/site", "/stage/other"])}
+    # E2E_IMPORT_COLLECTOR=on (the control): the launcher keeps the collector on.
+    on = options_from_env({"E2E_IMPORT_COLLECTOR": "on"}, backend="cuda")
+    cmd = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", on)
+    ns, rest, _ = e2e_warm_spawn.parse(cmd.argv[3:])
+    assert ns.collector_on is True and rest == cold.argv[3:]
     # Nothing in the launcher folder shadows a package a worker imports.
     assert sorted(p.name for p in Path(tokenspeed.LAUNCHERS).glob("*.py")) == [
         "__init__.py", "e2e_warm_spawn.py"]

@@ -25,19 +25,21 @@ from e2e_test.infra.engines import launchers
 LAUNCHERS = Path(launchers.__file__).parent
 
 TARGET = """
-import os, sys, time
+import gc, os, sys, time
 time.sleep(1.0)                 # a heavy import
 IMPORTED_AT = time.time()
+GC_AT_IMPORT = gc.isenabled()
 
 def work(conn, code):
     conn.send({"imported_at": IMPORTED_AT, "late": os.environ.get("STAND_IN_LATE"),
                "early": os.environ.get("STAND_IN_EARLY"), "pid": os.getpid(),
-               "ppid": os.getppid()})
+               "ppid": os.getppid(), "gc_at_import": GC_AT_IMPORT,
+               "gc_at_run": gc.isenabled(), "frozen": gc.get_freeze_count()})
     conn.close()
     sys.exit(code)
 
 def other(conn):
-    conn.send({"imported_at": IMPORTED_AT, "pid": os.getpid()})
+    conn.send({"imported_at": IMPORTED_AT, "pid": os.getpid(), "gc_at_import": GC_AT_IMPORT})
     conn.close()
 """
 
@@ -94,12 +96,16 @@ def test_warm_child_imported_before_the_request_and_runs_the_target(stand_in):
     assert first["pid"] == first["popen_pid"] and first["ppid"] == out["parent"]
     assert first["late"] == "late" and first["early"] is None  # the parent's env at the request
     assert first["exitcode"] == 3
+    # Its imports ran with the collector off, then frozen; the target runs with it on.
+    assert first["gc_at_import"] is False and first["gc_at_run"] is True
+    assert first["frozen"] > 0
     assert f"e2e_warm_spawn (pid {first['pid']}): imports" in err
+    assert "(1 preloaded, collector off)" in err
     # the variables the parent's environment had otherwise than the child after its imports
     assert "differs in: STAND_IN_EARLY, STAND_IN_LATE" in err
     # Another target: a spawn as usual, imported after its start.
     assert second["imported_at"] > second["started"] and second["pid"] != first["pid"]
-    assert second["exitcode"] == 0
+    assert second["exitcode"] == 0 and second["gc_at_import"] is True
 
 
 def test_negative_control_without_the_launcher_the_child_imports_after_the_request(stand_in):
@@ -174,7 +180,7 @@ def test_held_imports_ahead_and_runs_the_body_once_at_go(stand_in):
     (tmp / "stand_in_held.py").write_text(textwrap.dedent(HELD))
     res, err, line, go_at = _held([sys.executable, "-m", "e2e_warm_spawn", "--hold", "--run",
                                    "stand_in_held", "--", "--flag", "x"], env, tmp)
-    assert "(2 import statements of stand_in_held, 0 failed)" in line
+    assert "(2 import statements of stand_in_held, 0 failed, collector off)" in line
     assert res["imported_at"] < go_at < res["body_at"], (res, go_at)
     assert res["argv"] == ["--flag", "x"] and res["by_name"] is False
     assert ": go, " in err
@@ -254,3 +260,86 @@ def test_parse_refuses_child_options_without_a_target(monkeypatch):
         parse(["--run", "m", "--preload", "x", "--"])
     ns, rest, _ = parse(["--hold", "--run", "m", "--", "--a", "1"])
     assert ns.hold and ns.target is None and rest == ["--a", "1"]
+
+
+# -- the collector during the launcher's imports ---------------------------------------------
+
+GC_PROBE = """
+import gc
+ENABLED = gc.isenabled()
+"""
+
+GC_RUN = """
+import gc, json, sys
+import stand_in_gcprobe
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps({"at_import": stand_in_gcprobe.ENABLED,
+                                  "in_body": gc.isenabled(),
+                                  "frozen": gc.get_freeze_count()}), flush=True)
+"""
+
+
+@pytest.fixture
+def gc_stand_in(stand_in):
+    tmp, env = stand_in
+    (tmp / "stand_in_gcprobe.py").write_text(textwrap.dedent(GC_PROBE))
+    (tmp / "stand_in_gcrun.py").write_text(textwrap.dedent(GC_RUN))
+    return tmp, env
+
+
+def test_the_entry_points_imports_run_ahead_with_the_collector_off_then_frozen(gc_stand_in):
+    """Through the launcher the module's imports run ahead with the collector off; what they
+    made is frozen and the module's body runs with the collector on."""
+    tmp, env = gc_stand_in
+    out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_gcrun", "--"],
+                    env, tmp)
+    assert out == {"at_import": False, "in_body": True, "frozen": out["frozen"]}, out
+    assert out["frozen"] > 0
+    assert "ahead of stand_in_gcrun (2 import statements, 0 failed, collector off)" in err
+
+
+def test_negative_controls_collector_on_and_without_the_launcher(gc_stand_in):
+    """`--collector-on` (the control) and a plain `python -m`: imported with the collector
+    on, nothing frozen."""
+    tmp, env = gc_stand_in
+    on, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--collector-on", "--run",
+                    "stand_in_gcrun", "--"], env, tmp)
+    plain, _ = _run([sys.executable, "-m", "stand_in_gcrun"], env, tmp)
+    for out in (on, plain):
+        assert out == {"at_import": True, "in_body": True, "frozen": 0}, out
+    assert "collector on)" in err
+
+
+def test_the_childs_preload_with_collector_on_keeps_it_on(stand_in):
+    tmp, env = stand_in
+    out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--collector-on", "--run",
+                     "stand_in_entry", "--target", "stand_in_target:work", "--preload",
+                     "stand_in_target", "--"], {**env, "STAND_IN_SLEEP": "2"}, tmp)
+    first = out["first"]
+    assert first["imported_at"] < first["started"], (first, err)
+    assert first["gc_at_import"] is True and first["frozen"] == 0
+    assert "(1 preloaded, collector on)" in err
+
+
+def test_collector_off_restores_what_it_found(monkeypatch):
+    monkeypatch.syspath_prepend(str(LAUNCHERS))
+    import gc
+
+    from e2e_warm_spawn import collector_off
+    assert gc.isenabled()
+    try:
+        with collector_off():
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+        gc.unfreeze()
+        with collector_off(False):
+            assert gc.isenabled()
+        assert gc.get_freeze_count() == 0
+        gc.disable()                 # off before: off after, frozen all the same
+        with collector_off():
+            pass
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()

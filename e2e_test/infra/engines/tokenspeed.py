@@ -263,7 +263,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                           f"run it eager (E2E_ENFORCE_EAGER=1) or with another sampler")
     argv += extra + serving_defaults(extra, graphs=graphs)
     if options.opt("warm_spawn", DEFAULT_WARM_SPAWN) and entry.tp == 1 and entry.dp == 1:
-        argv = warm_spawn_argv(argv)
+        argv = warm_spawn_argv(argv, collector_on=options.import_collector_on)
         env["PYTHONPATH"] = extend_pythonpath(LAUNCHERS)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
@@ -326,9 +326,10 @@ def _has_flag(args: list[str], flags) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
-def warm_spawn_argv(argv: list[str]) -> list[str]:
+def warm_spawn_argv(argv: list[str], collector_on: bool = False) -> list[str]:
     """The servicer's argv (`python -m SERVICER_MODULE ARGS`) run through the warm-spawn
-    launcher (see WARM_SPAWN). Pure."""
+    launcher (see WARM_SPAWN), whose imports run with the garbage collector off unless
+    `collector_on` (the control). Pure."""
     module, target, preload, child_env = WARM_SPAWN
     if argv[1:3] != ["-m", SERVICER_MODULE]:
         raise ValueError(f"not a servicer command: {argv[:3]}")
@@ -337,6 +338,8 @@ def warm_spawn_argv(argv: list[str]) -> list[str]:
         out += ["--preload", name]
     for k, v in child_env:
         out += ["--child-env", f"{k}={v}"]
+    if collector_on:
+        out.append("--collector-on")
     return [*out, "--", *argv[3:]]
 
 

@@ -298,6 +298,7 @@ _add("E2E_REQUIRE_MULTINODE", Bool(), False, "the simulated multi-node test (tes
 # Workers
 _add("E2E_ENFORCE_EAGER", Bool(), False, "start the workers eager: no compile, no graph capture (their `--enforce-eager`)")
 _add("E2E_ENGINE_ARGS", ShellWords(), (), "extra flags for every worker, shell-quoted")
+_add("E2E_IMPORT_COLLECTOR", Choice("off", "on"), "off", "Python's cyclic garbage collector during the imports a worker's launcher runs ahead (launchers/e2e_warm_spawn.py: a TokenSpeed servicer and its scheduler's waiting interpreter, a held restart): off, then what they made frozen (gc.freeze); on: the control")
 _add("E2E_COMPILE_CACHE", Choice("shared", "engine"), "shared", "compile cache of the workers: one shared under E2E_CACHE_DIR/compile, reused across topologies and runs (shared), or each engine's own default (engine)")
 # Suites
 _add("E2E_WATCHDOG_S", Float(0), 60.0, "no-progress window after which a suite fails as stuck")
@@ -355,7 +356,8 @@ def options_from_env(environ=None, engine_opts: dict | None = None,
     flags, shell-quoted; and each engine's own options it reads from a variable, its
     `Engine.env_options`), with explicit overrides on top (`engine_opts`: engine options)."""
     base = {"enforce_eager": get("E2E_ENFORCE_EAGER", environ),
-            "extra_args": get("E2E_ENGINE_ARGS", environ)}
+            "extra_args": get("E2E_ENGINE_ARGS", environ),
+            "import_collector_on": get("E2E_IMPORT_COLLECTOR", environ) == "on"}
     own = {name: get(var, environ) for e in all_engines() for name, var in e.env_options.items()}
     return EngineOptions(**{**base, **overrides}, engine_opts={**own, **(engine_opts or {})})
 
