@@ -3,6 +3,7 @@
     source scripts/gpu_lane.sh tokenspeed probe      # on a runner: the lane's environment
     python3 scripts/probe_boot.py --engine tokenspeed --topologies 1,1p1d [--requests 4]
     python3 scripts/probe_boot.py --analyze DIR      # here: the timeline of what came back
+    python3 scripts/probe_boot.py --first-forward DIR   # each worker's first forward, by cost
 
 Boots each topology alone, one after another, with py-spy recording every worker's processes
 from its launch (`record --pid --subprocesses --idle --nonblocking`, speedscope format, so the
@@ -159,6 +160,61 @@ def analyze(path: Path, rate: int, top: int) -> int:
     return 0
 
 
+# The first forward of a worker's scheduler (--first-forward): from its first sample inside one
+# of these frames (TokenSpeed's EventLoop._dispatch_forward: a request's forward;
+# CudaGraphWrapper.capture: the graph capture's warm-up forwards) to the last before a pause of
+# more than half a second; each of its samples counted under the first of FORWARD_COSTS whose
+# file or frame matches, innermost first.
+FIRST_FORWARD_MARKERS = ("_dispatch_forward", "CudaGraphWrapper.capture")
+FORWARD_COSTS = (("CuTe DSL (cute.compile)", "file", "cutlass"),
+                 ("triton's cache key", "name", "triton_key"),
+                 ("triton", "file", "triton"),
+                 ("torch.compile", "file", "torch/_dynamo"),
+                 ("torch.compile", "file", "torch/_inductor"))
+
+
+def first_forward(path: Path, rate: int) -> int:
+    """Per speedscope file under `path`: the span of its scheduler's first forward and what
+    its samples were in (FORWARD_COSTS; the rest `other`)."""
+    for fpath in sorted(path.rglob("*.json")):
+        try:
+            doc = json.loads(fpath.read_text())
+        except (ValueError, OSError):
+            continue
+        if "profiles" not in doc:
+            continue
+        frames = doc["shared"]["frames"]
+        for prof in doc["profiles"]:
+            samples = prof.get("samples", [])
+            names = [{frames[i]["name"] for i in st} for st in samples]
+            idx = [k for k, n in enumerate(names)
+                   if any(m in x for m in FIRST_FORWARD_MARKERS for x in n)]
+            if not idx:
+                continue
+            end = idx[0]
+            for k in idx:
+                if k - end > rate // 2:
+                    break
+                end = k
+            costs: Counter = Counter()
+            for st in samples[idx[0]:end + 1]:
+                key = "other"
+                for i in reversed(st):
+                    fr = frames[i]
+                    hit = next((label for label, where, text in FORWARD_COSTS
+                                if text in (fr.get("file") or "" if where == "file"
+                                            else fr.get("name", ""))), None)
+                    if hit:
+                        key = hit
+                        break
+                costs[key] += 1
+            print(f"=== {fpath.name}: {prof.get('name')}: first forward {idx[0] / rate:.2f}-"
+                  f"{end / rate:.2f} s ({(end - idx[0] + 1) / rate:.2f} s)")
+            for label, n in costs.most_common():
+                print(f"  {n / rate:5.2f} s  {label}")
+    return 0
+
+
 _IDLE = ("select", "poll", "epoll_wait", "wait", "sleep", "_wait_for_tstate_lock", "accept",
          "recv", "read", "acquire", "recv_multipart", "_poll", "get", "run_forever")
 
@@ -203,10 +259,14 @@ def main() -> int:
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="a variable for every worker, over its builder's (an A/B of a setting)")
     ap.add_argument("--analyze", type=Path, default=None)
+    ap.add_argument("--first-forward", type=Path, default=None,
+                    help="what each worker's first forward spent its seconds on (py-spy files)")
     ap.add_argument("--top", type=int, default=2)
     a = ap.parse_args()
     if a.analyze:
         return analyze(a.analyze, a.rate, a.top)
+    if a.first_forward:
+        return first_forward(a.first_forward, a.rate)
     return probe(a)
 
 
