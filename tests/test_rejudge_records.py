@@ -145,6 +145,14 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                    "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
                    "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
                    "test_pd_kv_recall[{eng}-1p1d]"]]
+      # 56658ab: TokenSpeed's launcher imports with the collector off (and its control, on)
+      + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-56658ab{suffix}", t)
+         for kind, suffix in [("together", ""), ("serial", ""), ("together-collector-on", ""),
+                              ("together", "-b")]
+         for t in ["test_oracle_negative_control[tokenspeed-1]",
+                   "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
+                   "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
+                   "test_pd_kv_recall[tokenspeed-1p1d]"]]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", "test_oracle_negative_control[vllm-1]")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", t.format(shape=shape))
          for shape in ("1p2d", "2p1d", "2p2d")
