@@ -122,19 +122,23 @@ def _frame_name(fr: dict) -> str:
     return f"{fr.get('name')} ({short}:{fr.get('line')})"
 
 
-def analyze(path: Path, rate: int, top: int) -> int:
-    """Per busy thread of every speedscope file under `path`: each second's most sampled
-    innermost frame that is not a leaf of the interpreter's own machinery."""
-    files = sorted(path.rglob("*.json"))
-    for fpath in files:
+def _speedscopes(path: Path):
+    """(file, document) of every speedscope file under `path`."""
+    for fpath in sorted(path.rglob("*.json")):
         if fpath.name == "probe-boot.json":
             continue
         try:
             doc = json.loads(fpath.read_text())
         except (ValueError, OSError):
             continue
-        if "profiles" not in doc:
-            continue
+        if "profiles" in doc:
+            yield fpath, doc
+
+
+def analyze(path: Path, rate: int, top: int) -> int:
+    """Per busy thread of every speedscope file under `path`: each second's most sampled
+    innermost frame that is not a leaf of the interpreter's own machinery."""
+    for fpath, doc in _speedscopes(path):
         frames = doc["shared"]["frames"]
         print(f"=== {fpath.name}")
         for prof in doc["profiles"]:
@@ -176,13 +180,7 @@ FORWARD_COSTS = (("CuTe DSL (cute.compile)", "file", "cutlass"),
 def first_forward(path: Path, rate: int) -> int:
     """Per speedscope file under `path`: the span of its scheduler's first forward and what
     its samples were in (FORWARD_COSTS; the rest `other`)."""
-    for fpath in sorted(path.rglob("*.json")):
-        try:
-            doc = json.loads(fpath.read_text())
-        except (ValueError, OSError):
-            continue
-        if "profiles" not in doc:
-            continue
+    for fpath, doc in _speedscopes(path):
         frames = doc["shared"]["frames"]
         for prof in doc["profiles"]:
             samples = prof.get("samples", [])
