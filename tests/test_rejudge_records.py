@@ -145,10 +145,16 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                    "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
                    "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
                    "test_pd_kv_recall[{eng}-1p1d]"]]
-      # 56658ab: TokenSpeed's launcher imports with the collector off (and its control, on)
-      + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-56658ab{suffix}", t)
-         for kind, suffix in [("together", ""), ("serial", ""), ("together-collector-on", ""),
-                              ("together", "-b")]
+      # 56658ab (and 2f68b9c, its code, on a second machine): TokenSpeed's launcher imports
+      # with the collector off, and its control, on
+      + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-{sha}{suffix}", t)
+         for sha, kind, suffix in [("56658ab", "together", ""), ("56658ab", "serial", ""),
+                                   ("56658ab", "together-collector-on", ""),
+                                   ("56658ab", "together", "-b"),
+                                   ("2f68b9c", "together", ""), ("2f68b9c", "serial", ""),
+                                   ("2f68b9c", "together", "-b"),
+                                   ("2f68b9c", "together-collector-on", ""),
+                                   ("2f68b9c", "together", "-c")]
          for t in ["test_oracle_negative_control[tokenspeed-1]",
                    "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
                    "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
