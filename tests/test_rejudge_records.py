@@ -18,6 +18,16 @@ rejudge = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rejudge)
 
 RUNS = sorted(p for p in rejudge.VALIDATION.iterdir() if p.is_dir())
+# The tests of a PD lane run that the re-judge covers: `1`'s negative control, the two evals
+# against `1` and the recall, on 1p1d (`eng` filled in: the test ids' engine).
+PD_LANE = ("test_oracle_negative_control[{eng}-1]",
+           "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
+           "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
+           "test_pd_kv_recall[{eng}-1p1d]")
+
+
+def pd_lane(eng: str) -> list[str]:
+    return [t.format(eng=eng) for t in PD_LANE]
 ALL = [res for run in RUNS for res in rejudge.rejudge(run)]
 JUDGED = [r for r in ALL if r["rejudged"]]
 
@@ -61,10 +71,7 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
     ] + [(f"h200-e2e-1gpu-pd-{eng}-9d80458{suffix}", t.format(eng=eng))
          for eng, suffix in [("vllm", ""), ("vllm", "-serial"), ("vllm", "-warm-cut"),
                              ("tokenspeed", "")]
-         for t in ["test_oracle_negative_control[{eng}-1]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
-                   "test_pd_kv_recall[{eng}-1p1d]"]]
+         for t in PD_LANE]
       # the serial TokenSpeed run's 1p1d did not start (its gateway's port): `1`'s control only
       + [("h200-e2e-1gpu-pd-tokenspeed-9d80458-serial",
           "test_oracle_negative_control[tokenspeed-1]")]
@@ -73,45 +80,30 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
       + [(f"h200-e2e-1gpu-pd-{eng}-{sha}{suffix}", t.format(eng=eng))
          for sha in ("75a6d0f", "44140a5")
          for eng in ("vllm", "tokenspeed") for suffix in ("", "-serial")
-         for t in ["test_oracle_negative_control[{eng}-1]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
-                   "test_pd_kv_recall[{eng}-1p1d]"]]
+         for t in PD_LANE]
       # 9f29736: both engines together and serially on one machine (vLLM's serial run cut by
       # its lane limit in its last test, after these)
       + [(f"h200-e2e-1gpu-pd-{eng}-9f29736{suffix}", t.format(eng=eng))
          for eng, suffix in [("vllm", ""), ("vllm", "-serial-cut"), ("tokenspeed", ""),
                              ("tokenspeed", "-serial")]
-         for t in ["test_oracle_negative_control[{eng}-1]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
-                   "test_pd_kv_recall[{eng}-1p1d]"]]
+         for t in PD_LANE]
       # ac24287: TokenSpeed with CUDA graphs and the greedy sampler, together and serially,
       # with its default capture sizes and then twice with sizes up to 16
       + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-ac24287{suffix}", t)
          for kind, suffixes in [("graphs-greedy", ("", "-serial")),
                                 ("graphs16", ("", "-serial", "-b", "-b-serial"))]
          for suffix in suffixes
-         for t in ["test_oracle_negative_control[tokenspeed-1]",
-                   "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
-                   "test_pd_kv_recall[tokenspeed-1p1d]"]]
+         for t in pd_lane("tokenspeed")]
       # 5a89add: TokenSpeed's scheduler warm-spawned (default) and cold, together and serially
       + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-5a89add{suffix}", t)
          for kind, suffixes in [("warm-together", ("", "-b", "-c", "-d")),
                                 ("cold-together", ("", "-b")), ("warm-serial", ("",)),
                                 ("cold-serial", ("",))]
          for suffix in suffixes
-         for t in ["test_oracle_negative_control[tokenspeed-1]",
-                   "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
-                   "test_pd_kv_recall[tokenspeed-1p1d]"]]
+         for t in pd_lane("tokenspeed")]
       # 20a2049: vLLM booted together, the machine's first vLLM lane
       + [("h200-e2e-1gpu-pd-vllm-20a2049", t)
-         for t in ["test_oracle_negative_control[vllm-1]",
-                   "test_pd_answers_match_regular[vllm-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[vllm-1p1d-mmlu]",
-                   "test_pd_kv_recall[vllm-1p1d]"]]
+         for t in pd_lane("vllm")]
       # f78e3d1: both engines together and serially on one machine; vLLM's engine process
       # forked (the default since f78e3d1) and, once, spawned
       + [(f"h200-e2e-1gpu-pd-{eng}-{kind}-f78e3d1{suffix}", t.format(eng=eng))
@@ -120,19 +112,13 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                                    ("tokenspeed", "together", "-b"),
                                    ("vllm", "together-first", ""), ("vllm", "serial", ""),
                                    ("vllm", "together", ""), ("vllm", "together-spawn", "")]
-         for t in ["test_oracle_negative_control[{eng}-1]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
-                   "test_pd_kv_recall[{eng}-1p1d]"]]
+         for t in PD_LANE]
       # 2026-12-04: TokenSpeed's host KV pool at 0.05 (551b223 with E2E_ENGINE_ARGS, then
       # 43c47c7's code on a second machine), together and serially
       + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}", t)
          for kind in ("together-kvstore-551b223", "serial-kvstore-551b223", "together-43c47c7",
                       "serial-43c47c7", "together-43c47c7-b")
-         for t in ["test_oracle_negative_control[tokenspeed-1]",
-                   "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
-                   "test_pd_kv_recall[tokenspeed-1p1d]"]]
+         for t in pd_lane("tokenspeed")]
       # f1eece8: held restarts; both engines together and serially on one machine, vLLM's
       # restart also unheld (E2E_HOLD_RESTARTS=0)
       + [(f"h200-e2e-1gpu-pd-{eng}-{kind}-f1eece8{suffix}", t.format(eng=eng))
@@ -141,10 +127,7 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                                    ("tokenspeed", "together", ""),
                                    ("tokenspeed", "serial", ""),
                                    ("tokenspeed", "together", "-b")]
-         for t in ["test_oracle_negative_control[{eng}-1]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[{eng}-1p1d-mmlu]",
-                   "test_pd_kv_recall[{eng}-1p1d]"]]
+         for t in PD_LANE]
       # 56658ab (and 2f68b9c, its code, on a second machine): TokenSpeed's launcher imports
       # with the collector off, and its control, on
       + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-{sha}{suffix}", t)
@@ -155,10 +138,7 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                                    ("2f68b9c", "together", "-b"),
                                    ("2f68b9c", "together-collector-on", ""),
                                    ("2f68b9c", "together", "-c")]
-         for t in ["test_oracle_negative_control[tokenspeed-1]",
-                   "test_pd_answers_match_regular[tokenspeed-1p1d-gsm8k]",
-                   "test_pd_answers_match_regular[tokenspeed-1p1d-mmlu]",
-                   "test_pd_kv_recall[tokenspeed-1p1d]"]]
+         for t in pd_lane("tokenspeed")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", "test_oracle_negative_control[vllm-1]")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", t.format(shape=shape))
          for shape in ("1p2d", "2p1d", "2p2d")
