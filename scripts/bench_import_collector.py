@@ -25,14 +25,17 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCHERS = os.path.join(ROOT, "e2e_test", "infra", "engines", "launchers")
+sys.path.insert(0, ROOT)
+
+from e2e_test.infra.engines import LAUNCHERS
+from e2e_test.infra.lifecycle.reaper import extend_pythonpath
+
 LINE = re.compile(r"imports ([0-9.]+) s ahead of \S+ \((\d+) import statements, (\d+) failed, "
                   r"collector (on|off)\)")
 
 
 def one_round(module: str, k: int, collector_on: bool, python: str) -> list[dict]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (LAUNCHERS, env.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": extend_pythonpath(LAUNCHERS)}
     argv = [python, "-m", "e2e_warm_spawn", "--run", module,
             *(["--collector-on"] * collector_on), "--", "--help"]
     t0 = time.monotonic()
@@ -75,7 +78,8 @@ def main() -> None:
                          "wall_median_s": round(statistics.median(g["wall_s"] for g in got), 2)}
     off, on = summary["off"]["imports_median_s"], summary["on"]["imports_median_s"]
     print(f"{a.module}, {a.parallel} at once, {a.rounds} rounds each: imports median "
-          f"{off} s with the collector off against {on} s on ({100 * (off - on) / on:+.0f} %); "
+          f"{off} s with the collector off against {on} s on"
+          f"{f' ({100 * (off - on) / on:+.0f} %)' if on else ''}; "
           f"walls {summary['off']['wall_median_s']} s against {summary['on']['wall_median_s']} s")
     if a.json:
         with open(a.json, "w") as f:

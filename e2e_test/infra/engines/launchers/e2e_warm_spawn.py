@@ -75,6 +75,10 @@ _HEADER = struct.Struct("!Q")
 _INHERITED: list[int] = []
 
 
+def _collector(on: bool) -> str:
+    return f"collector {'on' if on else 'off'}"
+
+
 @contextlib.contextmanager
 def collector_off(off: bool = True):
     """A round of imports with the cyclic garbage collector disabled; then what is alive is
@@ -277,7 +281,7 @@ def child_main(sock_fd: int, sentinel_w: int, preload: list[str],
         pass
     print(f"{NAME} (pid {os.getpid()}): imports {imported - t0:.1f} s, request "
           f"{max(0.0, box['at'] - imported):.1f} s after them ({len(preload)} preloaded, "
-          f"collector {'on' if collector_on else 'off'}); "
+          f"{_collector(collector_on)}); "
           f"the parent's environment differs in: {', '.join(changed) or 'nothing'}",
           file=sys.stderr, flush=True)
     from multiprocessing import resource_tracker
@@ -382,8 +386,8 @@ def hold(run: str, stdin_fd: int = 0, collector_on: bool = False) -> bool:
     n, failed, took = ahead(run, collector_on)
     imported = time.monotonic()
     print(f"{NAME} (pid {os.getpid()}): held: imports {took:.1f} s "
-          f"({n} import statements of {run}, {failed} failed, collector "
-          f"{'on' if collector_on else 'off'}); waiting for go", file=sys.stderr, flush=True)
+          f"({n} import statements of {run}, {failed} failed, "
+          f"{_collector(collector_on)}); waiting for go", file=sys.stderr, flush=True)
     line = b""
     while not line.endswith(b"\n"):
         chunk = os.read(stdin_fd, 64)
@@ -413,8 +417,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             n, failed, took = ahead(ns.run, ns.collector_on)
             print(f"{NAME} (pid {os.getpid()}): imports {took:.1f} s ahead of {ns.run} ({n} "
-                  f"import statements, {failed} failed, collector "
-                  f"{'on' if ns.collector_on else 'off'})", file=sys.stderr, flush=True)
+                  f"import statements, {failed} failed, "
+                  f"{_collector(ns.collector_on)})", file=sys.stderr, flush=True)
         sys.argv = [ns.run, *rest]
         runpy.run_module(ns.run, run_name="__main__", alter_sys=True)
     finally:
