@@ -406,6 +406,7 @@ def test_warm_spawn_wraps_a_single_scheduler_worker(monkeypatch):
         assert ns.preload == ["tokenspeed.runtime.engine.event_loop"]
         assert child_env == {"CUDA_DEVICE_MAX_CONNECTIONS": "4", "CUDA_MODULE_LOADING": "AUTO"}
         assert ns.collector_on is False            # its imports with the collector off
+        assert ns.call == list(tokenspeed.WARM_CALLS)  # then the compilers' cache keys
         assert cmd.env == {**cold.env, "PYTHONPATH": os.pathsep.join(
             [tokenspeed.LAUNCHERS, "/stage/site", "/stage/other"])}
     # E2E_IMPORT_COLLECTOR=on (the control): the launcher keeps the collector on.
@@ -413,6 +414,14 @@ def test_warm_spawn_wraps_a_single_scheduler_worker(monkeypatch):
     cmd = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", on)
     ns, rest, _ = e2e_warm_spawn.parse(cmd.argv[3:])
     assert ns.collector_on is True and rest == cold.argv[3:]
+    # E2E_TOKENSPEED_WARM_CALLS=0 (the control): no call ahead, the rest the same.
+    nocalls = options_from_env({"E2E_TOKENSPEED_WARM_CALLS": "0"}, backend="cuda")
+    cmd = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", nocalls)
+    ns, rest, _ = e2e_warm_spawn.parse(cmd.argv[3:])
+    assert ns.call == [] and rest == cold.argv[3:] and ns.preload
+    # Each is MODULE:QUALNAME of a module the stage installs (triton comes with torch).
+    assert all(":" in c and c.split(".")[0] in ("triton", "tokenspeed_triton", "torch")
+               for c in tokenspeed.WARM_CALLS)
     # Nothing in the launcher folder shadows a package a worker imports.
     assert sorted(p.name for p in Path(tokenspeed.LAUNCHERS).glob("*.py")) == [
         "__init__.py", "e2e_warm_spawn.py"]

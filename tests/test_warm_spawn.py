@@ -25,16 +25,28 @@ from e2e_test.infra.engines import launchers
 LAUNCHERS = Path(launchers.__file__).parent
 
 TARGET = """
-import gc, os, sys, time
+import functools, gc, os, sys, time
 time.sleep(1.0)                 # a heavy import
 IMPORTED_AT = time.time()
 GC_AT_IMPORT = gc.isenabled()
+KEYED = {}
+
+@functools.lru_cache()
+def key():                      # a hash of installed files, cached for the process
+    KEYED["at"] = time.time()
+    return "k"
+
+def broken():
+    raise FileNotFoundError("libtriton.so")
 
 def work(conn, code):
+    keyed_before = KEYED.get("at")
+    key()                       # the target's own first use
     conn.send({"imported_at": IMPORTED_AT, "late": os.environ.get("STAND_IN_LATE"),
                "early": os.environ.get("STAND_IN_EARLY"), "pid": os.getpid(),
                "ppid": os.getppid(), "gc_at_import": GC_AT_IMPORT,
-               "gc_at_run": gc.isenabled(), "frozen": gc.get_freeze_count()})
+               "gc_at_run": gc.isenabled(), "frozen": gc.get_freeze_count(),
+               "keyed_before": keyed_before, "key_misses": key.cache_info().misses})
     conn.close()
     sys.exit(code)
 
@@ -106,6 +118,9 @@ def test_warm_child_imported_before_the_request_and_runs_the_target(stand_in):
     # Another target: a spawn as usual, imported after its start.
     assert second["imported_at"] > second["started"] and second["pid"] != first["pid"]
     assert second["exitcode"] == 0 and second["gc_at_import"] is True
+    # No --call: the target filled its cache itself.
+    assert first["keyed_before"] is None and first["key_misses"] == 1
+    assert "calls" not in err
 
 
 def test_negative_control_without_the_launcher_the_child_imports_after_the_request(stand_in):
@@ -113,6 +128,48 @@ def test_negative_control_without_the_launcher_the_child_imports_after_the_reque
     out, _ = _run([sys.executable, "-m", "stand_in_entry", "--flag", "x"], env, tmp)
     assert out["first"]["imported_at"] > out["first"]["started"]
     assert out["first"]["late"] == "late" and out["first"]["exitcode"] == 3
+    assert out["first"]["keyed_before"] is None
+
+
+def test_calls_fill_the_childs_cache_before_the_request(stand_in):
+    """`--call`: the waiting interpreter calls it after its imports, before the request; the
+    target finds the cache full (no miss of its own). One that raises is counted and named,
+    and the target still runs and fills it itself."""
+    tmp, env = stand_in
+    out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
+                     "--target", "stand_in_target:work", "--preload", "stand_in_target",
+                     "--call", "stand_in_target:key", "--"],
+                    {**env, "STAND_IN_SLEEP": "2.5"}, tmp)
+    first = out["first"]
+    assert first["keyed_before"] is not None, (first, err)
+    assert first["imported_at"] < first["keyed_before"] < first["started"]
+    assert first["key_misses"] == 1               # the call's miss; the target's was a hit
+    assert first["exitcode"] == 3
+    assert f"e2e_warm_spawn (pid {first['pid']}): imports" in err
+    assert "1 calls" in err and "(0 failed)" in err and "(1 preloaded, collector off)" in err
+    out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
+                     "--target", "stand_in_target:work", "--preload", "stand_in_target",
+                     "--call", "stand_in_target:broken", "--call", "stand_in_target:key",
+                     "--call", "stand_in_absent:key", "--"],
+                    {**env, "STAND_IN_SLEEP": "2.5"}, tmp)
+    first = out["first"]
+    assert first["exitcode"] == 3 and first["keyed_before"] is not None
+    assert "call stand_in_target:broken failed: FileNotFoundError: libtriton.so" in err
+    assert "call stand_in_absent:key failed: ModuleNotFoundError" in err
+    assert "3 calls" in err and "(2 failed)" in err
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--run", "m", "--call", "m:f", "--"], "for the child of --target"),
+    (["--run", "m", "--target", "m:t", "--call", "m", "--"], "use MODULE:QUALNAME"),
+    (["--run", "m", "--target", "m:t", "--call", ":f", "--"], "use MODULE:QUALNAME"),
+])
+def test_bad_calls_are_refused_before_anything_starts(argv, why, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(LAUNCHERS))
+    from e2e_warm_spawn import parse
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert why in capsys.readouterr().err
 
 
 def test_an_unused_waiting_interpreter_ends_with_its_parent(stand_in, tmp_path):

@@ -80,6 +80,19 @@ WARM_SPAWN = ("e2e_warm_spawn", "tokenspeed.runtime.engine.event_loop:run_event_
               ("tokenspeed.runtime.engine.event_loop",),
               (("CUDA_DEVICE_MAX_CONNECTIONS", "4"), ("CUDA_MODULE_LOADING", "AUTO")))
 DEFAULT_WARM_SPAWN = True
+# What the waiting scheduler interpreter calls after its imports (the launcher's --call): the
+# hashes of installed files that each compiler keys its on-disk cache with, computed once per
+# process (functools caches) in the first forward. py-spy on the H200 (56658ab,
+# docs/bench/h200-tokenspeed-first-forward-56658ab) found them in every worker's first forward,
+# 0.5-0.6 s of its 3.3-5.0 s: triton's `triton_key` (the triton torch brings, which
+# TokenSpeed's own kernels such as execution/cache_loc_kernel.py and inductor compile with:
+# 0.32-0.41 s), tokenspeed_triton's (tokenspeed_kernel's kernels: 0.15-0.21 s), and inductor's
+# `torch_key` (0.06 s). Same files, same result, only sooner: in the interpreter's wait for the
+# servicer's request (0.6 s after its imports, median). One that raises is reported in the
+# worker's log and filled in the first forward as before. Env E2E_TOKENSPEED_WARM_CALLS.
+WARM_CALLS = ("triton.runtime.cache:triton_key", "tokenspeed_triton.runtime.cache:triton_key",
+              "torch._inductor.codecache:torch_key")
+DEFAULT_WARM_CALLS = True
 DISAGG_ROLES = ("encode", "prefill", "decode")
 KINDS = ("regular", "dp", "pd", "epd")     # smg's EPD mode speaks gRPC to TokenSpeed only
 HOST = "127.0.0.1"
@@ -263,7 +276,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                           f"run it eager (E2E_ENFORCE_EAGER=1) or with another sampler")
     argv += extra + serving_defaults(extra, graphs=graphs)
     if options.opt("warm_spawn", DEFAULT_WARM_SPAWN) and entry.tp == 1 and entry.dp == 1:
-        argv = warm_spawn_argv(argv, collector_on=options.import_collector_on)
+        argv = warm_spawn_argv(argv, collector_on=options.import_collector_on,
+                               calls=options.opt("warm_calls", DEFAULT_WARM_CALLS))
         env["PYTHONPATH"] = extend_pythonpath(LAUNCHERS)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
@@ -326,16 +340,20 @@ def _has_flag(args: list[str], flags) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
-def warm_spawn_argv(argv: list[str], collector_on: bool = False) -> list[str]:
+def warm_spawn_argv(argv: list[str], collector_on: bool = False,
+                    calls: bool = True) -> list[str]:
     """The servicer's argv (`python -m SERVICER_MODULE ARGS`) run through the warm-spawn
     launcher (see WARM_SPAWN), whose imports run with the garbage collector off unless
-    `collector_on` (the control). Pure."""
+    `collector_on` (the control), and whose waiting interpreter then fills the caches of
+    WARM_CALLS unless not `calls`. Pure."""
     module, target, preload, child_env = WARM_SPAWN
     if argv[1:3] != ["-m", SERVICER_MODULE]:
         raise ValueError(f"not a servicer command: {argv[:3]}")
     out = [argv[0], "-m", module, "--run", SERVICER_MODULE, "--target", target]
     for name in preload:
         out += ["--preload", name]
+    for name in WARM_CALLS if calls else ():
+        out += ["--call", name]
     for k, v in child_env:
         out += ["--child-env", f"{k}={v}"]
     if collector_on:
@@ -681,9 +699,10 @@ class TokenSpeedEngine(Engine):
     idle_gauges = IDLE_GAUGES
     progress_markers = PROGRESS_MARKERS
     option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT,  # noqa: RUF012
-                       "warm_spawn": DEFAULT_WARM_SPAWN}
+                       "warm_spawn": DEFAULT_WARM_SPAWN, "warm_calls": DEFAULT_WARM_CALLS}
     env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT",  # noqa: RUF012
-                   "warm_spawn": "E2E_TOKENSPEED_WARM_SPAWN"}
+                   "warm_spawn": "E2E_TOKENSPEED_WARM_SPAWN",
+                   "warm_calls": "E2E_TOKENSPEED_WARM_CALLS"}
     packages = ("tokenspeed",)
     extra = "tokenspeed"
     stage_env = "/root/stage/ts-env.sh"
@@ -692,7 +711,12 @@ class TokenSpeedEngine(Engine):
                      Setting("E2E_TOKENSPEED_WARM_SPAWN", Bool(), DEFAULT_WARM_SPAWN,
                              "start a TokenSpeed worker's scheduler interpreter, and its "
                              "imports, beside the servicer's own (launchers/e2e_warm_spawn.py; "
-                             "a worker of tp 1, dp 1); 0: as TokenSpeed spawns it"))
+                             "a worker of tp 1, dp 1); 0: as TokenSpeed spawns it"),
+                     Setting("E2E_TOKENSPEED_WARM_CALLS", Bool(), DEFAULT_WARM_CALLS,
+                             "with the warm spawn: the waiting scheduler interpreter computes "
+                             "the compilers' cache keys (triton's, tokenspeed_triton's, "
+                             "inductor's) before the request; 0: in the first forward (the "
+                             "control)"))
     # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num
     # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
     # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled

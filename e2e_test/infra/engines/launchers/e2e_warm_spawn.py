@@ -18,14 +18,19 @@ target's if the waiting interpreter has died.
 
 `--child-env NAME=VALUE` sets a variable in the waiting interpreter from its start, for one
 the child reads during its imports (a CUDA context created at import reads
-CUDA_DEVICE_MAX_CONNECTIONS then). The child prints one line when it takes the request:
-how long its imports took, how long it then waited, and which variables of the parent's
+CUDA_DEVICE_MAX_CONNECTIONS then). `--call MODULE:QUALNAME` names a function of no arguments
+that the waiting interpreter calls after its imports, for a cache of the process it fills that
+the target would fill anyway on its first use (a hash of installed files that a compiler keys
+its cache with, kept by functools.lru_cache); one that raises is counted and reported, and the
+target fills it as it would have. The child prints one line when it takes the request:
+how long its imports took, its calls, how long it then waited, and which variables of the parent's
 environment at the request differ from its own after its imports (applied before the target
 runs, but not seen by the imports: a variable the entry point sets from its arguments and a
 module reads at import would show here).
 
     python -m e2e_warm_spawn --run MODULE [--target MODULE:QUALNAME [--preload MODULE]...
-                             [--child-env NAME=VALUE]...] [--hold] [--collector-on] -- ARGS...
+                             [--call MODULE:QUALNAME]... [--child-env NAME=VALUE]...]
+                             [--hold] [--collector-on] -- ARGS...
 
 Held (`--hold`): the interpreter of the entry point itself is started ahead too, for a restart
 known to come (Cluster.restart: a fault test's lost leg). It runs the import statements of
@@ -111,12 +116,12 @@ class Warm:
     """The waiting interpreter, from the parent's side."""
 
     def __init__(self, preload: list[str], child_env: dict[str, str],
-                 collector_on: bool = False):
+                 collector_on: bool = False, calls: list[str] | None = None):
         self.sock, theirs = socket.socketpair()
         self.sentinel, sentinel_w = os.pipe()
         code = (f"import sys, {NAME} as w; "
                 f"sys.exit(w.child_main({theirs.fileno()}, {sentinel_w}, {preload!r}, "
-                f"{collector_on!r}))")
+                f"{collector_on!r}, {list(calls or ())!r}))")
         exe = spawn.get_executable()
         args = [exe, *util._args_from_interpreter_flags(), "-c", code]
         saved = dict(os.environ)
@@ -242,8 +247,26 @@ def _receive(sock: socket.socket, box: dict) -> None:
         box["error"] = e
 
 
+def call_ahead(calls: list[str]) -> int:
+    """Call each MODULE:QUALNAME with no arguments, its result dropped (what it caches stays);
+    how many raised (each reported on one line)."""
+    failed = 0
+    for spec in calls:
+        module, _, qualname = spec.partition(":")
+        try:
+            fn = importlib.import_module(module)
+            for part in qualname.split("."):
+                fn = getattr(fn, part)
+            fn()
+        except Exception as e:  # noqa: BLE001 (the target's own first use fills it then)
+            failed += 1
+            print(f"{NAME} (pid {os.getpid()}): call {spec} failed: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return failed
+
+
 def child_main(sock_fd: int, sentinel_w: int, preload: list[str],
-               collector_on: bool = False) -> int:
+               collector_on: bool = False, calls: list[str] | None = None) -> int:
     """The waiting interpreter: import, take the one request, become the spawn child."""
     # sentinel_w stays open for this process's life (the parent's Popen.sentinel ends with
     # it); neither it nor the socket goes to this process's own children.
@@ -261,7 +284,9 @@ def child_main(sock_fd: int, sentinel_w: int, preload: list[str],
             except BaseException:  # noqa: BLE001
                 # Unpickling the request imports it again, where the error belongs.
                 traceback.print_exc()
-    imported = time.monotonic()
+        imported = time.monotonic()
+        failed = call_ahead(list(calls or ()))
+    called = time.monotonic()
     reader.join()
     if "eof" in box:
         return 0  # the parent never asked
@@ -279,8 +304,10 @@ def child_main(sock_fd: int, sentinel_w: int, preload: list[str],
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     except (ValueError, OSError):
         pass
-    print(f"{NAME} (pid {os.getpid()}): imports {imported - t0:.1f} s, request "
-          f"{max(0.0, box['at'] - imported):.1f} s after them ({len(preload)} preloaded, "
+    ncalls = len(calls or ())
+    done = (f"{ncalls} calls {called - imported:.1f} s ({failed} failed), " if ncalls else "")
+    print(f"{NAME} (pid {os.getpid()}): imports {imported - t0:.1f} s, {done}request "
+          f"{max(0.0, box['at'] - called):.1f} s after them ({len(preload)} preloaded, "
           f"{_collector(collector_on)}); "
           f"the parent's environment differs in: {', '.join(changed) or 'nothing'}",
           file=sys.stderr, flush=True)
@@ -308,6 +335,8 @@ def parse(argv: list[str]):
     ap.add_argument("--target", help="MODULE:QUALNAME of the child to warm")
     ap.add_argument("--preload", action="append", default=[])
     ap.add_argument("--child-env", action="append", default=[])
+    ap.add_argument("--call", action="append", default=[], metavar="MODULE:QUALNAME",
+                    help="a function of no arguments the child calls after its imports")
     ap.add_argument("--hold", action="store_true",
                     help="import --run's imports, then wait for `go` on stdin")
     ap.add_argument("--collector-on", action="store_true",
@@ -315,8 +344,12 @@ def parse(argv: list[str]):
     ap.add_argument("args", nargs=argparse.REMAINDER)
     ns = ap.parse_args(argv)
     rest = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
-    if not ns.target and (ns.preload or ns.child_env):
-        ap.error("--preload and --child-env are for the child of --target")
+    if not ns.target and (ns.preload or ns.child_env or ns.call):
+        ap.error("--preload, --call and --child-env are for the child of --target")
+    for item in ns.call:
+        module, sep, qualname = item.partition(":")
+        if not (sep and module and qualname):
+            ap.error(f"--call {item!r}: use MODULE:QUALNAME")
     child_env = {}
     for item in ns.child_env:
         k, sep, v = item.partition("=")
@@ -408,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     ns, rest, child_env = parse(sys.argv[1:] if argv is None else argv)
     warm = None
     if ns.target:
-        warm = Warm(ns.preload, child_env, ns.collector_on)
+        warm = Warm(ns.preload, child_env, ns.collector_on, ns.call)
         install(warm, ns.target)
     try:
         if ns.hold:
