@@ -168,7 +168,9 @@ def analyze(path: Path, rate: int, top: int) -> int:
 # of these frames (TokenSpeed's EventLoop._dispatch_forward: a request's forward;
 # CudaGraphWrapper.capture: the graph capture's warm-up forwards) to the last before a pause of
 # more than half a second; each of its samples counted under the first of FORWARD_COSTS whose
-# file or frame matches, innermost first.
+# file or function name matches, innermost first. Only a function's frame counts: py-spy's frame
+# of the process (no file) is named by its command line, which can name a function too (the
+# launcher's `--call triton.runtime.cache:triton_key`).
 FIRST_FORWARD_MARKERS = ("_dispatch_forward", "CudaGraphWrapper.capture")
 FORWARD_COSTS = (("CuTe DSL (cute.compile)", "file", "cutlass"),
                  ("triton's cache key", "name", "triton_key"),
@@ -199,9 +201,10 @@ def first_forward(path: Path, rate: int) -> int:
                 key = "other"
                 for i in reversed(st):
                     fr = frames[i]
+                    if not fr.get("file"):
+                        continue                 # the process's frame, not a function's
                     hit = next((label for label, where, text in FORWARD_COSTS
-                                if text in (fr.get("file") or "" if where == "file"
-                                            else fr.get("name", ""))), None)
+                                if text in fr[where if where == "file" else "name"]), None)
                     if hit:
                         key = hit
                         break
