@@ -139,6 +139,14 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                                    ("2f68b9c", "together-collector-on", ""),
                                    ("2f68b9c", "together", "-c")]
          for t in pd_lane("tokenspeed")]
+      # c632ecc: the compilers' cache keys computed before the request (the launcher's
+      # --call), and its control, in each first forward (E2E_TOKENSPEED_WARM_CALLS=0)
+      + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-c632ecc{suffix}", t)
+         for kind, suffixes in [("together", ("", "-b", "-c", "-d", "-e")),
+                                ("serial", ("", "-b")),
+                                ("together-calls-off", ("", "-b", "-c", "-d"))]
+         for suffix in suffixes
+         for t in pd_lane("tokenspeed")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", "test_oracle_negative_control[vllm-1]")]
       + [("h200-e2e-1gpu-pd-sweep-vllm-75a6d0f", t.format(shape=shape))
          for shape in ("1p2d", "2p1d", "2p2d")
