@@ -404,7 +404,11 @@ def test_warm_spawn_wraps_a_single_scheduler_worker(monkeypatch):
         assert rest == cold.argv[3:]
         assert ns.target == "tokenspeed.runtime.engine.event_loop:run_event_loop"
         assert ns.preload == ["tokenspeed.runtime.engine.event_loop"]
-        assert child_env == {"CUDA_DEVICE_MAX_CONNECTIONS": "4", "CUDA_MODULE_LOADING": "AUTO"}
+        assert child_env == {"CUDA_DEVICE_MAX_CONNECTIONS": "4", "CUDA_MODULE_LOADING": "AUTO",
+                             "TF_CPP_MIN_LOG_LEVEL": "3", "NCCL_CUMEM_ENABLE": "0",
+                             "NCCL_NVLS_ENABLE": "0", "TOKENSPEED_MAMBA_SSM_DTYPE": "float32"}
+        assert ns.defaults == {"NVIDIA_TF32_OVERRIDE": "1", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1",
+                               "TORCHINDUCTOR_ENABLE_PDL": "1", "TRTLLM_ENABLE_PDL": "1"}
         assert ns.collector_on is False            # its imports with the collector off
         assert ns.call == list(tokenspeed.WARM_CALLS)  # then the compilers' cache keys
         assert cmd.env == {**cold.env, "PYTHONPATH": os.pathsep.join(
@@ -425,6 +429,32 @@ def test_warm_spawn_wraps_a_single_scheduler_worker(monkeypatch):
     # Nothing in the launcher folder shadows a package a worker imports.
     assert sorted(p.name for p in Path(tokenspeed.LAUNCHERS).glob("*.py")) == [
         "__init__.py", "e2e_warm_spawn.py"]
+
+
+# The variables the warm scheduler's launcher line listed under "the parent's environment
+# differs in" on the H200 at c632ecc, before the warm interpreter got them from its start:
+# what TokenSpeed's servicer sets before it starts its scheduler.
+SEEN_DIFFERING_ON_H200 = {"NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NVIDIA_TF32_OVERRIDE",
+                          "TF_CPP_MIN_LOG_LEVEL", "TOKENSPEED_MAMBA_SSM_DTYPE",
+                          "TORCHINDUCTOR_ENABLE_PDL", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+                          "TRTLLM_ENABLE_PDL"}
+
+
+def test_spawn_env_follows_the_servicers_arguments():
+    """What TokenSpeed sets before it starts its scheduler, from the arguments it was given:
+    the defaults cover every variable seen differing on the H200 (plus the two CUDA ones it
+    always set); --enable-symm-mem, --enable-nccl-nvls, --mamba-ssm-dtype, --disable-tf32 and
+    --disable-pdl change it as TokenSpeed's own code does."""
+    env, default = tokenspeed.spawn_env([])
+    assert set(env) | set(default) == SEEN_DIFFERING_ON_H200 | {
+        "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING"}
+    assert default["TORCHINDUCTOR_ENABLE_PDL"] == "1" and env["NCCL_CUMEM_ENABLE"] == "0"
+    env, default = tokenspeed.spawn_env(["--enable-symm-mem", "--mamba-ssm-dtype", "bfloat16",
+                                         "--disable-tf32", "--disable-pdl"])
+    assert env["NCCL_CUMEM_ENABLE"] == "1" and "NCCL_NVLS_ENABLE" not in env
+    assert env["TOKENSPEED_MAMBA_SSM_DTYPE"] == "bfloat16" and default == {}
+    env, _ = tokenspeed.spawn_env(["--enable-nccl-nvls"])
+    assert env["NCCL_NVLS_ENABLE"] == "1"
 
 
 def test_warm_spawn_not_for_several_schedulers_nor_when_off():

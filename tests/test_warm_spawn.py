@@ -29,6 +29,7 @@ import functools, gc, os, sys, time
 time.sleep(1.0)                 # a heavy import
 IMPORTED_AT = time.time()
 GC_AT_IMPORT = gc.isenabled()
+ENV_AT_IMPORT = {k: os.environ.get(k) for k in ("STAND_IN_EARLY", "STAND_IN_DEF")}
 KEYED = {}
 
 @functools.lru_cache()
@@ -46,7 +47,8 @@ def work(conn, code):
                "early": os.environ.get("STAND_IN_EARLY"), "pid": os.getpid(),
                "ppid": os.getppid(), "gc_at_import": GC_AT_IMPORT,
                "gc_at_run": gc.isenabled(), "frozen": gc.get_freeze_count(),
-               "keyed_before": keyed_before, "key_misses": key.cache_info().misses})
+               "keyed_before": keyed_before, "key_misses": key.cache_info().misses,
+               "env_at_import": ENV_AT_IMPORT, "def": os.environ.get("STAND_IN_DEF")})
     conn.close()
     sys.exit(code)
 
@@ -61,6 +63,9 @@ import stand_in_target
 
 if __name__ == "__main__":
     os.environ["STAND_IN_LATE"] = "late"
+    # as TokenSpeed's servicer sets CUDA_DEVICE_MAX_CONNECTIONS, and setdefaults others
+    os.environ["STAND_IN_EARLY"] = os.environ.get("STAND_IN_EARLY_SET", "early")
+    os.environ.setdefault("STAND_IN_DEF", "d")
     mp.set_start_method("spawn", force=True)
     time.sleep(float(os.environ.get("STAND_IN_SLEEP", "1.5")))  # its own imports, meanwhile
     out = {"argv": sys.argv[1:], "parent": os.getpid()}
@@ -106,7 +111,8 @@ def test_warm_child_imported_before_the_request_and_runs_the_target(stand_in):
     # Warm: its 1 s import was done while the entry point slept, before the request.
     assert first["imported_at"] < first["started"], (first, err)
     assert first["pid"] == first["popen_pid"] and first["ppid"] == out["parent"]
-    assert first["late"] == "late" and first["early"] is None  # the parent's env at the request
+    assert first["late"] == "late" and first["early"] == "early"  # the parent's env then
+    assert first["env_at_import"]["STAND_IN_EARLY"] == "early"    # and what the imports saw
     assert first["exitcode"] == 3
     # Its imports ran with the collector off, then frozen; the target runs with it on.
     assert first["gc_at_import"] is False and first["gc_at_run"] is True
@@ -114,7 +120,7 @@ def test_warm_child_imported_before_the_request_and_runs_the_target(stand_in):
     assert f"e2e_warm_spawn (pid {first['pid']}): imports" in err
     assert "(1 preloaded, collector off)" in err
     # the variables the parent's environment had otherwise than the child after its imports
-    assert "differs in: STAND_IN_EARLY, STAND_IN_LATE" in err
+    assert "differs in: STAND_IN_DEF, STAND_IN_LATE" in err
     # Another target: a spawn as usual, imported after its start.
     assert second["imported_at"] > second["started"] and second["pid"] != first["pid"]
     assert second["exitcode"] == 0 and second["gc_at_import"] is True
@@ -129,6 +135,40 @@ def test_negative_control_without_the_launcher_the_child_imports_after_the_reque
     assert out["first"]["imported_at"] > out["first"]["started"]
     assert out["first"]["late"] == "late" and out["first"]["exitcode"] == 3
     assert out["first"]["keyed_before"] is None
+
+
+def test_a_variable_the_imports_saw_otherwise_spawns_as_usual(stand_in):
+    """The entry point sets a --child-env variable to another value than the child's imports
+    saw (its arguments asked for it): the waiting interpreter is not used, the launcher names
+    the variable, and a spawned child imports with the entry point's value."""
+    tmp, env = stand_in
+    out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
+                     "--target", "stand_in_target:work", "--preload", "stand_in_target",
+                     "--child-env", "STAND_IN_EARLY=early", "--"],
+                    {**env, "STAND_IN_SLEEP": "2", "STAND_IN_EARLY_SET": "other"}, tmp)
+    first = out["first"]
+    assert first["imported_at"] > first["started"], (first, err)   # a fresh spawn
+    assert first["env_at_import"]["STAND_IN_EARLY"] == "other" and first["exitcode"] == 3
+    assert ("not using the waiting interpreter" in err and "its imports saw another value of "
+            "STAND_IN_EARLY ('early', the parent's now 'other')" in err), err
+    assert "): imports" not in err.split("not using")[1]   # the waiting one took nothing
+
+
+def test_child_env_default_only_where_the_environment_has_none(stand_in):
+    """--child-env-default: set for the imports where the launcher's environment lacks it
+    (the entry point's setdefault then agrees); a value already there is kept."""
+    tmp, env = stand_in
+    argv = [sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry", "--target",
+            "stand_in_target:work", "--preload", "stand_in_target",
+            "--child-env", "STAND_IN_EARLY=early", "--child-env-default", "STAND_IN_DEF=d", "--"]
+    env = {k: v for k, v in env.items() if k != "STAND_IN_DEF"}
+    for given, want in ((None, "d"), ("user", "user")):
+        e = {**env, "STAND_IN_SLEEP": "2", **({"STAND_IN_DEF": given} if given else {})}
+        out, err = _run(argv, e, tmp)
+        first = out["first"]
+        assert first["imported_at"] < first["started"], (first, err)   # the warm one
+        assert first["env_at_import"]["STAND_IN_DEF"] == want == first["def"]
+        assert "not using" not in err and "differs in: STAND_IN_LATE" in err
 
 
 def test_calls_fill_the_childs_cache_before_the_request(stand_in):

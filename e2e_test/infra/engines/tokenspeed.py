@@ -72,13 +72,13 @@ SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 # scheduler's interpreter first, importing its module during the servicer's own imports; the
 # servicer's start of the scheduler then hands it over. Fork would not do: the runtime
 # initialises CUDA at import (tokenspeed_kernel platform.py current_platform() at module
-# level). The two variables TokenSpeed sets unconditionally before that start, and which a
-# CUDA context created during the imports reads, go to the warm interpreter from its start;
-# the rest of the servicer's environment at the start is applied before the scheduler runs.
-# Only for a single scheduler (tp 1, dp 1: one target process). Env E2E_TOKENSPEED_WARM_SPAWN.
+# level). What TokenSpeed sets in the servicer's environment before that start (spawn_env) goes
+# to the warm interpreter from its start, so that its imports see what a spawned scheduler's
+# would; the rest of the servicer's environment at the start is applied before the scheduler
+# runs. Only for a single scheduler (tp 1, dp 1: one target process). Env
+# E2E_TOKENSPEED_WARM_SPAWN.
 WARM_SPAWN = ("e2e_warm_spawn", "tokenspeed.runtime.engine.event_loop:run_event_loop",
-              ("tokenspeed.runtime.engine.event_loop",),
-              (("CUDA_DEVICE_MAX_CONNECTIONS", "4"), ("CUDA_MODULE_LOADING", "AUTO")))
+              ("tokenspeed.runtime.engine.event_loop",))
 DEFAULT_WARM_SPAWN = True
 # What the waiting scheduler interpreter calls after its imports (the launcher's --call): the
 # hashes of installed files that each compiler keys its on-disk cache with, computed once per
@@ -340,13 +340,41 @@ def _has_flag(args: list[str], flags) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
+def spawn_env(args: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """What TokenSpeed 0.1.0's servicer puts in its environment before it starts the
+    scheduler, for these server arguments: (set, set where unset). Pure.
+
+    runtime/entrypoints/engine.py _set_envs_and_config sets TF_CPP_MIN_LOG_LEVEL, the two CUDA
+    variables, NCCL_CUMEM_ENABLE (--enable-symm-mem) and, without it, NCCL_NVLS_ENABLE
+    (--enable-nccl-nvls), and setdefaults the TF32 overrides unless --disable-tf32;
+    utils/server_args.py validate() sets TOKENSPEED_MAMBA_SSM_DTYPE (--mamba-ssm-dtype, default
+    float32) and setdefaults TORCHINDUCTOR_ENABLE_PDL and TRTLLM_ENABLE_PDL unless
+    --disable-pdl. The warm interpreter imported without them until this was found: the
+    launcher's line listed all eight under "the parent's environment differs in" on the H200
+    (c632ecc), and TokenSpeed compiles with torch.compile at import (runtime/sampling/utils.py,
+    layers/common.py), which reads inductor's config, TORCHINDUCTOR_ENABLE_PDL with it, then:
+    its warm scheduler compiled without PDL, a spawned one with it."""
+    symm = _has_flag(args, ("--enable-symm-mem",))
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "NCCL_CUMEM_ENABLE": "1" if symm else "0",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "4", "CUDA_MODULE_LOADING": "AUTO",
+           "TOKENSPEED_MAMBA_SSM_DTYPE": _flag_value(args, "--mamba-ssm-dtype") or "float32"}
+    if not symm:
+        env["NCCL_NVLS_ENABLE"] = "1" if _has_flag(args, ("--enable-nccl-nvls",)) else "0"
+    default = {}
+    if not _has_flag(args, ("--disable-tf32",)):
+        default.update(NVIDIA_TF32_OVERRIDE="1", TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1")
+    if not _has_flag(args, ("--disable-pdl",)):
+        default.update(TORCHINDUCTOR_ENABLE_PDL="1", TRTLLM_ENABLE_PDL="1")
+    return env, default
+
+
 def warm_spawn_argv(argv: list[str], collector_on: bool = False,
                     calls: bool = True) -> list[str]:
     """The servicer's argv (`python -m SERVICER_MODULE ARGS`) run through the warm-spawn
     launcher (see WARM_SPAWN), whose imports run with the garbage collector off unless
     `collector_on` (the control), and whose waiting interpreter then fills the caches of
     WARM_CALLS unless not `calls`. Pure."""
-    module, target, preload, child_env = WARM_SPAWN
+    module, target, preload = WARM_SPAWN
     if argv[1:3] != ["-m", SERVICER_MODULE]:
         raise ValueError(f"not a servicer command: {argv[:3]}")
     out = [argv[0], "-m", module, "--run", SERVICER_MODULE, "--target", target]
@@ -354,8 +382,9 @@ def warm_spawn_argv(argv: list[str], collector_on: bool = False,
         out += ["--preload", name]
     for name in WARM_CALLS if calls else ():
         out += ["--call", name]
-    for k, v in child_env:
-        out += ["--child-env", f"{k}={v}"]
+    env, default = spawn_env(argv[3:])
+    out += [a for k, v in env.items() for a in ("--child-env", f"{k}={v}")]
+    out += [a for k, v in default.items() for a in ("--child-env-default", f"{k}={v}")]
     if collector_on:
         out.append("--collector-on")
     return [*out, "--", *argv[3:]]

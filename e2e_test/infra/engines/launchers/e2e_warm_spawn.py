@@ -18,7 +18,11 @@ target's if the waiting interpreter has died.
 
 `--child-env NAME=VALUE` sets a variable in the waiting interpreter from its start, for one
 the child reads during its imports (a CUDA context created at import reads
-CUDA_DEVICE_MAX_CONNECTIONS then). `--call MODULE:QUALNAME` names a function of no arguments
+CUDA_DEVICE_MAX_CONNECTIONS then); `--child-env-default NAME=VALUE` sets one only where this
+environment has none (an entry point's `os.environ.setdefault`). The entry point should set
+each of them to the same value before it starts its child: where it does not (its arguments
+asked for another), the child's imports saw another value than a spawned child's would, so
+that spawn goes as usual, and the launcher says which variable. `--call MODULE:QUALNAME` names a function of no arguments
 that the waiting interpreter calls after its imports, for a cache of the process it fills that
 the target would fill anyway on its first use (a hash of installed files that a compiler keys
 its cache with, kept by functools.lru_cache); one that raises is counted and reported, and the
@@ -116,7 +120,14 @@ class Warm:
     """The waiting interpreter, from the parent's side."""
 
     def __init__(self, preload: list[str], child_env: dict[str, str],
-                 collector_on: bool = False, calls: list[str] | None = None):
+                 collector_on: bool = False, calls: list[str] | None = None,
+                 child_env_default: dict[str, str] | None = None):
+        env = {k: v for k, v in (child_env_default or {}).items() if k not in os.environ}
+        env.update(child_env)
+        # What the child's imports see of the variables it was given, set or not: the
+        # parent's environment must agree at the request (install).
+        self.seen = {k: env.get(k, os.environ.get(k))
+                     for k in {*child_env, *(child_env_default or {})}}
         self.sock, theirs = socket.socketpair()
         self.sentinel, sentinel_w = os.pipe()
         code = (f"import sys, {NAME} as w; "
@@ -126,7 +137,7 @@ class Warm:
         args = [exe, *util._args_from_interpreter_flags(), "-c", code]
         saved = dict(os.environ)
         try:
-            os.environ.update(child_env)
+            os.environ.update(env)
             self.pid = util.spawnv_passfds(exe, args, [theirs.fileno(), sentinel_w])
         finally:
             os.environ.clear()
@@ -208,7 +219,13 @@ def install(warm: Warm, target: str) -> None:
     def _popen(process_obj):
         if warm.available and _matches(process_obj, target):
             warm.available = False
-            if warm.alive():
+            other = sorted(k for k, v in warm.seen.items() if os.environ.get(k) != v)
+            if other:
+                why = ("its imports saw another value of " + ", ".join(
+                    f"{k} ({warm.seen[k]!r}, the parent's now {os.environ.get(k)!r})"
+                    for k in other))
+                warm.sock.close()       # unused: it reads the end of its socket and exits
+            elif warm.alive():
                 try:
                     return WarmPopen(process_obj, warm)
                 except OSError as e:
@@ -335,6 +352,7 @@ def parse(argv: list[str]):
     ap.add_argument("--target", help="MODULE:QUALNAME of the child to warm")
     ap.add_argument("--preload", action="append", default=[])
     ap.add_argument("--child-env", action="append", default=[])
+    ap.add_argument("--child-env-default", action="append", default=[])
     ap.add_argument("--call", action="append", default=[], metavar="MODULE:QUALNAME",
                     help="a function of no arguments the child calls after its imports")
     ap.add_argument("--hold", action="store_true",
@@ -344,18 +362,21 @@ def parse(argv: list[str]):
     ap.add_argument("args", nargs=argparse.REMAINDER)
     ns = ap.parse_args(argv)
     rest = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
-    if not ns.target and (ns.preload or ns.child_env or ns.call):
+    if not ns.target and (ns.preload or ns.child_env or ns.call or ns.child_env_default):
         ap.error("--preload, --call and --child-env are for the child of --target")
     for item in ns.call:
         module, sep, qualname = item.partition(":")
         if not (sep and module and qualname):
             ap.error(f"--call {item!r}: use MODULE:QUALNAME")
-    child_env = {}
-    for item in ns.child_env:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            ap.error(f"--child-env {item!r}: use NAME=VALUE")
-        child_env[k] = v
+    child_env: dict[str, str] = {}
+    ns.defaults = {}
+    for flag, items, into in (("--child-env", ns.child_env, child_env),
+                              ("--child-env-default", ns.child_env_default, ns.defaults)):
+        for item in items:
+            k, sep, v = item.partition("=")
+            if not sep or not k:
+                ap.error(f"{flag} {item!r}: use NAME=VALUE")
+            into[k] = v
     return ns, rest, child_env
 
 
@@ -441,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     ns, rest, child_env = parse(sys.argv[1:] if argv is None else argv)
     warm = None
     if ns.target:
-        warm = Warm(ns.preload, child_env, ns.collector_on, ns.call)
+        warm = Warm(ns.preload, child_env, ns.collector_on, ns.call, ns.defaults)
         install(warm, ns.target)
     try:
         if ns.hold:
