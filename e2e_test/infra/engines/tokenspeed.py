@@ -87,9 +87,12 @@ DEFAULT_WARM_SPAWN = True
 # 0.5-0.6 s of its 3.3-5.0 s: triton's `triton_key` (the triton torch brings, which
 # TokenSpeed's own kernels such as execution/cache_loc_kernel.py and inductor compile with:
 # 0.32-0.41 s), tokenspeed_triton's (tokenspeed_kernel's kernels: 0.15-0.21 s), and inductor's
-# `torch_key` (0.06 s). Same files, same result, only sooner: in the interpreter's wait for the
-# servicer's request (0.6 s after its imports, median). One that raises is reported in the
-# worker's log and filled in the first forward as before. Env E2E_TOKENSPEED_WARM_CALLS.
+# `torch_key` (0.06 s). Same files, same result, only sooner: after the interpreter's imports,
+# before the servicer's request is taken. On the H200 at c632ecc the calls took 0.7-0.9 s and
+# the request had come before they ended in every run booted together, so a compiled worker
+# gains little; the eager prefill's first forward, at the first request, lost its 0.65 s
+# (docs/lanes.md, "The compilers' cache keys before the request"). One that raises is reported
+# in the worker's log and filled in the first forward as before. Env E2E_TOKENSPEED_WARM_CALLS.
 WARM_CALLS = ("triton.runtime.cache:triton_key", "tokenspeed_triton.runtime.cache:triton_key",
               "torch._inductor.codecache:torch_key")
 DEFAULT_WARM_CALLS = True

@@ -22,15 +22,17 @@ CUDA_DEVICE_MAX_CONNECTIONS then); `--child-env-default NAME=VALUE` sets one onl
 environment has none (an entry point's `os.environ.setdefault`). The entry point should set
 each of them to the same value before it starts its child: where it does not (its arguments
 asked for another), the child's imports saw another value than a spawned child's would, so
-that spawn goes as usual, and the launcher says which variable. `--call MODULE:QUALNAME` names a function of no arguments
-that the waiting interpreter calls after its imports, for a cache of the process it fills that
-the target would fill anyway on its first use (a hash of installed files that a compiler keys
-its cache with, kept by functools.lru_cache); one that raises is counted and reported, and the
-target fills it as it would have. The child prints one line when it takes the request:
-how long its imports took, its calls, how long it then waited, and which variables of the parent's
-environment at the request differ from its own after its imports (applied before the target
-runs, but not seen by the imports: a variable the entry point sets from its arguments and a
-module reads at import would show here).
+that spawn goes as usual, and the launcher says which variable.
+
+`--call MODULE:QUALNAME` names a function of no arguments that the waiting interpreter calls
+after its imports, for a cache of the process it fills that the target would fill anyway on its
+first use (a hash of installed files that a compiler keys its cache with, kept by
+functools.lru_cache); one that raises is counted and reported, and the target fills it as it
+would have. The child prints one line when it takes the request: how long its imports took,
+its calls, how long it then waited, and which variables of the parent's environment at the
+request differ from its own after its imports (applied before the target runs, but not seen by
+the imports: a variable the entry point sets from its arguments and a module reads at import
+would show here).
 
     python -m e2e_warm_spawn --run MODULE [--target MODULE:QUALNAME [--preload MODULE]...
                              [--call MODULE:QUALNAME]... [--child-env NAME=VALUE]...]
