@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from e2e_test.infra.engines import EngineOptions, Ports, tokenspeed
-from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.errors import ConfigError, HarnessError
 from e2e_test.infra.specs.model_specs import get_spec, parse_spec
 from e2e_test.infra.specs.plan import plan_gpu
 from e2e_test.infra.specs.settings import options_from_env
@@ -423,6 +423,19 @@ def test_warm_spawn_wraps_a_single_scheduler_worker(monkeypatch):
     cmd = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", nocalls)
     ns, rest, _ = e2e_warm_spawn.parse(cmd.argv[3:])
     assert ns.call == [] and rest == cold.argv[3:] and ns.preload
+    assert not ns.calls_beside
+    # beside: the same calls, in a thread of the waiting interpreter; `off` is 0, 1 `before`.
+    for raw, calls, beside in (("beside", list(tokenspeed.WARM_CALLS), True), ("off", [], False),
+                               ("1", list(tokenspeed.WARM_CALLS), False),
+                               ("before", list(tokenspeed.WARM_CALLS), False)):
+        opts = options_from_env({"E2E_TOKENSPEED_WARM_CALLS": raw}, backend="cuda")
+        cmd = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", opts)
+        ns, rest, _ = e2e_warm_spawn.parse(cmd.argv[3:])
+        assert (ns.call, ns.calls_beside, rest) == (calls, beside, cold.argv[3:]), raw
+    with pytest.raises(HarnessError, match="E2E_TOKENSPEED_WARM_CALLS='later'.*before"):
+        options_from_env({"E2E_TOKENSPEED_WARM_CALLS": "later"}, backend="cuda")
+    with pytest.raises(ValueError, match="none of"):
+        tokenspeed.warm_spawn_argv(cold.argv, calls=True)
     # Each is MODULE:QUALNAME of a module the stage installs (triton comes with torch).
     assert all(":" in c and c.split(".")[0] in ("triton", "tokenspeed_triton", "torch")
                for c in tokenspeed.WARM_CALLS)

@@ -40,15 +40,29 @@ def key():                      # a hash of installed files, cached for the proc
 def broken():
     raise FileNotFoundError("libtriton.so")
 
+@functools.lru_cache()
+def slow_key():                 # one that takes longer than the parent's wait for the child
+    KEYED["slow_started"] = time.time()
+    time.sleep(float(os.environ.get("STAND_IN_SLOW", "2.0")))
+    KEYED["slow_done"] = time.time()
+    return "s"
+
 def work(conn, code):
+    run_at = time.time()
     keyed_before = KEYED.get("at")
+    slow = {"slow_started": KEYED.get("slow_started"), "slow_done_at_run": KEYED.get("slow_done")}
+    if os.environ.get("STAND_IN_WAIT_SLOW"):   # so that calls beside end, and say so
+        while "slow_done" not in KEYED and time.time() < run_at + 10:
+            time.sleep(0.05)
+        time.sleep(0.2)
     key()                       # the target's own first use
     conn.send({"imported_at": IMPORTED_AT, "late": os.environ.get("STAND_IN_LATE"),
                "early": os.environ.get("STAND_IN_EARLY"), "pid": os.getpid(),
                "ppid": os.getppid(), "gc_at_import": GC_AT_IMPORT,
                "gc_at_run": gc.isenabled(), "frozen": gc.get_freeze_count(),
                "keyed_before": keyed_before, "key_misses": key.cache_info().misses,
-               "env_at_import": ENV_AT_IMPORT, "def": os.environ.get("STAND_IN_DEF")})
+               "env_at_import": ENV_AT_IMPORT, "def": os.environ.get("STAND_IN_DEF"),
+               "run_at": run_at, **slow})
     conn.close()
     sys.exit(code)
 
@@ -199,10 +213,52 @@ def test_calls_fill_the_childs_cache_before_the_request(stand_in):
     assert "3 calls" in err and "(2 failed)" in err
 
 
+def test_calls_beside_do_not_hold_the_request_back(stand_in):
+    """`--calls-beside`: the calls run in a thread started after the imports, and a request
+    that comes while they run starts the target at once (the cache not yet filled), their
+    own line coming when they end. The negative control, the same call before the request:
+    the target starts only after it ended."""
+    tmp, env = stand_in
+    argv = [sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
+            "--target", "stand_in_target:work", "--preload", "stand_in_target",
+            "--call", "stand_in_target:slow_key"]
+    slow = {**env, "STAND_IN_SLEEP": "0.5", "STAND_IN_SLOW": "3.0", "STAND_IN_WAIT_SLOW": "1"}
+    out, err = _run([*argv, "--calls-beside", "--"], slow, tmp)
+    first = out["first"]
+    assert first["exitcode"] == 3
+    assert first["slow_started"] is not None and first["slow_done_at_run"] is None, (first, err)
+    assert first["slow_started"] < first["run_at"]
+    assert "1 calls beside the target (running at the request), request " in err, err
+    assert "1 calls beside the target: 3.0 s (0 failed), ended " in err, err
+    assert "s after the request came" in err
+    # the negative control: made before the request, the call holds it back
+    out, err = _run([*argv, "--"], slow, tmp)
+    first = out["first"]
+    assert first["slow_done_at_run"] is not None, (first, err)
+    assert first["slow_done_at_run"] < first["run_at"]
+    assert "1 calls 3.0 s (0 failed), request " in err and "beside" not in err
+
+
+def test_calls_beside_count_what_fails(stand_in):
+    """Beside as before: one that names no module is counted when it is resolved, before the
+    thread; one that raises, in the thread; the target runs either way."""
+    tmp, env = stand_in
+    out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
+                     "--target", "stand_in_target:work", "--preload", "stand_in_target",
+                     "--call", "stand_in_target:broken", "--call", "stand_in_absent:key",
+                     "--call", "stand_in_target:slow_key", "--calls-beside", "--"],
+                    {**env, "STAND_IN_SLOW": "0.1", "STAND_IN_WAIT_SLOW": "1"}, tmp)
+    assert out["first"]["exitcode"] == 3
+    assert "call stand_in_absent:key failed: ModuleNotFoundError" in err
+    assert "call stand_in_target:broken failed: FileNotFoundError: libtriton.so" in err
+    assert "3 calls beside the target: " in err and "(2 failed)" in err, err
+
+
 @pytest.mark.parametrize("argv, why", [
     (["--run", "m", "--call", "m:f", "--"], "for the child of --target"),
     (["--run", "m", "--target", "m:t", "--call", "m", "--"], "use MODULE:QUALNAME"),
     (["--run", "m", "--target", "m:t", "--call", ":f", "--"], "use MODULE:QUALNAME"),
+    (["--run", "m", "--target", "m:t", "--calls-beside", "--"], "no --call to make"),
 ])
 def test_bad_calls_are_refused_before_anything_starts(argv, why, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(LAUNCHERS))

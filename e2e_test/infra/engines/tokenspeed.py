@@ -44,7 +44,7 @@ from ..errors import ConfigError, HarnessError
 from ..lifecycle.reaper import extend_pythonpath
 from ..specs.model_specs import ModelSpec
 from ..specs.plan import PlanEntry
-from ..specs.settings import Bool, Choice, Setting
+from ..specs.settings import FALSE, TRUE, Bool, Choice, Kind, Setting
 from ..specs.topology import Topology
 from ..verdicts.proof import (
     dispatch_problems,
@@ -92,10 +92,26 @@ DEFAULT_WARM_SPAWN = True
 # the request had come before they ended in every run booted together, so a compiled worker
 # gains little; the eager prefill's first forward, at the first request, lost its 0.65 s
 # (docs/lanes.md, "The compilers' cache keys before the request"). One that raises is reported
-# in the worker's log and filled in the first forward as before. Env E2E_TOKENSPEED_WARM_CALLS.
+# in the worker's log and filled in the first forward as before. Env E2E_TOKENSPEED_WARM_CALLS:
+# `before` (the default), `beside` (the launcher's --calls-beside: in a thread of the waiting
+# interpreter, so that the request does not wait for them; not yet measured on an H200),
+# `off` (the control; 1 and 0 still mean before and off).
 WARM_CALLS = ("triton.runtime.cache:triton_key", "tokenspeed_triton.runtime.cache:triton_key",
               "torch._inductor.codecache:torch_key")
-DEFAULT_WARM_CALLS = True
+CALLS_MODES = ("before", "beside", "off")
+DEFAULT_WARM_CALLS = "before"
+
+
+def _calls_mode(raw: str) -> str:
+    v = raw.strip().lower()
+    if v in CALLS_MODES:
+        return v
+    if v in TRUE or v in FALSE:
+        return "before" if v in TRUE else "off"
+    raise ValueError("unknown value")
+
+
+CALLS_KIND = Kind("choice", " | ".join(CALLS_MODES) + " (1 or 0: before or off)", _calls_mode)
 DISAGG_ROLES = ("encode", "prefill", "decode")
 KINDS = ("regular", "dp", "pd", "epd")     # smg's EPD mode speaks gRPC to TokenSpeed only
 HOST = "127.0.0.1"
@@ -372,19 +388,23 @@ def spawn_env(args: list[str]) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def warm_spawn_argv(argv: list[str], collector_on: bool = False,
-                    calls: bool = True) -> list[str]:
+                    calls: str = DEFAULT_WARM_CALLS) -> list[str]:
     """The servicer's argv (`python -m SERVICER_MODULE ARGS`) run through the warm-spawn
     launcher (see WARM_SPAWN), whose imports run with the garbage collector off unless
     `collector_on` (the control), and whose waiting interpreter then fills the caches of
-    WARM_CALLS unless not `calls`. Pure."""
+    WARM_CALLS: before the request, beside it, or not at all (`calls`, CALLS_MODES). Pure."""
+    if calls not in CALLS_MODES:
+        raise ValueError(f"calls: {calls!r} is none of {CALLS_MODES}")
     module, target, preload = WARM_SPAWN
     if argv[1:3] != ["-m", SERVICER_MODULE]:
         raise ValueError(f"not a servicer command: {argv[:3]}")
     out = [argv[0], "-m", module, "--run", SERVICER_MODULE, "--target", target]
     for name in preload:
         out += ["--preload", name]
-    for name in WARM_CALLS if calls else ():
+    for name in WARM_CALLS if calls != "off" else ():
         out += ["--call", name]
+    if calls == "beside":
+        out.append("--calls-beside")
     env, default = spawn_env(argv[3:])
     out += [a for k, v in env.items() for a in ("--child-env", f"{k}={v}")]
     out += [a for k, v in default.items() for a in ("--child-env-default", f"{k}={v}")]
@@ -744,11 +764,12 @@ class TokenSpeedEngine(Engine):
                              "start a TokenSpeed worker's scheduler interpreter, and its "
                              "imports, beside the servicer's own (launchers/e2e_warm_spawn.py; "
                              "a worker of tp 1, dp 1); 0: as TokenSpeed spawns it"),
-                     Setting("E2E_TOKENSPEED_WARM_CALLS", Bool(), DEFAULT_WARM_CALLS,
+                     Setting("E2E_TOKENSPEED_WARM_CALLS", CALLS_KIND, DEFAULT_WARM_CALLS,
                              "with the warm spawn: the waiting scheduler interpreter computes "
                              "the compilers' cache keys (triton's, tokenspeed_triton's, "
-                             "inductor's) before the request; 0: in the first forward (the "
-                             "control)"))
+                             "inductor's) before the request; beside: in a thread, the request "
+                             "not waiting for them (not yet measured on an H200); off: in the "
+                             "first forward (the control)"))
     # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num
     # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
     # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled

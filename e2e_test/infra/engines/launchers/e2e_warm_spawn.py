@@ -28,14 +28,20 @@ that spawn goes as usual, and the launcher says which variable.
 after its imports, for a cache of the process it fills that the target would fill anyway on its
 first use (a hash of installed files that a compiler keys its cache with, kept by
 functools.lru_cache); one that raises is counted and reported, and the target fills it as it
-would have. The child prints one line when it takes the request: how long its imports took,
-its calls, how long it then waited, and which variables of the parent's environment at the
-request differ from its own after its imports (applied before the target runs, but not seen by
-the imports: a variable the entry point sets from its arguments and a module reads at import
-would show here).
+would have. `--calls-beside` makes them in a thread of their own, started after the imports,
+so that a request which comes meanwhile does not wait for them: the target runs at once, and
+its own first use of a cache the thread has not filled yet computes it too (the result is the
+same). The child prints one line when it takes the request: how long its imports took, its
+calls (before: how long they took; beside: how long they had run by then), when the request
+came after the imports (before it, with the calls before the request, the request waited for
+them), and which variables of the parent's environment at the request differ from its own
+after its imports (applied before the target runs, but not seen by the imports: a variable the
+entry point sets from its arguments and a module reads at import would show here). Calls
+beside print their own line when they end.
 
     python -m e2e_warm_spawn --run MODULE [--target MODULE:QUALNAME [--preload MODULE]...
-                             [--call MODULE:QUALNAME]... [--child-env NAME=VALUE]...]
+                             [--call MODULE:QUALNAME]... [--calls-beside]
+                             [--child-env NAME=VALUE]...]
                              [--hold] [--collector-on] -- ARGS...
 
 Held (`--hold`): the interpreter of the entry point itself is started ahead too, for a restart
@@ -123,7 +129,7 @@ class Warm:
 
     def __init__(self, preload: list[str], child_env: dict[str, str],
                  collector_on: bool = False, calls: list[str] | None = None,
-                 child_env_default: dict[str, str] | None = None):
+                 child_env_default: dict[str, str] | None = None, beside: bool = False):
         env = {k: v for k, v in (child_env_default or {}).items() if k not in os.environ}
         env.update(child_env)
         # What the child's imports see of the variables it was given, set or not: the
@@ -134,7 +140,7 @@ class Warm:
         self.sentinel, sentinel_w = os.pipe()
         code = (f"import sys, {NAME} as w; "
                 f"sys.exit(w.child_main({theirs.fileno()}, {sentinel_w}, {preload!r}, "
-                f"{collector_on!r}, {list(calls or ())!r}))")
+                f"{collector_on!r}, {list(calls or ())!r}, {beside!r}))")
         exe = spawn.get_executable()
         args = [exe, *util._args_from_interpreter_flags(), "-c", code]
         saved = dict(os.environ)
@@ -266,26 +272,68 @@ def _receive(sock: socket.socket, box: dict) -> None:
         box["error"] = e
 
 
+def _resolve(spec: str):
+    module, _, qualname = spec.partition(":")
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
+def _failed(spec: str, e: Exception) -> None:
+    print(f"{NAME} (pid {os.getpid()}): call {spec} failed: {type(e).__name__}: {e}",
+          file=sys.stderr, flush=True)
+
+
 def call_ahead(calls: list[str]) -> int:
     """Call each MODULE:QUALNAME with no arguments, its result dropped (what it caches stays);
     how many raised (each reported on one line)."""
     failed = 0
     for spec in calls:
-        module, _, qualname = spec.partition(":")
         try:
-            fn = importlib.import_module(module)
-            for part in qualname.split("."):
-                fn = getattr(fn, part)
-            fn()
+            _resolve(spec)()
         except Exception as e:  # noqa: BLE001 (the target's own first use fills it then)
             failed += 1
-            print(f"{NAME} (pid {os.getpid()}): call {spec} failed: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            _failed(spec, e)
     return failed
 
 
+def calls_beside(calls: list[str], box: dict) -> tuple[threading.Thread, int]:
+    """Resolve each MODULE:QUALNAME here (its module imported in this thread, not beside the
+    target's), then call them in a daemon thread, which prints one line when it ends: how long
+    they took, how many raised, and when that was against the request (`box["at"]`, set by
+    the reader). (the thread, how many failed to resolve)."""
+    fns, failed = [], 0
+    for spec in calls:
+        try:
+            fns.append((spec, _resolve(spec)))
+        except Exception as e:  # noqa: BLE001 (as in call_ahead)
+            failed += 1
+            _failed(spec, e)
+
+    def run() -> None:
+        t0, raised = time.monotonic(), failed
+        for spec, fn in fns:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                raised += 1
+                _failed(spec, e)
+        end = time.monotonic()
+        at = box.get("at")
+        when = (f"{end - at:.1f} s after the request came" if at is not None and at <= end
+                else "before the request came")
+        print(f"{NAME} (pid {os.getpid()}): {len(calls)} calls beside the target: "
+              f"{end - t0:.1f} s ({raised} failed), ended {when}", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=run, name=f"{NAME} calls", daemon=True)
+    thread.start()
+    return thread, failed
+
+
 def child_main(sock_fd: int, sentinel_w: int, preload: list[str],
-               collector_on: bool = False, calls: list[str] | None = None) -> int:
+               collector_on: bool = False, calls: list[str] | None = None,
+               beside: bool = False) -> int:
     """The waiting interpreter: import, take the one request, become the spawn child."""
     # sentinel_w stays open for this process's life (the parent's Popen.sentinel ends with
     # it); neither it nor the socket goes to this process's own children.
@@ -296,6 +344,8 @@ def child_main(sock_fd: int, sentinel_w: int, preload: list[str],
     box: dict = {}
     reader = threading.Thread(target=_receive, args=(sock, box), daemon=True)
     reader.start()
+    calls = list(calls or ())
+    thread = None
     with collector_off(not collector_on):
         for name in preload:
             try:
@@ -304,7 +354,10 @@ def child_main(sock_fd: int, sentinel_w: int, preload: list[str],
                 # Unpickling the request imports it again, where the error belongs.
                 traceback.print_exc()
         imported = time.monotonic()
-        failed = call_ahead(list(calls or ()))
+        if calls and not beside:
+            failed = call_ahead(calls)
+    if calls and beside:
+        thread, _ = calls_beside(calls, box)
     called = time.monotonic()
     reader.join()
     if "eof" in box:
@@ -323,11 +376,18 @@ def child_main(sock_fd: int, sentinel_w: int, preload: list[str],
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     except (ValueError, OSError):
         pass
-    ncalls = len(calls or ())
-    done = (f"{ncalls} calls {called - imported:.1f} s ({failed} failed), " if ncalls else "")
+    if not calls:
+        done = ""
+    elif beside:
+        done = (f"{len(calls)} calls beside the target "
+                f"({'ended' if not thread.is_alive() else 'running'} at the request), ")
+    else:
+        done = f"{len(calls)} calls {called - imported:.1f} s ({failed} failed), "
+    lag = box["at"] - imported
+    came = (f"{lag:.1f} s after the imports" if lag >= 0 else
+            f"{-lag:.1f} s before the imports ended")
     print(f"{NAME} (pid {os.getpid()}): imports {imported - t0:.1f} s, {done}request "
-          f"{max(0.0, box['at'] - called):.1f} s after them ({len(preload)} preloaded, "
-          f"{_collector(collector_on)}); "
+          f"{came} ({len(preload)} preloaded, {_collector(collector_on)}); "
           f"the parent's environment differs in: {', '.join(changed) or 'nothing'}",
           file=sys.stderr, flush=True)
     from multiprocessing import resource_tracker
@@ -357,6 +417,8 @@ def parse(argv: list[str]):
     ap.add_argument("--child-env-default", action="append", default=[])
     ap.add_argument("--call", action="append", default=[], metavar="MODULE:QUALNAME",
                     help="a function of no arguments the child calls after its imports")
+    ap.add_argument("--calls-beside", action="store_true",
+                    help="make the calls in a thread beside the target, not before it")
     ap.add_argument("--hold", action="store_true",
                     help="import --run's imports, then wait for `go` on stdin")
     ap.add_argument("--collector-on", action="store_true",
@@ -366,6 +428,8 @@ def parse(argv: list[str]):
     rest = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
     if not ns.target and (ns.preload or ns.child_env or ns.call or ns.child_env_default):
         ap.error("--preload, --call and --child-env are for the child of --target")
+    if ns.calls_beside and not ns.call:
+        ap.error("--calls-beside: no --call to make")
     for item in ns.call:
         module, sep, qualname = item.partition(":")
         if not (sep and module and qualname):
@@ -464,7 +528,8 @@ def main(argv: list[str] | None = None) -> None:
     ns, rest, child_env = parse(sys.argv[1:] if argv is None else argv)
     warm = None
     if ns.target:
-        warm = Warm(ns.preload, child_env, ns.collector_on, ns.call, ns.defaults)
+        warm = Warm(ns.preload, child_env, ns.collector_on, ns.call, ns.defaults,
+                    ns.calls_beside)
         install(warm, ns.target)
     try:
         if ns.hold:
