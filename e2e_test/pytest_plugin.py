@@ -924,5 +924,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             held = st.time_report["boot_schedule"].get("held")
             if held and held.get("keys"):
                 terminalreporter.write_line(f"restarts: {held['reason']}")
-        if time_report.phases_line(st.time_report):
-            terminalreporter.write_line(time_report.phases_line(st.time_report))
+        for line in (time_report.phases_line(st.time_report),
+                     time_report.warm_line(st.time_report)):
+            if line:
+                terminalreporter.write_line(line)

@@ -184,3 +184,61 @@ def test_cluster_entry_carries_each_boots_phases():
     e = tr.cluster_entry(c)
     assert e["phases"] == {"worker-0": {"initializing engine": 30.0, "ready": 60.0}}
     assert tr.compute([e], [], 0.0, 100.0)["clusters"][0]["phases"] == e["phases"]
+
+
+# The warm child's lines as the launcher prints them (tests/test_warm_spawn.py parses the real
+# ones too).
+BEFORE = ("e2e_warm_spawn (pid 8140): imports 10.7 s ahead of smg_grpc_servicer.tokenspeed "
+          "(6 import statements, 0 failed, collector off)\n"
+          "e2e_warm_spawn (pid 8147): imports 9.9 s, 3 calls 0.7 s (0 failed), request 0.2 s "
+          "after the imports (1 preloaded, collector off); the parent's environment differs "
+          "in: nothing\n")
+BESIDE = ("e2e_warm_spawn (pid 9): imports 10.1 s, 3 calls beside the target (running at the "
+          "request), request 0.4 s before the imports ended (1 preloaded, collector off); the "
+          "parent's environment differs in: nothing\nLoading safetensors\n"
+          "e2e_warm_spawn (pid 9): call torch._inductor.codecache:torch_key failed: X: y\n"
+          "e2e_warm_spawn (pid 9): 3 calls beside the target: 0.8 s (1 failed), ended 0.8 s "
+          "after the request came\n")
+
+
+def test_warm_spawn_status_reads_the_childs_lines():
+    assert tr.warm_spawn_status(BEFORE) == {
+        "imports_s": 9.9, "calls": 3, "calls_mode": "before", "calls_s": 0.7,
+        "calls_failed": 0, "request_after_imports_s": 0.2, "waited_for_calls_s": 0.5}
+    assert tr.warm_spawn_status(BESIDE) == {
+        "imports_s": 10.1, "calls": 3, "calls_mode": "beside", "calls_s": 0.8,
+        "calls_failed": 1, "request_after_imports_s": -0.4, "waited_for_calls_s": 0.0,
+        "beside_ended_after_request_s": 0.8}
+    # a request that came while the imports ran waited for all of the calls made before it
+    early = BEFORE.replace("request 0.2 s after the imports", "request 1.5 s before the "
+                           "imports ended")
+    assert tr.warm_spawn_status(early)["waited_for_calls_s"] == 0.7
+    nocalls = ("e2e_warm_spawn (pid 3): imports 9.0 s, request 0.6 s after the imports (1 "
+               "preloaded, collector off); the parent's environment differs in: nothing")
+    assert tr.warm_spawn_status(nocalls)["calls_mode"] is None
+    # the negative controls: the servicer's own line, a held interpreter's, no launcher
+    assert tr.warm_spawn_status(BEFORE.splitlines()[0]) is None
+    assert tr.warm_spawn_status("e2e_warm_spawn (pid 4): held: imports 11.0 s (6 import "
+                                "statements of m, 0 failed, collector off); waiting for go") is None
+    assert tr.warm_spawn_status("INFO vllm serving") is None
+
+
+def test_warm_spawn_summary_and_line():
+    c1 = {"warm_spawn": {"worker-0": tr.warm_spawn_status(BEFORE)}}
+    c2 = {"warm_spawn": {"prefill-0": tr.warm_spawn_status(BEFORE.replace("0.2 s after",
+                                                                          "0.6 s after")),
+                         "decode-0": tr.warm_spawn_status(BEFORE.replace("0.2 s after",
+                                                                         "0.0 s after"))}}
+    rep = tr.compute([c1, c2], [], 0.0, 10.0)
+    assert rep["warm_spawn"]["children"] == 3
+    assert rep["warm_spawn"]["waited_for_calls_s"] == [0.1, 0.5, 0.7]
+    assert tr.warm_line(rep) == ("warm spawn (3 children): imports 9.9 s (9.9-9.9), calls "
+                                 "before the request, which waited 0.5 s for them (0.1-0.7), "
+                                 "0 failed")
+    rep = tr.compute([{"warm_spawn": {"w": tr.warm_spawn_status(BESIDE)}}], [], 0.0, 10.0)
+    assert tr.warm_line(rep) == ("warm spawn (1 children): imports 10.1 s (10.1-10.1), calls "
+                                 "beside the request, beside ended 0.8 s after it (0.8-0.8), "
+                                 "1 failed")
+    # the negative control: no warm child, no summary and no line
+    rep = tr.compute([{"warm_spawn": {}}, {}], [], 0.0, 10.0)
+    assert rep["warm_spawn"] is None and tr.warm_line(rep) is None

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from e2e_test.infra.engines import launchers
+from e2e_test.infra.reports import time_report
 
 LAUNCHERS = Path(launchers.__file__).parent
 
@@ -231,12 +232,18 @@ def test_calls_beside_do_not_hold_the_request_back(stand_in):
     assert "1 calls beside the target (running at the request), request " in err, err
     assert "1 calls beside the target: 3.0 s (0 failed), ended " in err, err
     assert "s after the request came" in err
+    # the time report reads these lines (time_report.warm_spawn_status)
+    st = time_report.warm_spawn_status(err)
+    assert st["calls_mode"] == "beside" and st["calls_s"] == 3.0 and st["waited_for_calls_s"] == 0
+    assert st["beside_ended_after_request_s"] > 1.0 and st["imports_s"] >= 1.0
     # the negative control: made before the request, the call holds it back
     out, err = _run([*argv, "--"], slow, tmp)
     first = out["first"]
     assert first["slow_done_at_run"] is not None, (first, err)
     assert first["slow_done_at_run"] < first["run_at"]
     assert "1 calls 3.0 s (0 failed), request " in err and "beside" not in err
+    st = time_report.warm_spawn_status(err)
+    assert st["calls_mode"] == "before" and st["waited_for_calls_s"] > 1.0, (st, err)
 
 
 def test_calls_beside_count_what_fails(stand_in):

@@ -107,14 +107,15 @@ def proof_line(key: str, proof: dict) -> str | None:
 
 def _time_lines(d: Path) -> list[str]:
     """The run's time report (timing.json, time_report.py): its headline and, where the run
-    recorded them, its boot phases."""
+    recorded them, its boot phases and its warm children's imports and calls."""
     f = d / "timing.json"
     if not f.is_file():
         return []
     rep = json.loads(f.read_text())
     out = [f"- time: {rep.get('headline') or time_report.headline(rep)}"]
-    if time_report.phases_line(rep):
-        out.append(f"- {time_report.phases_line(rep)}")
+    for line in (time_report.phases_line(rep), time_report.warm_line(rep)):
+        if line:
+            out.append(f"- {line}")
     return out
 
 

@@ -34,12 +34,20 @@ engine process logs its first line); `boot_phases` gives each state's median dur
 session's worker boots (from the state before it, or from the launch: `starting`), so a lane
 shows whether its boots go to imports, weights, KV allocation or warm-up.
 
+Per worker started through the warm-spawn launcher with a waiting child interpreter
+(launchers/e2e_warm_spawn.py: TokenSpeed's scheduler), `warm_spawn` (in each cluster's entry)
+holds what the child's lines in the worker's log say (`warm_spawn_status`): its imports, its
+calls and whether they ran before the request or beside it, when the request came against the
+end of the imports, and so how long it waited for the calls; the report's `warm_spawn` sums
+them up over the session (`warm_line`).
+
 Written as timing.json next to summary.json; the plugin prints `headline()` at the end.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 Interval = tuple[float, float]
@@ -134,7 +142,8 @@ def compute(clusters: list[dict], tests: list[Interval], t_start: float, t_end: 
                             "restarts_s": [round(t, 2) for _, t in c.get("restart_boots", ())],
                             "held": c.get("held") or {},
                             "compile_cache": c.get("compile_cache") or {},
-                            "phases": c.get("phases") or {}})
+                            "phases": c.get("phases") or {},
+                            "warm_spawn": c.get("warm_spawn") or {}})
 
     def pct(x: float) -> float:
         return round(100.0 * x / wall, 1) if wall > 0 else 0.0
@@ -150,6 +159,7 @@ def compute(clusters: list[dict], tests: list[Interval], t_start: float, t_end: 
         "boot_by_role_s": by_role,
         "compile_cache": {k: cache.count(k) for k in sorted(set(cache))},
         "boot_phases": boot_phases(clusters),
+        "warm_spawn": warm_spawn_summary(clusters),
         "clusters": per_cluster,
     }
 
@@ -232,17 +242,105 @@ def ahead_entry(spans: dict, tests: list[Interval]) -> dict:
     return out
 
 
+# The warm child's line when it takes the request, and the line of calls made beside the
+# target when they end (launchers/e2e_warm_spawn.py child_main, calls_beside).
+_WARM_LINE = re.compile(
+    r"e2e_warm_spawn \(pid \d+\): imports ([0-9.]+) s, (?:(\d+) calls (?:([0-9.]+) s "
+    r"\((\d+) failed\)|beside the target \((?:ended|running) at the request\)), )?request "
+    r"(?:([0-9.]+) s after the imports|([0-9.]+) s before the imports ended)")
+_BESIDE_LINE = re.compile(
+    r"e2e_warm_spawn \(pid \d+\): \d+ calls beside the target: ([0-9.]+) s \((\d+) "
+    r"failed\), ended (?:([0-9.]+) s after the request came|before the request came)")
+
+
+def warm_spawn_status(text: str) -> dict | None:
+    """What a worker log's first warm child says (its first boot's), None where it has none:
+    {"imports_s", "calls", "calls_mode" (before | beside | None), "calls_s" (before: how long
+    they took; beside: how long the thread ran, once it said so), "calls_failed",
+    "request_after_imports_s" (negative: the request came while the imports still ran),
+    "waited_for_calls_s" (before: how much longer the calls ran than the request waited for
+    the imports; beside: 0), "beside_ended_after_request_s" (beside: when the calls ended
+    against the request; 0 where before it)}. Pure."""
+    m = _WARM_LINE.search(text)
+    if not m:
+        return None
+    imports, n, calls_s, failed, after, before = m.groups()
+    lag = float(after) if after is not None else -float(before)
+    out = {"imports_s": float(imports), "calls": int(n or 0),
+           "calls_mode": None if not n else ("before" if calls_s is not None else "beside"),
+           "calls_s": None if calls_s is None else float(calls_s),
+           "calls_failed": None if failed is None else int(failed),
+           "request_after_imports_s": lag}
+    if out["calls_mode"] == "before":
+        out["waited_for_calls_s"] = round(max(0.0, out["calls_s"] - max(0.0, lag)), 2)
+    elif out["calls_mode"] == "beside":
+        out["waited_for_calls_s"] = 0.0
+        b = _BESIDE_LINE.search(text, m.end())
+        if b:
+            out.update(calls_s=float(b.group(1)), calls_failed=int(b.group(2)),
+                       beside_ended_after_request_s=float(b.group(3) or 0.0))
+    return out
+
+
+def warm_spawn_summary(clusters: list[dict]) -> dict | None:
+    """The session's warm children (`warm_spawn` of every cluster entry) summed up: how
+    many, their imports, how their calls ran, and the request's wait for them (min, median,
+    max); None without any. Pure."""
+    rows = [w for c in clusters for w in (c.get("warm_spawn") or {}).values() if w]
+    if not rows:
+        return None
+
+    def spread(xs):
+        xs = sorted(x for x in xs if x is not None)
+        if not xs:
+            return None
+        n = len(xs)
+        med = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+        return [round(xs[0], 2), round(med, 2), round(xs[-1], 2)]
+    modes = sorted({r["calls_mode"] for r in rows if r["calls_mode"]})
+    return {"children": len(rows), "imports_s": spread(r["imports_s"] for r in rows),
+            "calls_modes": modes,
+            "calls_failed": sum(r.get("calls_failed") or 0 for r in rows),
+            "waited_for_calls_s": spread(r.get("waited_for_calls_s") for r in rows),
+            "calls_s": spread(r.get("calls_s") for r in rows),
+            "beside_ended_after_request_s": spread(
+                r.get("beside_ended_after_request_s") for r in rows)}
+
+
+def warm_line(rep: dict) -> str | None:
+    """`warm spawn (5 children): imports 9.9 s (9.1-11.9), 3 calls before the request, which
+    waited 0.3 s for them (0.0-0.5), 0 failed`, None without warm children."""
+    w = rep.get("warm_spawn")
+    if not w:
+        return None
+
+    def fmt(x, label):
+        return f"{x[1]:.1f} s {label}({x[0]:.1f}-{x[2]:.1f})" if x else "?"
+    out = f"warm spawn ({w['children']} children): imports {fmt(w['imports_s'], '')}"
+    if not w["calls_modes"]:
+        return out + ", no calls"
+    out += f", calls {' and '.join(w['calls_modes'])} the request"
+    if "before" in w["calls_modes"]:
+        out += f", which waited {fmt(w['waited_for_calls_s'], 'for them ')}"
+    if w.get("beside_ended_after_request_s"):
+        out += f", beside ended {fmt(w['beside_ended_after_request_s'], 'after it ')}"
+    return out + f", {w['calls_failed']} failed"
+
+
 def cluster_entry(c) -> dict:
     """A Cluster's part of the report: its timing, its workers' roles and each worker's
     compile-cache verdict as its engine reads it from the worker's log."""
     t = c.timing
-    cache = {}
+    cache, warm = {}, {}
     for w in c.workers:
         try:
             text = w.process.log_text() if w.process else ""
         except OSError:
             text = ""
         cache[w.name] = c.driver.compile_cache_status(text, c.options)
+        status = warm_spawn_status(text)
+        if status:
+            warm[w.name] = status
     return {"name": c.name, "topology": c.topology.name,
             "profile": "eager" if c.options.enforce_eager else "compiled",
             "boot_started": t.boot_started, "total_ready_s": t.total_ready_s,
@@ -253,7 +351,8 @@ def cluster_entry(c) -> dict:
             "teardown_s": t.teardown_s, "restart_boots": list(t.restart_boots),
             "held_imports": list(t.held_imports), "held": dict(t.held),
             "boot_waits": list(t.boot_waits),
-            "compile_cache": cache, "phases": {k: dict(v) for k, v in t.phases.items()}}
+            "compile_cache": cache, "phases": {k: dict(v) for k, v in t.phases.items()},
+            "warm_spawn": warm}
 
 
 def write(rep: dict, root: Path) -> Path:
