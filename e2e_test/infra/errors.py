@@ -39,7 +39,8 @@ class WorkerDied(HarnessError):
 class UpstreamBug(WorkerDied):
     """A worker died of a bug of the engine or the gateway that the engine module names
     (Engine.known_crashes): the message says which, in one sentence, with its upstream
-    reference. Tests that cannot pass until it is fixed are `xfail(raises=UpstreamBug)`."""
+    reference. Tests that cannot pass until it is fixed are `xfail(raises=UpstreamBug)`.
+    docs/upstream.md lists every upstream finding of the harness."""
 
 
 class PreflightError(HarnessError):
