@@ -488,3 +488,40 @@ def test_warm_spawn_not_for_several_schedulers_nor_when_off():
     cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=1, aux={"dist_init": 2}), "/m", off)
     assert cmd.argv[1:3] == ["-m", "smg_grpc_servicer.tokenspeed"]
     assert options_from_env({}, backend="cuda").opt("warm_spawn") is True
+
+
+def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
+    """The `kv_corrupt` profile (engine option kv_corrupt=runtime): the decode's waiting
+    scheduler interpreter preloads engines/kv_corrupt_tokenspeed.py after the scheduler's own
+    module, with the setting and its control folder in the worker's environment; the prefill
+    gets neither. Without the warm spawn, a state folder, or with a bad kind: refused before
+    anything starts."""
+    sys.path.insert(0, tokenspeed.LAUNCHERS)
+    try:
+        import e2e_warm_spawn
+    finally:
+        sys.path.remove(tokenspeed.LAUNCHERS)
+    from e2e_test.infra.engines import kv_corrupt_tokenspeed as kt
+    t, e = entries("1p1d")
+    opts = EngineOptions(backend="cuda", state_dir="/s", engine_opts={"kv_corrupt": "runtime"})
+    ports = Ports(api=1, aux={"bootstrap": 3, "dist_init": 2})
+    dec = tokenspeed.build(SPEC, t, e["decode"], ports, "/m", opts)
+    ns, _, _ = e2e_warm_spawn.parse(dec.argv[3:])
+    assert ns.preload == ["tokenspeed.runtime.engine.event_loop", kt.MODULE]
+    assert dec.env[kt.ENV_SETTING] == "runtime"
+    assert dec.env[kt.ENV_DIR] == "/s/kv-corrupt/decode-0"
+    pre = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", opts)
+    ns, _, _ = e2e_warm_spawn.parse(pre.argv[3:])
+    assert ns.preload == ["tokenspeed.runtime.engine.event_loop"]
+    assert kt.ENV_SETTING not in pre.env and kt.ENV_DIR not in pre.env
+    # the negative controls: nothing asked, nothing loaded
+    plain = tokenspeed.build(SPEC, t, e["decode"], ports, "/m", EngineOptions(backend="cuda"))
+    assert kt.MODULE not in plain.argv and kt.ENV_SETTING not in plain.env
+    for bad, why in (({"kv_corrupt": "runtime", "warm_spawn": False}, "needs the warm spawn"),
+                     ({"kv_corrupt": "zero"}, "unknown KV corruption kind")):
+        with pytest.raises(ConfigError, match=why):
+            tokenspeed.build(SPEC, t, e["decode"], ports, "/m",
+                             EngineOptions(backend="cuda", state_dir="/s", engine_opts=bad))
+    with pytest.raises(ConfigError, match="needs a state folder"):
+        tokenspeed.build(SPEC, t, e["decode"], ports, "/m",
+                         EngineOptions(backend="cuda", engine_opts={"kv_corrupt": "runtime"}))

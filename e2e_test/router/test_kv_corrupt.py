@@ -1,8 +1,9 @@
 """Negative controls of the PD verdicts: KV corrupted inside a real decode worker must fail them.
 
-One `1p1d` boot (cluster profile `kv_corrupt`): its decode worker runs the corrupting
-NixlConnector of engines/kv_corrupt.py in runtime mode, and each case switches the kind through
-the worker's control file, so one boot serves every kind. Per kind, through the gateway: the
+One `1p1d` boot (cluster profile `kv_corrupt`): its decode worker corrupts in runtime mode
+(vLLM: the corrupting NixlConnector of engines/kv_corrupt.py; TokenSpeed: its Mooncake decode
+path patched in the scheduler process, engines/kv_corrupt_tokenspeed.py), and each case
+switches the kind through the worker's control file, so one boot serves every kind. Per kind, through the gateway: the
 first 8 GSM8K items (64 tokens, the oracle's window) and the first 4 recall prompts of
 test_oracle.py,
 judged exactly as test_pd.py judges `1p1d`: against `1`'s passes and control arm of this
@@ -14,23 +15,22 @@ session, thresholds unchanged. Then:
   in CAUGHT, fail the GSM8K comparison with a `mismatch` (token-level evidence, no request
   errors) and fail the recall check (a lost pass code or a recall mismatch).
 
-The decode's prefix cache is reset around each case (a corrupted block stays cached and would
-poison the next case). What each kind did to each verdict is in the record (`kv_corrupt`) and
+The workers' prefix caches are reset around each case (a corrupted block stays cached and
+would poison the next case: Engine.reset_prefix_cache). What each kind did to each verdict is in the record (`kv_corrupt`) and
 docs/accuracy.md ("KV corruption negative controls").
 """
 
-import httpx
 import pytest
 
 from e2e_test.infra.engines import kv_corrupt
-from e2e_test.infra.engines.vllm import kv_corrupt_dir
 from e2e_test.infra.verdicts import comparisons, oracle
 from e2e_test.infra.verdicts.evals import recall
 from e2e_test.router.test_evals import CONCURRENCY
 
 # Marker kv_corrupt: the CPU lane runs it with everything else; on GPUs it is its own lane
 # (e2e-1gpu-kv-corrupt), out of e2e-1gpu-pd, whose 10-minute job has no room for a fourth boot.
-pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd"), pytest.mark.engines("vllm"),
+pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd"),
+              pytest.mark.engines("vllm", "tokenspeed"),
               pytest.mark.cluster_profile("kv_corrupt"), pytest.mark.kv_corrupt]
 
 GSM8K_N = 8
@@ -69,12 +69,6 @@ def _message(v, counts):
     return v.message if v else f"all {counts['error']} requests failed"
 
 
-def _reset_prefix_cache(cluster):
-    for w in cluster.workers:
-        r = httpx.post(f"{w.http_url}/reset_prefix_cache", timeout=30)
-        assert r.status_code == 200, f"{w.name} /reset_prefix_cache: {r.status_code} {r.text}"
-
-
 @pytest.mark.needs_baseline
 @pytest.mark.parametrize("kind", KINDS)
 def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
@@ -93,20 +87,22 @@ def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
         (control.problems() + rcontrol.problems())[0]
     decode = cluster.role("decode")
     assert len(decode) == 1, "one decode worker expected"
-    folder = kv_corrupt_dir(cluster.options, decode[0].name)
+    folder = kv_corrupt.control_dir(cluster.options.state_dir, decode[0].name)
     label = f"{eng}/{cluster.topology.name} kv_corrupt={kind}"
 
-    _reset_prefix_cache(cluster)
+    cluster.driver.reset_prefix_cache(cluster)
     kv_corrupt.set_kind(folder, kind)
     before = kv_corrupt.read_counts(folder)
     try:
         mine = comparisons.eval_pass(cluster.gateway_url, cluster.model_name, "gsm8k", GSM8K_N,
                                      concurrency=CONCURRENCY,
                                      watchdog=cluster.watchdog(f"gsm8k, {kind}"),
-                                     logprobs=cluster.driver.top_logprobs)
+                                     logprobs=cluster.driver.top_logprobs,
+                                     api=cluster.driver.logprobs_api)
         texts: dict = {}
         reqs = comparisons.requests("recall", cluster.model_name, min(RECALL_N, len(rbase)),
-                                    logprobs=cluster.driver.top_logprobs)
+                                    logprobs=cluster.driver.top_logprobs,
+                                    api=cluster.driver.logprobs_api)
         rmine = comparisons.run_pass(cluster.gateway_url, reqs, CONCURRENCY, texts=texts,
                                      watchdog=cluster.watchdog(f"recall, {kind}"))
         proof = None
@@ -117,7 +113,7 @@ def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
                 proof = {"ok": False, "error": str(e)[:500]}
     finally:
         kv_corrupt.set_kind(folder, "none")
-        _reset_prefix_cache(cluster)
+        cluster.driver.reset_prefix_cache(cluster)
     done = kv_corrupt.counts_delta(before, kv_corrupt.read_counts(folder))
 
     # `1`'s passes hold every item of the session (32 GSM8K on CI); compared are the ones

@@ -211,6 +211,11 @@ class Donors:
 
 # -- the harness side: the control file and the counts --------------------------------------
 
+def control_dir(state_dir: str, worker: str) -> str:
+    """The folder of a corrupting decode worker: `kind` (the control file) and `counts.json`."""
+    return os.path.join(state_dir, "kv-corrupt", worker)
+
+
 def set_kind(folder: str, kind: str) -> None:
     """Switch a runtime-mode worker to `kind` (checked here; the worker reads it at its next
     transfer)."""

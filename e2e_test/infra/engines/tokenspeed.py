@@ -39,6 +39,8 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
 
+import httpx
+
 from ..cluster.readiness import GrpcHealth
 from ..errors import ConfigError, HarnessError
 from ..lifecycle.reaper import extend_pythonpath
@@ -59,7 +61,16 @@ from ..verdicts.proof import (
     sum_delta,
     verdict,
 )
-from . import LAUNCHERS, Engine, EngineOptions, KnownCrash, Ports, WorkerCommand
+from . import (
+    LAUNCHERS,
+    Engine,
+    EngineOptions,
+    KnownCrash,
+    Ports,
+    WorkerCommand,
+    kv_corrupt,
+    kv_corrupt_tokenspeed,
+)
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 # Warm spawn (launchers/e2e_warm_spawn.py): the servicer's process imports TokenSpeed's
@@ -294,9 +305,30 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                           f"{sampler} stall the boot: {GRAPH_STALL_SAMPLERS[sampler]}; "
                           f"run it eager (E2E_ENFORCE_EAGER=1) or with another sampler")
     argv += extra + serving_defaults(extra, graphs=graphs)
-    if options.opt("warm_spawn", DEFAULT_WARM_SPAWN) and entry.tp == 1 and entry.dp == 1:
+    warm = bool(options.opt("warm_spawn", DEFAULT_WARM_SPAWN)) and entry.tp == 1 and entry.dp == 1
+    preload = ()
+    corrupt = options.opt("kv_corrupt", "")
+    if corrupt and entry.role == "decode":
+        # The KV corruption negative control (engines/kv_corrupt_tokenspeed.py): patched into
+        # the decode's scheduler process by the warm-spawn launcher's preload.
+        try:
+            kv_corrupt.check_setting(corrupt)
+        except ValueError as e:
+            raise ConfigError(f"kv_corrupt={corrupt!r}: {e}") from None
+        if not warm:
+            raise ConfigError(f"kv_corrupt on TokenSpeed's {entry.name} needs the warm spawn "
+                              "(its patch loads in the waiting scheduler interpreter): "
+                              "E2E_TOKENSPEED_WARM_SPAWN=1 and a decode of tp 1, dp 1")
+        if not options.state_dir:
+            raise ConfigError("kv_corrupt needs a state folder (its control file and counts)")
+        env.update({kv_corrupt_tokenspeed.ENV_SETTING: corrupt,
+                    kv_corrupt_tokenspeed.ENV_DIR: kv_corrupt.control_dir(options.state_dir,
+                                                                          entry.name)})
+        preload = (kv_corrupt_tokenspeed.MODULE,)
+    if warm:
         argv = warm_spawn_argv(argv, collector_on=options.import_collector_on,
-                               calls=options.opt("warm_calls", DEFAULT_WARM_CALLS))
+                               calls=options.opt("warm_calls", DEFAULT_WARM_CALLS),
+                               preload=preload)
         env["PYTHONPATH"] = extend_pythonpath(LAUNCHERS)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
@@ -388,18 +420,20 @@ def spawn_env(args: list[str]) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def warm_spawn_argv(argv: list[str], collector_on: bool = False,
-                    calls: str = DEFAULT_WARM_CALLS) -> list[str]:
+                    calls: str = DEFAULT_WARM_CALLS, preload: tuple[str, ...] = ()) -> list[str]:
     """The servicer's argv (`python -m SERVICER_MODULE ARGS`) run through the warm-spawn
     launcher (see WARM_SPAWN), whose imports run with the garbage collector off unless
     `collector_on` (the control), and whose waiting interpreter then fills the caches of
-    WARM_CALLS: before the request, beside it, or not at all (`calls`, CALLS_MODES). Pure."""
+    WARM_CALLS: before the request, beside it, or not at all (`calls`, CALLS_MODES).
+    `preload`: modules its waiting interpreter imports after the scheduler's own (the KV
+    corruption's patch). Pure."""
     if calls not in CALLS_MODES:
         raise ValueError(f"calls: {calls!r} is none of {CALLS_MODES}")
-    module, target, preload = WARM_SPAWN
+    module, target, spawn_preload = WARM_SPAWN
     if argv[1:3] != ["-m", SERVICER_MODULE]:
         raise ValueError(f"not a servicer command: {argv[:3]}")
     out = [argv[0], "-m", module, "--run", SERVICER_MODULE, "--target", target]
-    for name in preload:
+    for name in (*spawn_preload, *preload):
         out += ["--preload", name]
     for name in WARM_CALLS if calls != "off" else ():
         out += ["--call", name]
@@ -837,6 +871,20 @@ class TokenSpeedEngine(Engine):
 
     def gateway_args(self, topology) -> tuple[str, ...]:
         return EPD_GATEWAY_ARGS if topology.kind == "epd" else ()
+
+    def reset_prefix_cache(self, cluster) -> None:
+        """The servicer has no HTTP endpoint; smg's `POST /flush_cache` sends each gRPC
+        worker the FlushCache RPC (servicer.py: AsyncLLM.flush_cache, which fails while
+        requests are in flight) and answers 200 only when every worker flushed (206 with
+        the failures otherwise: smg 1.13 protocols/worker.rs FlushCacheResult)."""
+        want = sum(1 for w in cluster.workers if w.command.worker_type != "none")
+        r = httpx.post(f"{cluster.gateway_url}/flush_cache", timeout=60)
+        body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
+            else {}
+        if r.status_code != 200 or body.get("workers_flushed") != want:
+            raise HarnessError(f"{cluster.name}: smg /flush_cache answered {r.status_code}, "
+                               f"{body.get('workers_flushed')} of {want} workers flushed: "
+                               f"{r.text[:300]}")
 
     def pd_proof(self, cluster, roles=None):
         return pd_transfer_tokenspeed(cluster, roles=roles)

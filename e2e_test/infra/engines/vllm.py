@@ -188,7 +188,7 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
 
 def kv_corrupt_dir(options: EngineOptions, worker: str) -> str:
     """The folder of a corrupting decode worker: `kind` (the control file) and `counts.json`."""
-    return os.path.join(options.state_dir, "kv-corrupt", worker)
+    return kv_corrupt.control_dir(options.state_dir, worker)
 
 
 def kv_transfer_config(role: str, options: EngineOptions, worker: str = "") -> dict:
@@ -561,6 +561,13 @@ class VllmEngine(Engine):
 
     def build(self, spec, topology, entry, ports, model_path, options):
         return build(spec, topology, entry, ports, model_path, options)
+
+    def reset_prefix_cache(self, cluster) -> None:
+        """vLLM's own endpoint on each worker (`POST /reset_prefix_cache`)."""
+        for w in cluster.workers:
+            r = httpx.post(f"{w.http_url}/reset_prefix_cache", timeout=30)
+            if r.status_code != 200:
+                raise HarnessError(f"{w.name} /reset_prefix_cache: {r.status_code} {r.text}")
 
     def pd_proof(self, cluster, roles=None):
         return pd_transfer(cluster, roles=roles)
