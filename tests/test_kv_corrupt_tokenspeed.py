@@ -176,6 +176,13 @@ def test_cross_request_gives_each_request_the_previous_ones_kv(decode):
     transfer(mods, mgr, ks, vs, 4, [9], 400.0)
     assert (page(ks[0], 9) == 400).all()
     assert kc.read_counts(folder)["cross_request"]["unpaired"] == 2
+    # and so after another kind, even with no request between the cases under `none`
+    kc.set_kind(folder, "zero_layer")
+    transfer(mods, mgr, ks, vs, 5, [10], 500.0)
+    kc.set_kind(folder, "cross_request")
+    transfer(mods, mgr, ks, vs, 6, [11], 600.0)
+    assert (page(ks[0], 11) == 600).all()
+    assert kc.read_counts(folder)["cross_request"]["unpaired"] == 3
 
 
 def test_a_kind_set_outside_runtime_mode_and_a_bad_one(tmp_path):

@@ -117,6 +117,7 @@ class DecodeState(kc._State):
         self.device = device
         self.seed = seed
         self.pages: dict[int, list[int]] = {}       # room -> the pages it receives
+        self.last_kind: kc.Kind | None = None
         self._corruptors: dict[int, PageCorruptor] = {}     # id(kv_args) -> its corruptor
 
     def page_corruptor(self, kv_args) -> PageCorruptor:
@@ -140,10 +141,11 @@ class DecodeState(kc._State):
         """`room`'s transfer succeeded: corrupt its pages as the current kind says."""
         pages = self.pages.pop(room, [])
         kind = self.current()
+        if kind != self.last_kind:          # a new case: no donor from the one before
+            self.donors.clear()
+            self.last_kind = kind
         if kind.name == "none" or not pages:
             self.stale.pop(room, None)
-            if kind.name != "cross_request":
-                self.donors.clear()
             return
         import torch
         c = self.page_corruptor(kv_args)
