@@ -16,8 +16,8 @@ session, thresholds unchanged. Then:
   errors) and fail the recall check (a lost pass code or a recall mismatch).
 
 The workers' prefix caches are reset around each case (a corrupted block stays cached and
-would poison the next case: Engine.reset_prefix_cache). What each kind did to each verdict is in the record (`kv_corrupt`) and
-docs/accuracy.md ("KV corruption negative controls").
+would poison the next case: Engine.reset_prefix_cache). What each kind did to each verdict is
+in the record (`kv_corrupt`) and docs/accuracy.md ("KV corruption negative controls").
 """
 
 import pytest
