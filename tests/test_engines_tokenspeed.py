@@ -501,22 +501,36 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
         import e2e_warm_spawn
     finally:
         sys.path.remove(tokenspeed.LAUNCHERS)
+    from types import SimpleNamespace
+
     from e2e_test.infra.engines import kv_corrupt_tokenspeed as kt
     t, e = entries("1p1d")
     opts = EngineOptions(backend="cuda", state_dir="/s", engine_opts={"kv_corrupt": "runtime"})
     ports = Ports(api=1, aux={"bootstrap": 3, "dist_init": 2})
     dec = tokenspeed.build(SPEC, t, e["decode"], ports, "/m", opts)
-    ns, _, _ = e2e_warm_spawn.parse(dec.argv[3:])
+    ns, rest, _ = e2e_warm_spawn.parse(dec.argv[3:])
     assert ns.preload == ["tokenspeed.runtime.engine.event_loop", kt.MODULE]
+    # it caches nothing it receives (TokenSpeed cannot be asked to flush); the prefill does
+    assert "--enable-prefix-caching" not in rest
     assert dec.env[kt.ENV_SETTING] == "runtime"
     assert dec.env[kt.ENV_DIR] == "/s/kv-corrupt/decode-0"
     pre = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", opts)
-    ns, _, _ = e2e_warm_spawn.parse(pre.argv[3:])
+    ns, rest, _ = e2e_warm_spawn.parse(pre.argv[3:])
     assert ns.preload == ["tokenspeed.runtime.engine.event_loop"]
+    assert "--enable-prefix-caching" in rest
     assert kt.ENV_SETTING not in pre.env and kt.ENV_DIR not in pre.env
     # the negative controls: nothing asked, nothing loaded
     plain = tokenspeed.build(SPEC, t, e["decode"], ports, "/m", EngineOptions(backend="cuda"))
     assert kt.MODULE not in plain.argv and kt.ENV_SETTING not in plain.env
+    assert "--enable-prefix-caching" in plain.argv
+    # forget_received_kv: nothing to drop where the decode caches nothing; refused otherwise
+    def cluster(decode_cmd):
+        return SimpleNamespace(name="ts-1p1d", workers=[
+            SimpleNamespace(name="prefill-0", entry=e["prefill"], command=pre),
+            SimpleNamespace(name="decode-0", entry=e["decode"], command=decode_cmd)])
+    tokenspeed.ENGINE.forget_received_kv(cluster(dec))
+    with pytest.raises(HarnessError, match="decode-0 caches the KV it receives"):
+        tokenspeed.ENGINE.forget_received_kv(cluster(plain))
     for bad, why in (({"kv_corrupt": "runtime", "warm_spawn": False}, "needs the warm spawn"),
                      ({"kv_corrupt": "zero"}, "unknown KV corruption kind")):
         with pytest.raises(ConfigError, match=why):

@@ -15,9 +15,10 @@ session, thresholds unchanged. Then:
   in CAUGHT, fail the GSM8K comparison with a `mismatch` (token-level evidence, no request
   errors) and fail the recall check (a lost pass code or a recall mismatch).
 
-The workers' prefix caches are reset around each case (a corrupted block stays cached and
-would poison the next case: Engine.reset_prefix_cache). What each kind did to each verdict is
-in the record (`kv_corrupt`) and docs/accuracy.md ("KV corruption negative controls").
+No KV a decode received outlives its case (a corrupted block stays cached and would poison
+the next case: Engine.forget_received_kv; vLLM resets the prefix caches around each case,
+TokenSpeed's corrupting decode caches nothing). What each kind did to each verdict is in the
+record (`kv_corrupt`) and docs/accuracy.md ("KV corruption negative controls").
 """
 
 import pytest
@@ -90,7 +91,7 @@ def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
     folder = kv_corrupt.control_dir(cluster.options.state_dir, decode[0].name)
     label = f"{eng}/{cluster.topology.name} kv_corrupt={kind}"
 
-    cluster.driver.reset_prefix_cache(cluster)
+    cluster.driver.forget_received_kv(cluster)
     kv_corrupt.set_kind(folder, kind)
     before = kv_corrupt.read_counts(folder)
     try:
@@ -113,7 +114,7 @@ def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
                 proof = {"ok": False, "error": str(e)[:500]}
     finally:
         kv_corrupt.set_kind(folder, "none")
-        cluster.driver.reset_prefix_cache(cluster)
+        cluster.driver.forget_received_kv(cluster)
     done = kv_corrupt.counts_delta(before, kv_corrupt.read_counts(folder))
 
     # `1`'s passes hold every item of the session (32 GSM8K on CI); compared are the ones

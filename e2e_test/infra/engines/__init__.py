@@ -287,10 +287,11 @@ class Engine:
         Pure."""
         return None
 
-    def reset_prefix_cache(self, cluster) -> None:
-        """Drop every worker's prefix cache (the KV corruption cases, between kinds: a
-        corrupted block stays cached); raises HarnessError when a worker did not."""
-        raise ConfigError(f"engine {self.name!r} cannot reset its workers' prefix caches")
+    def forget_received_kv(self, cluster) -> None:
+        """Make sure no KV a decode received is reused by a later request (the KV corruption
+        cases, between kinds: a corrupted block stays cached); raises HarnessError where it
+        cannot."""
+        raise ConfigError(f"engine {self.name!r} cannot drop its workers' cached KV")
 
     def running_window(self, worker_url: str, timeout: float = 5.0) -> dict | None:
         """The running window a live worker reports itself ({"max_num_seqs": int, ...,

@@ -39,8 +39,6 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
 
-import httpx
-
 from ..cluster.readiness import GrpcHealth
 from ..errors import ConfigError, HarnessError
 from ..lifecycle.reaper import extend_pythonpath
@@ -275,6 +273,11 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv += ["--data-parallel-size", str(entry.dp)]
     eager = False
     bootstrap = None
+    # A decode of the kv_corrupt profile caches nothing it receives: TokenSpeed 0.1.0's
+    # FlushCache acknowledges without flushing (runtime/engine/request_handler.py: "acknowledge
+    # the control request here"), so a page corrupted in one case would be reused, unreceived
+    # and uncounted, by the next case's identical prompts (forget_received_kv).
+    corrupting = bool(options.opt("kv_corrupt", "")) and entry.role == "decode"
     if disagg:
         argv += ["--disaggregation-mode", entry.role]
         if entry.role in ("prefill", "encode"):
@@ -282,7 +285,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             argv += ["--disaggregation-bootstrap-port", str(bootstrap)]
         argv += ["--disaggregation-transfer-backend", "mooncake",
                  "--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
-        if entry.role in ("prefill", "decode"):
+        if entry.role == "prefill" or (entry.role == "decode" and not corrupting):
             argv.append("--enable-prefix-caching")
         if entry.role == "prefill":
             argv.append("--enforce-eager")
@@ -308,7 +311,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     warm = bool(options.opt("warm_spawn", DEFAULT_WARM_SPAWN)) and entry.tp == 1 and entry.dp == 1
     preload = ()
     corrupt = options.opt("kv_corrupt", "")
-    if corrupt and entry.role == "decode":
+    if corrupting:
         # The KV corruption negative control (engines/kv_corrupt_tokenspeed.py): patched into
         # the decode's scheduler process by the warm-spawn launcher's preload.
         try:
@@ -872,19 +875,18 @@ class TokenSpeedEngine(Engine):
     def gateway_args(self, topology) -> tuple[str, ...]:
         return EPD_GATEWAY_ARGS if topology.kind == "epd" else ()
 
-    def reset_prefix_cache(self, cluster) -> None:
-        """The servicer has no HTTP endpoint; smg's `POST /flush_cache` sends each gRPC
-        worker the FlushCache RPC (servicer.py: AsyncLLM.flush_cache, which fails while
-        requests are in flight) and answers 200 only when every worker flushed (206 with
-        the failures otherwise: smg 1.13 protocols/worker.rs FlushCacheResult)."""
-        want = sum(1 for w in cluster.workers if w.command.worker_type != "none")
-        r = httpx.post(f"{cluster.gateway_url}/flush_cache", timeout=60)
-        body = r.json() if r.headers.get("content-type", "").startswith("application/json") \
-            else {}
-        if r.status_code != 200 or body.get("workers_flushed") != want:
-            raise HarnessError(f"{cluster.name}: smg /flush_cache answered {r.status_code}, "
-                               f"{body.get('workers_flushed')} of {want} workers flushed: "
-                               f"{r.text[:300]}")
+    def forget_received_kv(self, cluster) -> None:
+        """Nothing to drop: the decode of the kv_corrupt profile runs without prefix
+        caching (build), because TokenSpeed 0.1.0 cannot be asked to flush (its FlushCache,
+        and smg's POST /flush_cache with it, reports success and flushes nothing:
+        runtime/engine/request_handler.py). Checked here from each decode's command; a prefill
+        caches only what it computed itself."""
+        cached = [w.name for w in cluster.workers if w.entry.role == "decode"
+                  and "--enable-prefix-caching" in w.command.argv]
+        if cached:
+            raise HarnessError(f"{cluster.name}: {', '.join(cached)} caches the KV it receives "
+                               "and TokenSpeed 0.1.0 cannot flush it (FlushCache is a no-op): "
+                               "a corrupted page would be reused by the next request")
 
     def pd_proof(self, cluster, roles=None):
         return pd_transfer_tokenspeed(cluster, roles=roles)

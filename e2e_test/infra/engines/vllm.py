@@ -562,8 +562,8 @@ class VllmEngine(Engine):
     def build(self, spec, topology, entry, ports, model_path, options):
         return build(spec, topology, entry, ports, model_path, options)
 
-    def reset_prefix_cache(self, cluster) -> None:
-        """vLLM's own endpoint on each worker (`POST /reset_prefix_cache`)."""
+    def forget_received_kv(self, cluster) -> None:
+        """Every worker's prefix cache reset (vLLM's own `POST /reset_prefix_cache`)."""
         for w in cluster.workers:
             r = httpx.post(f"{w.http_url}/reset_prefix_cache", timeout=30)
             if r.status_code != 200:
