@@ -169,20 +169,16 @@ def test_cross_request_gives_each_request_the_previous_ones_kv(decode):
     assert (page(ks[0], 7) == 200).all()               # beyond the donor's two pages
     assert kc.read_counts(folder)["cross_request"] == {
         "requests": 1, "blocks": 2, "unpaired": 1, "from_earlier": 1}
-    # a new case starts afresh: after `none`, the next request has no donor
-    kc.set_kind(folder, "none")
-    transfer(mods, mgr, ks, vs, 3, [8], 300.0)
-    kc.set_kind(folder, "cross_request")
-    transfer(mods, mgr, ks, vs, 4, [9], 400.0)
-    assert (page(ks[0], 9) == 400).all()
-    assert kc.read_counts(folder)["cross_request"]["unpaired"] == 2
-    # and so after another kind, even with no request between the cases under `none`
-    kc.set_kind(folder, "zero_layer")
-    transfer(mods, mgr, ks, vs, 5, [10], 500.0)
-    kc.set_kind(folder, "cross_request")
-    transfer(mods, mgr, ks, vs, 6, [11], 600.0)
-    assert (page(ks[0], 11) == 600).all()
-    assert kc.read_counts(folder)["cross_request"]["unpaired"] == 3
+    # a new case starts afresh, after `none` or after another kind (no request under `none`
+    # between them): its first request has no donor
+    for n, between in enumerate(("none", "zero_layer")):
+        room, p = 3 + 2 * n, 8 + 2 * n
+        kc.set_kind(folder, between)
+        transfer(mods, mgr, ks, vs, room, [p], 100.0 * room)
+        kc.set_kind(folder, "cross_request")
+        transfer(mods, mgr, ks, vs, room + 1, [p + 1], 100.0 * (room + 1))
+        assert (page(ks[0], p + 1) == 100.0 * (room + 1)).all(), between
+        assert kc.read_counts(folder)["cross_request"]["unpaired"] == 2 + n
 
 
 def test_a_kind_set_outside_runtime_mode_and_a_bad_one(tmp_path):

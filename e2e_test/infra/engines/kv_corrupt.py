@@ -369,6 +369,41 @@ class Corruptor:
         return n
 
 
+def corrupt_one(c: Corruptor, st: _State, kind: Kind, req, blocks: list[int],
+                unit: str = "block") -> None:
+    """Apply `kind` (any but cross_request, which pairs requests) to one request's received
+    `blocks` (TokenSpeed's pages: `unit`), count it in `st` and log one line."""
+    chosen = blocks_to_corrupt(kind, blocks, c.rng)
+    if not chosen:
+        if kind.name == "bitflip":
+            st.count("bitflip", blocks_seen=len(blocks))
+        return
+    if kind.name == "stale_last_block":
+        saved = st.stale.pop(req, None)
+        if saved is not None and saved[0] == chosen:
+            c.restore(chosen, saved[1])
+            how = "restored its pre-transfer content"
+        else:
+            for h in c.halves():
+                h[c._idx(chosen)] = 0
+            how = "zeroed (no pre-transfer snapshot)"
+        detail = f"{unit} {chosen[0]} of {len(blocks)} {how}"
+    elif kind.name == "zero_layer":
+        c.zero(chosen, kind.layer)
+        detail = f"layer {pick_layer(c.caches, kind.layer)} K/V zeroed in {len(chosen)} {unit}s"
+    elif kind.name == "swap_kv":
+        c.swap_kv(chosen, kind.layer)
+        detail = f"layer {pick_layer(c.caches, kind.layer)} K<->V in {len(chosen)} {unit}s"
+    elif kind.name == "bitflip":
+        c.bitflip(chosen)
+        detail = f"bits flipped in {len(chosen)} of {len(blocks)} {unit}s {chosen}"
+    else:
+        return
+    st.count(kind.name, requests=1, blocks=len(chosen),
+             **({"blocks_seen": len(blocks)} if kind.name == "bitflip" else {}))
+    log.warning("e2e-kv-corrupt: kind=%s req=%s %s", kind, req, detail)
+
+
 # -- the connector -------------------------------------------------------------------------------
 
 def _nixl_connector_class():
@@ -539,36 +574,7 @@ def _make_class():
             return done
 
         def _e2e_one(self, c: Corruptor, kind: Kind, req: str, blocks: list[int]) -> None:
-            st = self._e2e
-            chosen = blocks_to_corrupt(kind, blocks, c.rng)
-            if not chosen:
-                if kind.name == "bitflip":
-                    st.count("bitflip", blocks_seen=len(blocks))
-                return
-            if kind.name == "stale_last_block":
-                saved = st.stale.pop(req, None)
-                if saved is not None and saved[0] == chosen:
-                    c.restore(chosen, saved[1])
-                    how = "restored its pre-transfer content"
-                else:
-                    for h in c.halves():
-                        h[c._idx(chosen)] = 0
-                    how = "zeroed (no pre-transfer snapshot)"
-                detail = f"block {chosen[0]} of {len(blocks)} {how}"
-            elif kind.name == "zero_layer":
-                c.zero(chosen, kind.layer)
-                detail = f"layer {pick_layer(c.caches, kind.layer)} K/V zeroed in {len(chosen)} blocks"
-            elif kind.name == "swap_kv":
-                c.swap_kv(chosen, kind.layer)
-                detail = f"layer {pick_layer(c.caches, kind.layer)} K<->V in {len(chosen)} blocks"
-            elif kind.name == "bitflip":
-                c.bitflip(chosen)
-                detail = f"bits flipped in {len(chosen)} of {len(blocks)} blocks {chosen}"
-            else:
-                return
-            st.count(kind.name, requests=1, blocks=len(chosen),
-                     **({"blocks_seen": len(blocks)} if kind.name == "bitflip" else {}))
-            log.warning("e2e-kv-corrupt: kind=%s req=%s %s", kind, req, detail)
+            corrupt_one(c, self._e2e, kind, req, blocks)
 
         def _e2e_cross(self, done: set, ok: list, metas: dict, kind: Kind) -> set:
             st = self._e2e

@@ -153,42 +153,10 @@ class DecodeState(kc._State):
             if kind.name == "cross_request":
                 self._cross(c, room, pages)
             else:
-                self._one(c, kind, room, pages)
+                kc.corrupt_one(c, self, kind, room, pages, unit="page")
             self.stale.pop(room, None)
             if self.device == "cuda":
                 torch.cuda.synchronize()
-
-    def _one(self, c: PageCorruptor, kind: kc.Kind, room: int, pages: list[int]) -> None:
-        chosen = kc.blocks_to_corrupt(kind, pages, c.rng)
-        if not chosen:
-            if kind.name == "bitflip":
-                self.count("bitflip", blocks_seen=len(pages))
-            return
-        if kind.name == "stale_last_block":
-            saved = self.stale.get(room)
-            if saved is not None and saved[0] == chosen:
-                c.restore(chosen, saved[1])
-                how = "restored its pre-transfer content"
-            else:
-                for h in c.halves():
-                    h[c._idx(chosen)] = 0
-                how = "zeroed (no pre-transfer snapshot)"
-            detail = f"page {chosen[0]} of {len(pages)} {how}"
-        elif kind.name == "zero_layer":
-            c.zero(chosen, kind.layer)
-            detail = (f"layer {kc.pick_layer(c.caches, kind.layer)} K/V zeroed in "
-                      f"{len(chosen)} pages")
-        elif kind.name == "swap_kv":
-            c.swap_kv(chosen, kind.layer)
-            detail = f"layer {kc.pick_layer(c.caches, kind.layer)} K<->V in {len(chosen)} pages"
-        elif kind.name == "bitflip":
-            c.bitflip(chosen)
-            detail = f"bits flipped in {len(chosen)} of {len(pages)} pages {chosen}"
-        else:
-            return
-        self.count(kind.name, requests=1, blocks=len(chosen),
-                   **({"blocks_seen": len(pages)} if kind.name == "bitflip" else {}))
-        kc.log.warning("e2e-kv-corrupt: kind=%s room=%s %s", kind, room, detail)
 
     def _cross(self, c: PageCorruptor, room: int, pages: list[int]) -> None:
         donor = self.donors.for_request(room)
