@@ -277,7 +277,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     # FlushCache acknowledges without flushing (runtime/engine/request_handler.py: "acknowledge
     # the control request here"), so a page corrupted in one case would be reused, unreceived
     # and uncounted, by the next case's identical prompts (forget_received_kv).
-    corrupting = bool(options.opt("kv_corrupt", "")) and entry.role == "decode"
+    corrupt = options.opt("kv_corrupt", "")
+    corrupting = bool(corrupt) and entry.role == "decode"
     if disagg:
         argv += ["--disaggregation-mode", entry.role]
         if entry.role in ("prefill", "encode"):
@@ -310,7 +311,6 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     argv += extra + serving_defaults(extra, graphs=graphs)
     warm = bool(options.opt("warm_spawn", DEFAULT_WARM_SPAWN)) and entry.tp == 1 and entry.dp == 1
     preload = ()
-    corrupt = options.opt("kv_corrupt", "")
     if corrupting:
         # The KV corruption negative control (engines/kv_corrupt_tokenspeed.py): patched into
         # the decode's scheduler process by the warm-spawn launcher's preload.

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 Interval = tuple[float, float]
@@ -291,12 +292,9 @@ def warm_spawn_summary(clusters: list[dict]) -> dict | None:
         return None
 
     def spread(xs):
-        xs = sorted(x for x in xs if x is not None)
-        if not xs:
-            return None
-        n = len(xs)
-        med = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-        return [round(xs[0], 2), round(med, 2), round(xs[-1], 2)]
+        xs = [x for x in xs if x is not None]
+        return [round(min(xs), 2), round(statistics.median(xs), 2),
+                round(max(xs), 2)] if xs else None
     modes = sorted({r["calls_mode"] for r in rows if r["calls_mode"]})
     return {"children": len(rows), "imports_s": spread(r["imports_s"] for r in rows),
             "calls_modes": modes,
