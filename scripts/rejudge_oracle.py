@@ -47,6 +47,18 @@ def controls(records: list[dict]) -> dict[tuple[str, str], oracle.ControlArm]:
     return out
 
 
+def paths(records: list[dict]) -> dict[tuple[str, str], oracle.PathArm]:
+    """(engine, eval) -> the path arm of `1` (Engine.first_step_path_arm), where recorded."""
+    out = {}
+    for r in records:
+        for name, arm in (r.get("oracle_path_arm") or {}).items():
+            out[(r.get("engine"), name)] = oracle.PathArm.from_dict(arm)
+        arm = (r.get("kv_recall") or {}).get("path_arm")
+        if "test_kv_recall_baseline" in r.get("test", "") and isinstance(arm, dict):
+            out[(r.get("engine"), "recall")] = oracle.PathArm.from_dict(arm)
+    return out
+
+
 def comparisons(records: list[dict]) -> list[tuple[str, str, str, dict]]:
     """(what, expect, eval, comparison record) for every comparison in the records:
     expect "pass" for a topology held against `1`, "fail" for the negative control."""
@@ -80,7 +92,7 @@ def _not_rejudged(run: Path) -> str | None:
 def rejudge(run: Path) -> list[dict]:
     records = read_records(run)
     skip = _not_rejudged(run)
-    arms = controls(records)
+    arms, path_arms = controls(records), paths(records)
     engine = next((r.get("engine") for r in records if r.get("engine")), None)
     results = []
     for test, expect, name, cmp in comparisons(records):
@@ -96,8 +108,12 @@ def rejudge(run: Path) -> list[dict]:
             res["why"] = (f"no {name} control arm with per-item first-step deltas in this "
                           "run's records")
         else:
-            v = oracle.judge(oracle.Comparison.from_dict(cmp), arms[(engine, name)])
+            # a disaggregated topology's first steps are held to `1`'s path arm, where one
+            # was recorded (test_pd.py)
+            path = path_arms.get((engine, name)) if "test_pd_" in test else None
+            v = oracle.judge(oracle.Comparison.from_dict(cmp), arms[(engine, name)], path=path)
             res.update(rejudged=True, ok=v.ok, message=v.message,
+                       path_p=v.path_rank_test and v.path_rank_test["p"],
                        first_step_max=round(v.thresholds.first_step_max, 4),
                        gap_max=round(v.thresholds.gap_max, 4),
                        rank_p=v.rank_test and v.rank_test["p"],

