@@ -792,6 +792,9 @@ class OracleStore:
     passes: dict = field(default_factory=dict)
     # (engine, eval) -> oracle.ControlArm measured on the regular topology in this session
     control: dict = field(default_factory=dict)
+    # (engine, eval) -> oracle.PathArm of the regular topology (Engine.first_step_path_arm),
+    # where its engine has one: what a disaggregated comparison's first steps are held to
+    path: dict = field(default_factory=dict)
     # (engine, topology) -> indices of the recall prompts whose pass code came back
     recall: dict = field(default_factory=dict)
     # traffic ahead (coboot.py): test node id -> Future of its `ahead` function's result

@@ -47,12 +47,13 @@ KINDS = ["none", "stale_last_block", "zero_layer", "swap_kv", "cross_request", "
 CAUGHT = {"stale_last_block", "zero_layer", "swap_kv", "cross_request"}
 
 
-def _judged(name, a_label, b_label, base, mine, control, recorded_only):
-    """(verdict, counts) of `mine` against `base`'s same items; (None, counts) where nothing
-    came back and the kind is only recorded (every request an error: no evidence to judge)."""
+def _judged(name, a_label, b_label, base, mine, control, recorded_only, path=None):
+    """(verdict, counts) of `mine` against `base`'s same items (and `1`'s path arm, where its
+    engine has one); (None, counts) where nothing came back and the kind is only recorded
+    (every request an error: no evidence to judge)."""
     try:
         v = oracle.judge(oracle.compare(name, a_label, b_label, base.subset(mine), mine),
-                         control)
+                         control, path=path)
     except oracle.NoEvidenceError:
         if not recorded_only or any(s is not None for s in mine.values()):
             raise
@@ -122,8 +123,10 @@ def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
     # (bitflip: non-finite values, HTTP 400 on every request): that is recorded as request
     # errors; for `none` and the asserted kinds it stays the error it is.
     recorded_only = kind != "none" and kv_corrupt.parse_kind(kind).name not in CAUGHT
-    v_gsm, gc = _judged("gsm8k", f"{eng}/1", label, base, mine, control, recorded_only)
-    v_rec, rc = _judged("recall", f"{eng}/1", label, rbase, rmine, rcontrol, recorded_only)
+    v_gsm, gc = _judged("gsm8k", f"{eng}/1", label, base, mine, control, recorded_only,
+                        oracle_store.path.get((eng, "gsm8k")))
+    v_rec, rc = _judged("recall", f"{eng}/1", label, rbase, rmine, rcontrol, recorded_only,
+                        oracle_store.path.get((eng, "recall")))
     copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
     lost = sorted(set(want) & set(texts) - set(copied))
     record["kv_corrupt"] = {

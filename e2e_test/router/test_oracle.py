@@ -32,16 +32,36 @@ def control_arm_pass(cluster, oracle_store, name):
                                   logprobs=cluster.driver.top_logprobs,
                                   api=cluster.driver.logprobs_api)
     oracle_store.control[(cluster.engine, name)] = arm
+    path_arm_pass(cluster, oracle_store, name, comparisons.requests(
+        name, cluster.model_name, eval_n(cluster, name),
+        max_prompt_tokens=max_prompt_tokens(cluster, name),
+        logprobs=cluster.driver.top_logprobs, api=cluster.driver.logprobs_api))
     return arm
+
+
+def path_arm_pass(cluster, oracle_store, name, reqs):
+    """The path arm of `reqs` on this regular topology (Engine.first_step_path_arm), stored
+    for the disaggregated comparisons of the session, where the engine has one. Runs after
+    the control arm's passes: it resets the worker's prefix cache."""
+    path = cluster.driver.first_step_path_arm(cluster, name, reqs, _label(cluster),
+                                              CONCURRENCY,
+                                              cluster.watchdog(f"{name} path arm"))
+    if path is not None:
+        oracle_store.path[(cluster.engine, name)] = path
+        print(f"{name} path arm: {'; '.join(c.line() for c in path.comparisons)} ({path.how})")
+    return path
 
 
 @pytest.mark.eval
 @pytest.mark.topology_kinds("regular")
 @pytest.mark.ahead.with_args(control_arm_pass)
 @pytest.mark.parametrize("name", EVALS)
-def test_control_arm(cluster, record, ahead, name):
+def test_control_arm(cluster, record, oracle_store, ahead, name):
     arm = ahead()
     record["oracle_control"] = {name: arm.to_dict()}
+    path = oracle_store.path.get((cluster.engine, name))
+    if path is not None:
+        record["oracle_path_arm"] = {name: path.to_dict()}
     for c in arm.comparisons:
         print(c.line(), f"(max first-step delta {c.summary()['max_first_step_delta']})")
     errors = sum(c.counts()["error"] for c in arm.comparisons)
@@ -147,9 +167,11 @@ def recall_baseline_pass(cluster, oracle_store):
     copied, unstable = recall.stable_codes(texts, control_texts)
     oracle_store.passes[(cluster.engine, cluster.topology.name, "recall")] = base
     oracle_store.control[(cluster.engine, "recall")] = arm
+    path = path_arm_pass(cluster, oracle_store, "recall", reqs)
     oracle_store.recall[(cluster.engine, cluster.topology.name)] = copied
     return {"texts": texts, "control_texts": control_texts, "arm": arm, "copied": copied,
-            "unstable": unstable, "prompt_words": len(comparisons.prompt_text(reqs[0]).split())}
+            "unstable": unstable, "prompt_words": len(comparisons.prompt_text(reqs[0]).split()),
+            "path": path}
 
 
 @pytest.mark.eval
@@ -165,7 +187,8 @@ def test_kv_recall_baseline(cluster, record, ahead):
     copied, unstable = got["copied"], got["unstable"]
     record["kv_recall"] = {"copied": copied, "unstable": unstable, "of": RECALL_N,
                            "outputs": texts, "control_outputs": control_texts,
-                           "prompt_words": got["prompt_words"], "control": arm.to_dict()}
+                           "prompt_words": got["prompt_words"], "control": arm.to_dict(),
+                           **({"path_arm": got["path"].to_dict()} if got.get("path") else {})}
     print(f"recall on {cluster.topology.name}: {len(copied)}/{RECALL_N} pass codes copied in "
           f"every pass" + (f" (copied in the baseline only: {unstable})" if unstable else "")
           + "; " + "; ".join(c.line() for c in arm.comparisons))

@@ -105,7 +105,7 @@ def test_pd_answers_match_regular(cluster, record, oracle_store, name):
     base, control = _baseline_of_one(oracle_store, cluster.engine, name, why)
     verdict = oracle.judge(oracle.compare(name, f"{cluster.engine}/1",
                                           f"{cluster.engine}/{cluster.topology.name}", base, mine),
-                           control)
+                           control, path=oracle_store.path.get((cluster.engine, name)))
     record["pd_vs_regular"] = {name: verdict.to_dict()}
     record["oracle"] = verdict.to_dict()
     print(verdict.message)
@@ -134,7 +134,7 @@ def test_pd_kv_recall(cluster, record, oracle_store):
     want = oracle_store.recall.get((cluster.engine, "1"), [])
     verdict = oracle.judge(oracle.compare("recall", f"{cluster.engine}/1",
                                           f"{cluster.engine}/{cluster.topology.name}", base, mine),
-                           control)
+                           control, path=oracle_store.path.get((cluster.engine, "recall")))
     record["kv_recall"] = {"copied": copied, "baseline_copied": want, "of": len(base),
                            "outputs": texts, "oracle": verdict.to_dict()}
     print(f"recall: {len(copied)}/{len(base)} copied (`1`: {len(want)}); {verdict.message}")

@@ -287,6 +287,15 @@ class Engine:
         Pure."""
         return None
 
+    def first_step_path_arm(self, cluster, name: str, reqs: list, label: str,
+                            concurrency: int = 16, watchdog=None):
+        """The path arm (oracle.PathArm) of eval `name`'s `reqs` on the regular topology `cluster`: each
+        prompt's first step computed as this engine's PD decode computes its first one, held
+        against the same prompt's first step at the end of a prefill. None where this engine
+        has no way to take that path on `1` (the rank test then stays recorded only).
+        Raises HarnessError where the path was not taken as claimed."""
+        return None
+
     def forget_received_kv(self, cluster) -> None:
         """Make sure no KV a decode received is reused by a later request (the KV corruption
         cases, between kinds: a corrupted block stays cached); raises HarnessError where it

@@ -432,6 +432,90 @@ def vllm_transfer_problems(p: TransferProof) -> list[str]:
     return problems
 
 
+PATH_REPEATS = 2      # the path arm's rounds (reset, prefill, one-token step): 2 x the items
+
+
+def path_prompt_len(n_tokens: int, block: int) -> int | None:
+    """The longest prefix of an n-token prompt whose last token a prefix-cache hit leaves to
+    compute alone: vLLM caches whole blocks and at most n - 1 tokens of a prompt
+    (`get_computed_blocks`), so a prefix of k * block + 1 tokens is computed as one token
+    over k cached blocks, the way a NIXL decode computes the last prompt token over the
+    transferred KV (`_update_waiting_for_remote_kv`: num_tokens - 1). None where the prompt
+    holds no whole block before its last token. Pure."""
+    k = (n_tokens - 1) // block
+    return k * block + 1 if k >= 1 else None
+
+
+def first_step_path_arm(engine, cluster, name, reqs, label, concurrency=16, watchdog=None):
+    """vLLM's path arm on a regular topology of one worker: each completions prompt cut to
+    path_prompt_len tokens; then PATH_REPEATS times: every prefix cache reset, the cut
+    prompts once (their first step at the end of a prefill) and again (their first step one
+    token over the blocks the first pass cached), max_tokens 1, compared. The second pass
+    must compute exactly one token per prompt and take the rest from the cache
+    (vllm:prompt_tokens_by_source), or the arm is not what it claims: HarnessError."""
+    from ..load import load
+    from ..verdicts import comparisons, oracle
+
+    if len(cluster.workers) != 1:
+        return None
+    w = cluster.workers[0]
+    block = cache_config(w.metrics()).get("block_size", "")
+    if not str(block).isdigit():
+        raise HarnessError(f"{w.name}: no block_size in vllm:cache_config_info")
+    block = int(block)
+    cut, short = {}, []
+    for r in reqs:
+        if r.path != "/v1/completions":
+            raise HarnessError(f"path arm: {r.path} asked; it cuts completions prompts")
+        t = httpx.post(f"{w.http_url}/tokenize", timeout=60,
+                       json={"model": cluster.model_name, "prompt": r.body["prompt"]})
+        if t.status_code != 200:
+            raise HarnessError(f"{w.name} /tokenize: HTTP {t.status_code} {t.text[:200]}")
+        toks = t.json()["tokens"]
+        keep = path_prompt_len(len(toks), block)
+        if keep is None:
+            short.append(r.tag)
+        else:
+            cut[r.tag] = toks[:keep]
+    if not cut:
+        raise HarnessError(f"path arm: none of {len(reqs)} prompts holds a whole block of "
+                           f"{block} tokens before its last token")
+
+    def pass_():
+        return comparisons.run_pass(w.http_url, [
+            load.Request("/v1/completions",
+                         {**{k: v for k, v in r.body.items() if k != "prompt"},
+                          "prompt": cut[r.tag], "max_tokens": 1}, tag=r.tag)
+            for r in reqs if r.tag in cut], concurrency, watchdog)
+
+    comps = []
+    for _ in range(PATH_REPEATS):
+        engine.forget_received_kv(cluster)
+        fresh = pass_()
+        before = [w.metrics()]
+        cached = pass_()
+        after = [w.metrics()]
+        computed = sum_delta(before, after, SRC, source="local_compute")
+        hit = sum_delta(before, after, SRC, source="local_cache_hit")
+        want_hit = sum(len(t) - 1 for t in cut.values())
+        if computed != len(cut) or hit != want_hit:
+            raise HarnessError(
+                f"path arm: the cached pass computed {computed:.0f} prompt tokens and took "
+                f"{hit:.0f} from the cache, where one token per prompt ({len(cut)}) over "
+                f"{want_hit} cached ones was the path: not the decode's first step")
+        c = oracle.compare(name, f"{label} prefill", f"{label} one token over cached KV",
+                           fresh, cached)
+        bad = [it for it in c.items if it.verdict == "error"]
+        if bad:     # an arm with holes holds nothing: an HTTP error is an error
+            raise HarnessError(f"path arm: {len(bad)} of {len(c.items)} items not compared "
+                               f"(item {bad[0].index}: {bad[0].reason})")
+        comps.append(c)
+    return oracle.PathArm(comps, how=(
+        f"{len(cut)} prompts cut to k x {block} + 1 tokens ({len(short)} shorter than a block "
+        f"left out), {PATH_REPEATS} rounds of reset, prefill, one token over cached KV; "
+        "each cached pass computed one token per prompt"))
+
+
 def pd_transfer(cluster, n: int = 4, via: str | None = None,
                 roles: dict | None = None) -> TransferProof:
     """The vLLM PD proof over `n` fresh prompts through the gateway. `via`: send them
@@ -561,6 +645,9 @@ class VllmEngine(Engine):
 
     def build(self, spec, topology, entry, ports, model_path, options):
         return build(spec, topology, entry, ports, model_path, options)
+
+    def first_step_path_arm(self, cluster, name, reqs, label, concurrency=16, watchdog=None):
+        return first_step_path_arm(self, cluster, name, reqs, label, concurrency, watchdog)
 
     def forget_received_kv(self, cluster) -> None:
         """Every worker's prefix cache reset (vLLM's own `POST /reset_prefix_cache`)."""
