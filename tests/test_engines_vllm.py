@@ -435,3 +435,18 @@ def test_prepare_resolves_auto_from_this_host(tmp_path, monkeypatch):
     assert vllm.ENGINE.prepare(t, SMOL, cuda, tmp_path, None).opt("cpu_dtype") == "auto"
     with pytest.raises(Exception, match="E2E_VLLM_CPU_DTYPE"):
         options_from_env({"E2E_VLLM_CPU_DTYPE": "fp8"})
+
+
+def test_the_path_arm_cuts_a_prompt_to_whole_blocks_and_one_token():
+    """vLLM caches whole blocks and at most n - 1 tokens of a prompt: a prefix of
+    k * block + 1 tokens leaves exactly its last token to compute, the NIXL decode's path."""
+    from e2e_test.infra.engines.vllm import path_prompt_len
+    assert path_prompt_len(17, 16) == 17
+    assert path_prompt_len(33, 16) == 33
+    assert path_prompt_len(40, 16) == 33
+    assert path_prompt_len(32, 16) == 17      # 31 tokens before the last: one whole block
+    assert path_prompt_len(16, 16) is None    # no whole block before the last token
+    assert path_prompt_len(900, 128) == 897
+    for n in range(2, 300):
+        k = path_prompt_len(n, 16)
+        assert k is None or (k <= n and (k - 1) % 16 == 0 and n - k < 16)
