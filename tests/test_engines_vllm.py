@@ -450,3 +450,15 @@ def test_the_path_arm_cuts_a_prompt_to_whole_blocks_and_one_token():
     for n in range(2, 300):
         k = path_prompt_len(n, 16)
         assert k is None or (k <= n and (k - 1) % 16 == 0 and n - k < 16)
+
+
+def test_the_path_arms_counters_prove_both_passes():
+    """One round of the path arm is what it claims only if both resets took (each fresh pass
+    computed more than one token per prompt) and the cached pass computed exactly one token
+    per prompt over the cached rest; each failure names itself (the negative controls)."""
+    from e2e_test.infra.engines.vllm import path_problems
+    assert path_problems(32, [9000, 9000], 32, 25000, 25000) == []
+    no_reset = path_problems(32, [9000, 32], 32, 25000, 25000)
+    assert len(no_reset) == 1 and "fresh pass 2 computed 32" in no_reset[0]
+    evicted = path_problems(32, [9000, 9000], 160, 24872, 25000)
+    assert len(evicted) == 1 and "computed 160 prompt tokens" in evicted[0]

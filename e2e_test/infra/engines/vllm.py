@@ -432,7 +432,7 @@ def vllm_transfer_problems(p: TransferProof) -> list[str]:
     return problems
 
 
-PATH_REPEATS = 2      # the path arm's rounds (reset, prefill, one-token step): 2 x the items
+PATH_REPEATS = 2      # the path arm's rounds (two prefills, one-token step): 2 x the items
 
 
 def path_prompt_len(n_tokens: int, block: int) -> int | None:
@@ -446,13 +446,35 @@ def path_prompt_len(n_tokens: int, block: int) -> int | None:
     return k * block + 1 if k >= 1 else None
 
 
+def path_problems(prompts: int, fresh_computed: list[float], cached_computed: float,
+                  cached_hit: float, want_hit: int) -> list[str]:
+    """What the prompt-token counters of one path-arm round show that the path would not:
+    each fresh pass (after a reset) must have computed more than one token per prompt (else
+    the reset did not take and that pass took the one-token path too), the cached pass
+    exactly one per prompt, with every other token from the cache. Pure."""
+    out = []
+    for i, got in enumerate(fresh_computed):
+        if got <= prompts:
+            out.append(f"fresh pass {i + 1} computed {got:.0f} prompt tokens for {prompts} "
+                       "prompts: the prefix cache was not reset, no prefill there")
+    if cached_computed != prompts or cached_hit != want_hit:
+        out.append(f"the cached pass computed {cached_computed:.0f} prompt tokens and took "
+                   f"{cached_hit:.0f} from the cache, where one token per prompt ({prompts}) "
+                   f"over {want_hit} cached ones is the decode's path")
+    return out
+
+
 def first_step_path_arm(engine, cluster, name, reqs, label, concurrency=16, watchdog=None):
     """vLLM's path arm on a regular topology of one worker: each completions prompt cut to
-    path_prompt_len tokens; then PATH_REPEATS times: every prefix cache reset, the cut
-    prompts once (their first step at the end of a prefill) and again (their first step one
-    token over the blocks the first pass cached), max_tokens 1, compared. The second pass
-    must compute exactly one token per prompt and take the rest from the cache
-    (vllm:prompt_tokens_by_source), or the arm is not what it claims: HarnessError."""
+    path_prompt_len tokens; then PATH_REPEATS times, max_tokens 1: the prefix cache reset and
+    the cut prompts prefilled (A: `1`'s baseline), reset and prefilled again (B: the PD
+    prefill's own prefill, with its own chunking), then asked once more (C: each first step
+    one token over B's cached blocks, the decode's path); A against C. A and B must each have
+    computed more than one token per prompt, C exactly one per prompt with the rest from the
+    cache (vllm:prompt_tokens_by_source), or the arm is not what it claims: HarnessError.
+    Until 2026-12-05 A was left out and B was held against C over B's own KV: that arm lacked
+    the two prefills' difference that a PD comparison holds, and its CI run put a healthy
+    1p1d's recall at p = 0.00036 against it (docs/accuracy.md)."""
     from ..load import load
     from ..verdicts import comparisons, oracle
 
@@ -490,21 +512,23 @@ def first_step_path_arm(engine, cluster, name, reqs, label, concurrency=16, watc
 
     comps = []
     for _ in range(PATH_REPEATS):
-        engine.forget_received_kv(cluster)
-        fresh = pass_()
-        before = [w.metrics()]
-        cached = pass_()
-        after = [w.metrics()]
-        computed = sum_delta(before, after, SRC, source="local_compute")
-        hit = sum_delta(before, after, SRC, source="local_cache_hit")
-        want_hit = sum(len(t) - 1 for t in cut.values())
-        if computed != len(cut) or hit != want_hit:
-            raise HarnessError(
-                f"path arm: the cached pass computed {computed:.0f} prompt tokens and took "
-                f"{hit:.0f} from the cache, where one token per prompt ({len(cut)}) over "
-                f"{want_hit} cached ones was the path: not the decode's first step")
-        c = oracle.compare(name, f"{label} prefill", f"{label} one token over cached KV",
-                           fresh, cached)
+        fresh, computed = [], []
+        for _ in range(2):          # A, then B
+            engine.forget_received_kv(cluster)
+            m0 = [w.metrics()]
+            fresh.append(pass_())
+            computed.append(sum_delta(m0, [w.metrics()], SRC, source="local_compute"))
+        m1 = [w.metrics()]
+        cached = pass_()            # C: one token over B's blocks
+        m2 = [w.metrics()]
+        problems = path_problems(len(cut), computed,
+                                 sum_delta(m1, m2, SRC, source="local_compute"),
+                                 sum_delta(m1, m2, SRC, source="local_cache_hit"),
+                                 sum(len(t) - 1 for t in cut.values()))
+        if problems:
+            raise HarnessError(f"path arm ({name}): {problems[0]}")
+        c = oracle.compare(name, f"{label} prefill", f"{label} one token over another "
+                           "prefill's cached KV", fresh[0], cached)
         bad = [it for it in c.items if it.verdict == "error"]
         if bad:     # an arm with holes holds nothing: an HTTP error is an error
             raise HarnessError(f"path arm: {len(bad)} of {len(c.items)} items not compared "
@@ -512,8 +536,9 @@ def first_step_path_arm(engine, cluster, name, reqs, label, concurrency=16, watc
         comps.append(c)
     return oracle.PathArm(comps, how=(
         f"{len(cut)} prompts cut to k x {block} + 1 tokens ({len(short)} shorter than a block "
-        f"left out), {PATH_REPEATS} rounds of reset, prefill, one token over cached KV; "
-        "each cached pass computed one token per prompt"))
+        f"left out), {PATH_REPEATS} rounds: reset, prefill A; reset, prefill B; one token "
+        "over B's cached KV, against A; each prefill computed more than one token per prompt, "
+        "each cached pass one"))
 
 
 def pd_transfer(cluster, n: int = 4, via: str | None = None,
