@@ -25,8 +25,12 @@ def test_parse_kind():
     assert kc.parse_kind("swap_kv:-1") == kc.Kind("swap_kv", layer=-1)
     assert kc.parse_kind("bitflip:0.25") == kc.Kind("bitflip", rate=0.25)
     assert str(kc.parse_kind("bitflip:0.25")) == "bitflip:0.25"
+    assert kc.parse_kind("scale") == kc.Kind("scale", eps=0.05)
+    assert kc.parse_kind("scale:-0.1") == kc.Kind("scale", eps=-0.1)
+    assert str(kc.parse_kind("scale:0.02")) == "scale:0.02" and str(kc.Kind("scale")) == "scale"
     assert str(kc.parse_kind("zero_layer:3")) == "zero_layer:3"
     for bad in ("zero", "zero_layer:x", "bitflip:0", "bitflip:2", "cross_request:1",
+                "scale:0", "scale:x", "scale:2",
                 "stale_last_block:2"):
         with pytest.raises(ValueError):
             kc.parse_kind(bad)
@@ -161,6 +165,13 @@ def test_corruptor_operations():
     before = caches["layers.0"][1].clone()
     c.bitflip([1])
     assert (caches["layers.0"][1] != before).sum() >= 1
+    # scale: every layer's K and V of the chosen blocks only, by the factor
+    caches = {f"layers.{i}": base.clone() for i in range(2)}
+    c = kc.Corruptor(caches, 3, seed=1)
+    c.scale([0, 2], 2.0)
+    for t in caches.values():
+        assert torch.equal(t[0], base[0] * 2) and torch.equal(t[2], base[2] * 2)
+        assert torch.equal(t[1], base[1])
 
 
 def test_counts_and_control_file(tmp_path):

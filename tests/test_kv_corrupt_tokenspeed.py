@@ -159,6 +159,18 @@ def test_bitflip_changes_every_chosen_page(decode):
     assert c["requests"] == 1 and c["blocks"] == 2 and c["blocks_seen"] == 2
 
 
+def test_scale_multiplies_every_layers_received_pages_only(decode):
+    mods, mgr, ks, vs, folder, _ = decode
+    kc.set_kind(folder, "scale:0.5")
+    transfer(mods, mgr, ks, vs, 7, [2, 3], 100.0)
+    for p in (2, 3):
+        for layer in range(LAYERS):
+            assert (page(ks[layer], p) == 1.5 * (100 + layer)).all()
+            assert (page(vs[layer], p) == -1.5 * (100 + layer)).all()
+    assert (page(ks[1], 4) == -2).all()            # a page it did not receive
+    assert kc.read_counts(folder) == {"scale": {"requests": 1, "blocks": 2}}
+
+
 def test_cross_request_gives_each_request_the_previous_ones_kv(decode):
     mods, mgr, ks, vs, folder, _ = decode
     kc.set_kind(folder, "cross_request")

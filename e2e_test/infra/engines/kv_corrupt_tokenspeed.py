@@ -107,6 +107,18 @@ class PageCorruptor(kc.Corruptor):
         dev = next(iter(self.caches.values()))[0].device
         return torch.tensor(blocks, dtype=torch.long, device=dev)
 
+    # The pages are bytes (KVArgs carries no dtype): `scale` reads them as the pool's values,
+    # bf16 for a bf16 model under --kv-cache-dtype auto, TokenSpeed's default, which the harness
+    # leaves as it is.
+    VALUE_DTYPE = "bfloat16"
+
+    def scale(self, blocks: list[int], factor: float) -> None:
+        import torch
+        dt = getattr(torch, self.VALUE_DTYPE)
+        idx = self._idx(blocks)
+        for h in self.halves():
+            h[idx] = (h[idx].view(dt) * factor).to(dt).view(torch.uint8)
+
 
 class DecodeState(kc._State):
     """The decode's corruption state: the pages each bootstrap room receives, and what each
