@@ -8,7 +8,7 @@ import pytest
 
 from e2e_test.infra.cluster.readiness import HttpGet
 from e2e_test.infra.engines import EngineOptions, Ports, core_list, vllm
-from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.errors import ConfigError, HarnessError
 from e2e_test.infra.specs.model_specs import get_spec
 from e2e_test.infra.specs.plan import plan_cpu, plan_gpu
 from e2e_test.infra.specs.settings import options_from_env
@@ -462,3 +462,24 @@ def test_the_path_arms_counters_prove_both_passes():
     assert len(no_reset) == 1 and "fresh pass 2 computed 32" in no_reset[0]
     evicted = path_problems(32, [9000, 9000], 160, 24872, 25000)
     assert len(evicted) == 1 and "computed 160 prompt tokens" in evicted[0]
+
+
+def test_no_path_arm_where_the_regular_worker_caches_no_prefix():
+    """A `1` started with prefix caching off cannot take the decode's path: no arm (the rank
+    test against it is then not recorded), asked of nothing but its cache config."""
+    from types import SimpleNamespace
+    from e2e_test.infra.engines.vllm import ENGINE
+
+    def worker(enabled):
+        info = (("block_size", "16"), ("enable_prefix_caching", enabled))
+        return SimpleNamespace(name="worker-0", http_url="http://127.0.0.1:9",
+                               metrics=lambda: {("vllm:cache_config_info", info): 1.0})
+
+    off = SimpleNamespace(workers=[worker("False")], model_name="m")
+    assert ENGINE.first_step_path_arm(off, "gsm8k", [], "vllm/1") is None
+    two = SimpleNamespace(workers=[worker("True"), worker("True")], model_name="m")
+    assert ENGINE.first_step_path_arm(two, "gsm8k", [], "vllm/dp2") is None
+    # the negative control: caching on, one worker, and no prompt to cut is an error, not None
+    on = SimpleNamespace(workers=[worker("True")], model_name="m")
+    with pytest.raises(HarnessError, match="none of 0 prompts"):
+        ENGINE.first_step_path_arm(on, "gsm8k", [], "vllm/1")

@@ -481,7 +481,10 @@ def first_step_path_arm(engine, cluster, name, reqs, label, concurrency=16, watc
     if len(cluster.workers) != 1:
         return None
     w = cluster.workers[0]
-    block = cache_config(w.metrics()).get("block_size", "")
+    cache = cache_config(w.metrics())
+    if str(cache.get("enable_prefix_caching", "")).lower() == "false":
+        return None         # no prefix cache: `1` cannot take the decode's path
+    block = cache.get("block_size", "")
     if not str(block).isdigit():
         raise HarnessError(f"{w.name}: no block_size in vllm:cache_config_info")
     block = int(block)
