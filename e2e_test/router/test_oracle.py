@@ -42,14 +42,18 @@ def control_arm_pass(cluster, oracle_store, name):
 def path_arm_pass(cluster, oracle_store, name, reqs):
     """The path arm of `reqs` on this regular topology (Engine.first_step_path_arm), stored
     for the disaggregated comparisons of the session, where the engine has one. Runs after
-    the control arm's passes: it resets the worker's prefix cache."""
+    the control arm's passes: it resets the worker's prefix cache. Prints nothing: it may
+    run ahead in a thread (its test prints it, path_line)."""
     path = cluster.driver.first_step_path_arm(cluster, name, reqs, _label(cluster),
                                               CONCURRENCY,
                                               cluster.watchdog(f"{name} path arm"))
     if path is not None:
         oracle_store.path[(cluster.engine, name)] = path
-        print(f"{name} path arm: {'; '.join(c.line() for c in path.comparisons)} ({path.how})")
     return path
+
+
+def path_line(name, path) -> str:
+    return f"{name} path arm: {'; '.join(c.line() for c in path.comparisons)} ({path.how})"
 
 
 @pytest.mark.eval
@@ -62,6 +66,7 @@ def test_control_arm(cluster, record, oracle_store, ahead, name):
     path = oracle_store.path.get((cluster.engine, name))
     if path is not None:
         record["oracle_path_arm"] = {name: path.to_dict()}
+        print(path_line(name, path))
     for c in arm.comparisons:
         print(c.line(), f"(max first-step delta {c.summary()['max_first_step_delta']})")
     errors = sum(c.counts()["error"] for c in arm.comparisons)
@@ -192,6 +197,8 @@ def test_kv_recall_baseline(cluster, record, ahead):
     print(f"recall on {cluster.topology.name}: {len(copied)}/{RECALL_N} pass codes copied in "
           f"every pass" + (f" (copied in the baseline only: {unstable})" if unstable else "")
           + "; " + "; ".join(c.line() for c in arm.comparisons))
+    if got.get("path"):
+        print(path_line("recall", got["path"]))
     assert len(texts) == RECALL_N, f"{RECALL_N - len(texts)} recall requests failed"
     assert not arm.problems(), arm.problems()[0]
     # a baseline that copied no code (mid-text or in the last block) cannot test a topology
