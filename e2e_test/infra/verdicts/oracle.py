@@ -840,11 +840,7 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
     line = (cmp.line() + f" (numerics budget {budget} from the control arm; first-step bound "
             f"{th.first_step_max:.3f}, near-tie gap bound {th.gap_max:.3f} nats)")
     mine, ref = _finite(cmp.first_step_deltas()), _finite(control.first_step_deltas())
-    rank = None
-    if mine and ref:
-        u, p = mann_whitney_greater(mine, ref)
-        rank = {"u": round(u, 1), "p": float(f"{p:.4g}"), "alpha": alpha, "n": len(mine),
-                "control_n": len(ref)}
+    rank = _rank_test(mine, ref, alpha, "control_n") if mine and ref else None
 
     path_rank = None
     if path is not None:
@@ -854,11 +850,9 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
                                   "path arm has no first-step delta: nothing to hold the "
                                   "disaggregated first step against")
         if mine:
-            u, p = mann_whitney_greater(mine, ref_path)
-            path_rank = {"u": round(u, 1), "p": float(f"{p:.4g}"), "alpha": alpha,
-                         "n": len(mine), "path_n": len(ref_path),
-                         "median": round(_median(mine), 4),
-                         "path_median": round(_median(ref_path), 4)}
+            path_rank = dict(_rank_test(mine, ref_path, alpha, "path_n"),
+                             median=round(_median(mine), 4),
+                             path_median=round(_median(ref_path), 4))
 
     def verdict(ok, msg):
         return Verdict(ok, msg, budget, cmp, control, th, rank, path, path_rank)
@@ -889,6 +883,13 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
     return verdict(True, line + (f"; first steps against the path arm: p = "
                                  f"{path_rank['p']:.2g} (recorded)" if path_rank is not None
                                  else ""))
+
+
+def _rank_test(mine: list[float], ref: list[float], alpha: float, ref_key: str) -> dict:
+    """The record of one rank test of `mine` against `ref` (mann_whitney_greater)."""
+    u, p = mann_whitney_greater(mine, ref)
+    return {"u": round(u, 1), "p": float(f"{p:.4g}"), "alpha": alpha, "n": len(mine),
+            ref_key: len(ref)}
 
 
 def _median(xs: list[float]) -> float:
