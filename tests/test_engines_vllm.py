@@ -452,6 +452,17 @@ def test_the_path_arm_cuts_a_prompt_to_whole_blocks_and_one_token():
         assert k is None or (k <= n and (k - 1) % 16 == 0 and n - k < 16)
 
 
+def test_the_path_arm_decides_where_it_was_measured():
+    """The rank test against the path arm decides on a CPU, where a healthy 1p1d was ranked
+    against it in four runs and a KV scaled under the per-item bound was caught; on a GPU,
+    unmeasured, it is recorded, and says why."""
+    from e2e_test.infra.engines.vllm import path_arm_decides
+    decides, why = path_arm_decides("cpu")
+    assert decides and "p >= 0.13" in why and "1.005" in why
+    decides, why = path_arm_decides("cuda")
+    assert not decides and "recorded only on cuda" in why
+
+
 def test_the_path_arms_counters_prove_both_passes():
     """One round of the path arm is what it claims only if both resets took (each fresh pass
     computed more than one token per prompt) and the cached pass computed exactly one token

@@ -844,7 +844,7 @@ def test_kv_corruption_is_its_own_gpu_lane(tmp_path):
                      **lane.full_env())
     assert r.returncode == 0, r.stdout + r.stderr
     from e2e_test.router.test_kv_corrupt import KINDS
-    assert sum(kinds in i for i in ids) == len(KINDS) == 7, ids
+    assert sum(kinds in i for i in ids) == len(KINDS) == 8, ids
     assert any("test_control_arm[vllm-1-gsm8k]" in i for i in ids), ids
     assert any("test_kv_recall_baseline[vllm-1]" in i for i in ids), ids
     assert not [i for i in ids if "-1p1d]" in i or "[vllm-1p1d-" in i and kinds not in i], ids

@@ -332,24 +332,32 @@ def _path(seed=20, scale=0.1, shift=0.0):
     return arm
 
 
+def _healthy_and_shifted(th):
+    """Two candidates against a path arm of shift 0.05: the healthy one, every first step 0.05
+    nats over its noise as in the arm, and the shifted one, 0.2 more, each under the per-item
+    bound `th`."""
+    healthy = _noisy(seed=5, scale=0.1)
+    for it in healthy.items:
+        it.first_step_delta += 0.05
+    shifted = _noisy(seed=5, scale=0.1)
+    for it in shifted.items:
+        it.first_step_delta = min(it.first_step_delta + 0.2, th.first_step_max * 0.99)
+    return healthy, shifted
+
+
 def test_the_path_arm_ranks_the_first_step_shift_the_control_arm_cannot_hold():
     """A disaggregated first step takes another path than `1`'s (one token over received KV):
     the path arm is to hold it. The same shift as in the path arm ranks level with it; a
     shift of 0.15 nats more, under the per-item bound, ranks above it at p < alpha (the
-    negative control). Both are recorded, not verdicts: a healthy recall ranked above the
-    first design of the arm at p = 0.00036 in CI (docs/accuracy.md)."""
+    negative control). With an arm recorded only (decides False: a GPU, unmeasured) both are
+    records, not verdicts: a healthy recall ranked above the first design of the arm at
+    p = 0.00036 in CI (docs/accuracy.md)."""
     control = _control(scale=0.1)
-    th = control.thresholds(32)
-    healthy = _noisy(seed=5, scale=0.1)
-    for it in healthy.items:
-        it.first_step_delta += 0.05
+    healthy, shifted = _healthy_and_shifted(control.thresholds(32))
     path = _path(scale=0.1, shift=0.05)
     v = oracle.judge(healthy, control, path=path)
     assert v.ok and v.path_rank_test["p"] > 0.01, v.message
     assert "first steps against the path arm: p = " in v.message
-    shifted = _noisy(seed=5, scale=0.1)
-    for it in shifted.items:
-        it.first_step_delta = min(it.first_step_delta + 0.2, th.first_step_max * 0.99)
     v = oracle.judge(shifted, control, path=path)
     assert v.ok and "against the path arm: p = " in v.message and "(recorded)" in v.message
     assert v.path_rank_test["p"] < oracle.ALPHA
@@ -359,6 +367,33 @@ def test_the_path_arm_ranks_the_first_step_shift_the_control_arm_cannot_hold():
     assert d["path_rank_test"]["path_n"] == 64
     assert oracle.PathArm.from_dict(d["path_arm"]).first_step_deltas() == \
         pytest.approx(path.first_step_deltas(), abs=1e-4)     # records keep 4 decimals
+
+
+def test_a_path_arm_that_decides_fails_the_shift_under_the_bound_and_passes_its_own_noise():
+    """Where the engine measured that its path arm holds a healthy PD (PathArm.decides: vLLM
+    on a CPU), a first-step shift of every item, each under the per-item bound, fails the
+    verdict on the rank test against the arm, and says so; the healthy shift the arm itself
+    holds passes. The same arm recorded only (decides False, or a record from before the
+    field) lets the shift through, recorded: the negative control of the decision."""
+    control = _control(scale=0.1)
+    th = control.thresholds(32)
+    healthy, shifted = _healthy_and_shifted(th)
+    deciding = _path(scale=0.1, shift=0.05)
+    deciding.decides, deciding.why = True, "measured (test)"
+    v = oracle.judge(healthy, control, path=deciding)
+    assert v.ok and "(recorded)" not in v.message, v.message
+    assert shifted.classified(th).counts()["mismatch"] == 0     # no item past its bound
+    v = oracle.judge(shifted, control, path=deciding)
+    assert not v.ok and "first steps shifted against the path arm: p = " in v.message
+    assert v.path_rank_test["p"] < oracle.ALPHA
+    # recorded only: the same shift passes, and an old record re-judges that way
+    d = v.to_dict()["path_arm"]
+    assert d["decides"] is True and d["why"] == "measured (test)"
+    old = {k: x for k, x in d.items() if k not in ("decides", "why")}
+    for arm in (_path(scale=0.1, shift=0.05), oracle.PathArm.from_dict(old)):
+        assert not arm.decides
+        v = oracle.judge(shifted, control, path=arm)
+        assert v.ok and "(recorded)" in v.message, v.message
 
 
 def test_float32_rounding_below_the_records_resolution_is_a_tie_not_a_shift():

