@@ -240,6 +240,15 @@ def test_default_model_floors_fail_on_broken_output(name, broken):
         _scored(name, texts).check_spec(acc)
 
 
+@pytest.mark.parametrize("floors", [{}, {"floor": 0.0, "format_floor": 0.5}],
+                         ids=["no-floors", "floors"])
+def test_an_eval_of_no_item_is_an_error_not_a_pass(floors):
+    """With no floor (a model without an accuracy entry) it passed; with a format floor it
+    failed for the wrong reason (0/0 below the floor)."""
+    with pytest.raises(_HarnessError, match="gsm8k: no item was asked: nothing to judge"):
+        _scored("gsm8k", []).check(**floors)
+
+
 @pytest.mark.parametrize("model", ["meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen3-4B-Instruct-2507"])
 def test_real_model_accuracy_floor_fails_on_wrong_answers(model):
     acc = _get_spec(model).accuracy["mmlu"]

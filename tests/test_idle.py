@@ -60,6 +60,17 @@ def test_busy_role_fails_naming_role_and_numbers():
     assert "decode-0 (running 1, waiting 2)" in line
 
 
+def test_no_worker_to_read_is_an_error_not_idle():
+    """Every worker stopped, or of a role whose idle check is skipped: the gateway alone
+    (or nothing) was read, which passed."""
+    stopped = FakeWorker("worker-0", "worker", [_samples(0, 0, 0.0)])
+    stopped.process = None
+    skipped = FakeWorker("encode-0", tokenspeed.IDLE_SKIP_ROLES[0], [_samples(0, 0, 0.0)])
+    for c in (fake_cluster([stopped]), fake_cluster([skipped], builder=tokenspeed)):
+        with pytest.raises(IdleError, match=r"1p1d \(vllm\): no running worker to read"):
+            idle.wait_idle(c, timeout=1, gateway=False)
+
+
 def test_settles_after_a_few_polls():
     c = fake_cluster([FakeWorker("worker-0", "worker",
                                  [_samples(1, 0, 0.01), _samples(0, 0, 0.002),

@@ -1,6 +1,6 @@
-"""The exact PD and AFD proofs (engines/vllm.vllm_transfer_problems,
-engines/tokenspeed.tokenspeed_transfer_problems, engines/afd.afd_trace_problems; the shared
-KV arithmetic in proof.py) against the figures the H200 runs recorded under docs/validation/, each
+"""The exact PD, EPD and AFD proofs (engines/vllm.vllm_transfer_problems,
+engines/tokenspeed.tokenspeed_transfer_problems and epd_problems, engines/afd.afd_trace_problems;
+the shared KV arithmetic in proof.py) against the figures the H200 runs recorded under docs/validation/, each
 with negative controls built from the same numbers."""
 
 import json
@@ -150,6 +150,8 @@ def test_recorded_tokenspeed_proofs_pass(run):
     ("prefill_extra", "prefill ran"),
     ("decode_lost_one", "decode finished only 3 of 4"),
     ("no_decode_selection", "the gateway picked"),
+    ("no_prompt", "no prompt tokens sent: nothing was proved"),
+    ("no_generation", "decode generated no tokens"),
 ])
 def test_tokenspeed_proof_negative_controls(run, broken, why):
     p = _ts(run)
@@ -157,9 +159,62 @@ def test_tokenspeed_proof_negative_controls(run, broken, why):
                "prefill_short": {"prefill_forward_tokens": 0.9 * p.prompt_tokens},
                "prefill_extra": {"prefill_forward_tokens": p.prompt_tokens + 2 * p.requests},
                "decode_lost_one": {"decode_success": 3.0},
-               "no_decode_selection": {"gateway_decode_selections": 3}}[broken]
+               "no_decode_selection": {"gateway_decode_selections": 3},
+               "no_prompt": {"prompt_tokens": 0},
+               "no_generation": {"decode_generation_tokens": 0.0}}[broken]
     problems = tokenspeed.tokenspeed_transfer_problems(replace(p, **changed), p.requests)
     assert any(why in x for x in problems), problems
+
+
+# -- TokenSpeed EPD -----------------------------------------------------------------------------
+
+EPD_RUNS = ["h200-e2e-1gpu-epd-tokenspeed-156fb87", "h200-e2e-1gpu-epd-tokenspeed-96e9300",
+            "h200-e2e-1gpu-epd-tokenspeed-cdba3e8"]
+
+
+def _epd(run, **kw):
+    p = dict(_record(run, "test_epd_encoder_proof")["epd_proof"])
+    return tokenspeed.EncoderProof(**{**p, **kw})
+
+
+@pytest.mark.parametrize("run", EPD_RUNS)
+def test_recorded_epd_proofs_pass(run):
+    p = _epd(run)
+    assert p.prefill_forward_tokens == p.prompt_tokens + p.requests
+    assert tokenspeed.epd_problems(p, p.requests) == []
+
+
+@pytest.mark.parametrize("run", EPD_RUNS)
+@pytest.mark.parametrize("broken, why", [
+    ({"gateway_encode_selections": 2}, "the gateway sent 2 of 3 image items to an encode"),
+    ({"gateway_prefill_selections": 2}, "the gateway picked prefill 2"),
+    ({"gateway_transfer_failures": 1}, "1 bootstrap/transfer failures"),
+    ({"decode_success": 2.0}, "decode finished only 2 of 3"),
+    # the image's tokens never run forward on the prefill (embeddings lost), or it recomputed
+    ({"prefill_forward_tokens": 10.0}, "prefill ran 10 tokens forward"),
+    ({"prefill_forward_tokens": "recompute"}, "prefill ran"),
+    ({"image_items": 0}, "nothing was proved"),
+    ({"prompt_tokens": 0}, "nothing was proved"),
+], ids=["encode-short", "prefill-pick", "transfer", "decode-lost", "prefill-skipped",
+        "prefill-recomputed", "no-image", "no-prompt"])
+def test_epd_proof_negative_controls(run, broken, why):
+    p = _epd(run)
+    if broken.get("prefill_forward_tokens") == "recompute":
+        broken = {"prefill_forward_tokens": 2.0 * p.prompt_tokens}
+    problems = tokenspeed.epd_problems(replace(p, **broken), p.requests)
+    assert any(why in x for x in problems), problems
+
+
+def test_the_recorded_epd_negative_control_fails_the_exact_checks_too():
+    """The e2e negative control (96e9300: a regular worker read as all three roles): the
+    gateway picked no leg, and its forward tokens (prompt and decode steps, 290 for 266 prompt
+    tokens) are outside the prefill's bound."""
+    msg = _record("h200-e2e-1gpu-epd-tokenspeed-96e9300",
+                  "test_epd_proof_fails_where_nothing_moved")["epd_proof_negative_control"]
+    p = tokenspeed.EncoderProof(**json.loads(msg[msg.index("{"):].rstrip(")").replace("'", '"')))
+    problems = tokenspeed.epd_problems(p, p.requests)
+    assert any("prefill ran 290 tokens forward for 266" in x for x in problems), problems
+    assert any("0 of 3 image items" in x for x in problems), problems
 
 
 # -- AFD ----------------------------------------------------------------------------------------
@@ -182,6 +237,7 @@ def test_recorded_afd_proof_passes():
     ({"traces_after": 2}, "0 new FFN step traces"),
     ({"kernel_events": 0}, "no GPU kernel"),
     ({"completion_tokens": 0}, "generated no token"),
+    ({"kernel_events": None}, "none of the 8 new FFN traces could be read"),
 ])
 def test_afd_proof_negative_controls(broken, why):
     problems = afd.afd_trace_problems(_ffn(**broken))

@@ -120,6 +120,10 @@ def snapshot(cluster, gateway: bool = True) -> list[Load]:
                         "engine module): idleness cannot be verified")
     skip = cluster.driver.idle_skip_roles
     workers = [w for w in cluster.workers if w.process and w.entry.role not in skip]
+    if not workers:          # the gateway alone would pass: a verdict over nothing
+        raise IdleError(f"topology {cluster.topology.name} ({cluster.engine}): no running "
+                        "worker to read (none started, or every role's idle check skipped): "
+                        "idleness cannot be verified")
     jobs = [lambda w=w: worker_load(w, gauges) for w in workers]
     if gateway and cluster.gateway is not None:
         jobs.append(lambda: gateway_load(cluster))

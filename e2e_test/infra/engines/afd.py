@@ -321,8 +321,9 @@ def afd_ffn_served(cluster, n: int = 4, max_tokens: int = 16, settle_s: float = 
 def afd_trace_problems(p: FfnProof) -> list[str]:
     """The FFN server(s) must have written the step traces that the requests' steps make:
     at least `expected_min_new` (floor(steps / every) - 1: the last one may not be saved yet),
-    not merely one; and a parsed trace must hold GPU kernels. Pure (H200 record: 64 tokens,
-    one trace every 8 steps: 8 new, 7 required)."""
+    not merely one; and a parsed trace must hold GPU kernels (new traces none of which could be
+    parsed: an error, not a pass). Pure (H200 record: 64 tokens, one trace every 8 steps: 8 new,
+    7 required)."""
     out = []
     if p.completion_tokens <= 0:
         out.append("the requests generated no token: no FFN step to trace")
@@ -331,6 +332,9 @@ def afd_trace_problems(p: FfnProof) -> list[str]:
                    f"{p.completion_tokens} steps at one every {p.trace_every}")
     if p.kernel_events == 0:
         out.append("the new FFN traces hold no GPU kernel")
+    elif p.kernel_events is None and p.new_traces > 0:   # the kernel check over nothing
+        out.append(f"none of the {p.new_traces} new FFN traces could be read (the oldest "
+                   "three tried): whether they hold GPU kernels is unknown")
     return out
 
 

@@ -691,13 +691,31 @@ def epd_encoder_ran(cluster, n: int = 3, roles: dict | None = None) -> EncoderPr
         decode_success=sum_delta(b_d, a_d, TS_PREFIX + "request_success_total"),
         encode_log_lines=(a_l - b_l) if a_l is not None and b_l is not None else None,
     )
+    return verdict("EPD encoder proof", cluster, epd_problems(proof, n), proof)
+
+
+def epd_problems(proof: EncoderProof, n: int) -> list[str]:
+    """Exact checks of a TokenSpeed EPD encoder proof. Pure (tests/test_proof_exact.py).
+
+    - the gateway picked an encode worker for every image item, and a prefill and a decode
+      for every request, with no transfer failure;
+    - the prefill ran every prompt token forward and at most one more per request, as in PD
+      (H200 records: 263 -> 266, 264 -> 267, 265 -> 268 for 3 requests): a prefill that skipped
+      the image's tokens, or recomputed, differs;
+    - the decode finished every request. No image item or no prompt token: nothing proved."""
     problems = dispatch_problems(proof, n)
+    if proof.image_items <= 0 or proof.prompt_tokens <= 0:
+        return problems + ["no image item or no prompt token sent: nothing was proved"]
     if proof.gateway_encode_selections < proof.image_items:
         problems.append(f"the gateway sent {proof.gateway_encode_selections:.0f} of "
                         f"{proof.image_items} image items to an encode worker")
+    pt = proof.prompt_tokens
+    if not pt <= proof.prefill_forward_tokens <= pt + n:
+        problems.append(f"prefill ran {proof.prefill_forward_tokens:.0f} tokens forward for "
+                        f"{pt} prompt tokens in {n} requests (expected {pt} to {pt + n})")
     if proof.decode_success < n:
         problems.append(f"decode finished only {proof.decode_success:.0f} of {n} requests")
-    return verdict("EPD encoder proof", cluster, problems, proof)
+    return problems
 
 
 

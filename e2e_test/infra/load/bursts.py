@@ -4,8 +4,10 @@
 exact). `check_within_capacity()` wants every one 200 with the expected count.
 `check_admission()` is the seed case: with smg admission configured, every refusal must come
 from the gateway (429 admission_queue_full or 503 admission_queue_timeout, with retry-after),
-fast, nothing may hang past the queue timeout, admitted requests complete, and smg's
-`smg_admission_queue_rejected_total` must match what the client counted.
+fast, nothing may hang past the queue timeout, admitted requests complete (at least one
+must), no more requests are refused as "queue full" than the capacity leaves, and smg's
+`smg_admission_queue_rejected_total` must match what the client counted. A burst with no
+result, or with fewer results than requests sent, is an error for both checks.
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ class BurstResult:
     rejected_metric_delta: float | None = None
     effective_window: dict = field(default_factory=dict)
     admission: dict | None = None
+    requested: int = 0                 # requests sent (burst() sets it); 0: not known
 
     def summary(self) -> dict:
         s = self.report.summary()
         refused = [r for r in self.report.results if r.status in ADMISSION_CODES]
-        s.update(name=self.name, expected_tokens=self.expected_tokens,
+        s.update(name=self.name, expected_tokens=self.expected_tokens, requested=self.requested,
                  refusal_latency_s=load.percentiles([r.latency_s for r in refused]),
                  rejected_metric_delta=self.rejected_metric_delta,
                  effective_window=self.effective_window, admission=self.admission)
@@ -64,13 +67,25 @@ def burst(base_url: str, model: str, n: int, max_tokens: int = 32, stream: bool 
     before = metrics.scrape(metrics_url) if metrics_url else None
     rep = load.run(base_url, burst_requests(model, n, max_tokens), concurrency=n,
                    stream=stream, timeout=timeout, watchdog=watchdog)
-    res = BurstResult(name, rep, max_tokens)
+    res = BurstResult(name, rep, max_tokens, requested=n)
     if metrics_url:
         res.rejected_metric_delta = metrics.delta(before, metrics.scrape(metrics_url), REJECTED)
     return res
 
 
+def _ran(res: BurstResult) -> int:
+    """How many requests the burst judged: none is an error (a verdict over nothing), and so
+    is a result count other than what was sent."""
+    n = len(res.report.results)
+    if not n:
+        raise HarnessError(f"{res.name}: no request ran: nothing to judge")
+    if res.requested and n != res.requested:
+        raise HarnessError(f"{res.name}: {n} results for {res.requested} requests sent")
+    return n
+
+
 def check_within_capacity(res: BurstResult) -> None:
+    _ran(res)
     bad = [r for r in res.report.results if not r.ok or r.output_tokens != res.expected_tokens]
     if bad:
         r = bad[0]
@@ -82,6 +97,7 @@ def check_within_capacity(res: BurstResult) -> None:
 def check_admission(res: BurstResult, admission: Admission, fast_s: float = 1.0,
                     slack_s: float = 60.0) -> dict:
     results = res.report.results
+    n = _ran(res)
     problems = []
     refused = [r for r in results if r.status in ADMISSION_CODES]
     other = [r for r in results if not r.ok and r.status not in ADMISSION_CODES]
@@ -113,9 +129,22 @@ def check_admission(res: BurstResult, admission: Admission, fast_s: float = 1.0,
         problems.append(f"a request took {longest:.1f} s (queue timeout "
                         f"{admission.queue_timeout_secs} s + {slack_s} s slack)")
     admitted_cap = admission.max_concurrent_requests + admission.queue_size
-    if len(results) > admitted_cap and not refused:
-        problems.append(f"{len(results)} requests against a capacity of {admitted_cap} and "
+    if n > admitted_cap and not refused:
+        problems.append(f"{n} requests against a capacity of {admitted_cap} and "
                         "none was refused")
+    # A 429 says the running slots and the queue were all taken. Sent at once, at most
+    # n - capacity requests can find them so (fewer where a request ended meanwhile): more
+    # is a gateway refusing requests it had room for (every recorded run: exactly 12 of 16
+    # against a capacity of 4).
+    full_429 = sum(r.status == 429 for r in refused)
+    if full_429 > max(n - admitted_cap, 0):
+        problems.append(f"{full_429} of {n} refused as queue full, but a capacity of "
+                        f"{admitted_cap} ({admission.max_concurrent_requests} running + "
+                        f"{admission.queue_size} queued) leaves at most "
+                        f"{max(n - admitted_cap, 0)} to find it full")
+    if not res.report.ok:
+        problems.append("no request was admitted and completed: the admitted path went "
+                        "untested")
     if res.rejected_metric_delta is not None and res.rejected_metric_delta != len(refused):
         problems.append(f"{REJECTED} grew by {res.rejected_metric_delta:.0f}, client counted "
                         f"{len(refused)} refusals")

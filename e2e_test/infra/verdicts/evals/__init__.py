@@ -47,7 +47,10 @@ class EvalResult:
     def check(self, floor: float | None = None, max_error_rate: float = 0.02,
               format_floor: float | None = None) -> None:
         """Fail above the error budget, then below the format floor, then below the accuracy
-        floor (floors from the registry: model_specs.AccuracyFloor)."""
+        floor (floors from the registry: model_specs.AccuracyFloor). An eval of no item is an
+        error, whatever the floors: a verdict over nothing."""
+        if self.n <= 0:
+            raise HarnessError(f"{self.name}: no item was asked: nothing to judge")
         budget = int(max_error_rate * self.n)
         if self.errors > budget:
             raise HarnessError(f"{self.name}: {self.errors}/{self.n} requests failed (budget "
