@@ -1,5 +1,6 @@
 """Log classification, and ManagedProcess with real short-lived children (python -c ...)."""
 
+import os
 import signal
 import sys
 import time
@@ -247,6 +248,38 @@ def test_grandchild_outliving_its_parent_is_killed(spawn):
     assert report.survivors == [] and report.escalated is True
     wait_for(lambda: gone(gpid), timeout=5)
     assert p.tree() == []
+
+
+# A daemon: the child forks a grandchild that calls setsid (its own session, reparented to
+# init when the child exits), prints its pid and sleeps. Neither its session nor the tree of
+# children leads to it; only the environment it inherited does.
+ESCAPEE = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    print('grandchild', os.getpid(), flush=True)
+    time.sleep(60)
+    os._exit(0)
+time.sleep({parent_s})
+"""
+
+
+@pytest.mark.parametrize("parent_s", [60, 0], ids=["parent-alive", "parent-gone"])
+def test_a_descendant_that_left_the_session_is_found_and_stopped(spawn, parent_s):
+    """While its parent lives, the stop finds it as a descendant. Once the parent is gone it is
+    found only by the worker's tag (reaper.PROC_TAG_ENV): signalled with the tree and named in
+    the stop's report. Before the tag it was left running and the teardown said clean."""
+    p = spawn("daemon", ESCAPEE.format(parent_s=parent_s))
+    gpid = grandchild_pid(p)
+    assert os.getsid(gpid) == gpid != p.pid
+    if not parent_s:
+        wait_for(lambda: not p.alive())
+        p.remember_descendants()
+        assert gpid not in {q.pid for q in p.tree()}    # all the stop saw before the tag
+    report = p.stop(grace=1)
+    wait_for(lambda: gone(gpid), timeout=5)
+    assert report.survivors == []
+    assert [x.split()[:2] for x in report.escaped] == ([] if parent_s else [["pid", str(gpid)]])
 
 
 def test_unstarted_process():

@@ -122,6 +122,7 @@ class LocalLauncher:
         rep = teardown.TeardownReport()
         rep.escalated = [r.name for r in stops if r.escalated]
         rep.survivors = [s for r in stops for s in r.survivors]
+        rep.escaped = [s for r in stops for s in r.escaped]
         rep.busy_ports = teardown.listening_ports(ports)
         if baseline.shared:           # booted with others on its devices: its own processes
             teardown.check_gpu_own(rep, baseline.own_gpus, baseline.own_pids)

@@ -18,6 +18,7 @@ import select
 import signal
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class StopReport:
     escalated: bool            # SIGKILL was needed
     seconds: float
     survivors: list[str] = field(default_factory=list)
+    escaped: list[str] = field(default_factory=list)   # found outside its session by its tag
 
 
 def classify_log(text: str) -> tuple[str, str] | None:
@@ -126,6 +128,8 @@ class ManagedProcess:
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
         self.known: dict[int, float] = {}   # pid -> create_time, descendants seen alive
+        self.tag = ""                       # reaper.PROC_TAG_ENV in its environment (start())
+        self.escaped: list[str] = []        # descendants found outside its session (stop())
         self._log = None
 
     # -- life -----------------------------------------------------------------------------
@@ -136,6 +140,9 @@ class ManagedProcess:
         env = {k: v for k, v in os.environ.items() if k not in self.unset_env}
         env.update(self.env_overrides)
         env.update(reaper.marker_env())     # ownership: sweeps stop marked processes only
+        # This process's own tag: stop() finds a descendant that left the session by it.
+        self.tag = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        env[reaper.PROC_TAG_ENV] = self.tag
         cores = set(self.cpu_affinity)
         pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         stdin = subprocess.PIPE if self.held else subprocess.DEVNULL
@@ -230,9 +237,26 @@ class ManagedProcess:
         self.remember_descendants()
         self.signal_tree(signal.SIGKILL)
 
+    def remember_escaped(self) -> None:
+        """Descendants that left the session (a double fork and setsid: no child of the tree,
+        no member of its session) carry the process's tag: remembered like descendants, so the
+        stop signals them and counts them, and named in the stop's report."""
+        if not self.tag:
+            return
+        tree = {p.pid for p in self.tree()}
+        for p in reaper.tagged(self.tag):
+            if p.pid in tree or p.pid in self.known:
+                continue
+            try:
+                self.known[p.pid] = p.create_time()
+                self.escaped.append(_describe(p))
+            except psutil.Error:
+                pass
+
     def stop(self, grace: float = 15.0) -> StopReport:
         t0 = time.monotonic()
         self.remember_descendants()
+        self.remember_escaped()
         escalated = False
         if self.tree():
             self.signal_tree(signal.SIGCONT)   # a SIGSTOPped worker cannot handle SIGTERM
@@ -249,6 +273,7 @@ class ManagedProcess:
                     self._reap()
                     time.sleep(0.05)
         self._reap(wait=2.0)
+        self.remember_escaped()             # one that left the session while it stopped
         survivors = [_describe(p) for p in self.tree()]
         if not survivors:      # survivors stay with the guardian, which stops them at exit
             reaper.forget(self.pid)
@@ -256,7 +281,7 @@ class ManagedProcess:
             self._log.close()
             self._log = None
         return StopReport(self.name, self.pid, self.exit_code, escalated,
-                          time.monotonic() - t0, survivors)
+                          time.monotonic() - t0, survivors, list(self.escaped))
 
     def _reap(self, wait: float = 0.0) -> None:
         if self.proc is None:

@@ -97,7 +97,7 @@ def merge_reports(local: teardown.TeardownReport,
     out = replace(local, escalated=list(local.escalated), survivors=list(local.survivors),
                   busy_ports=list(local.busy_ports), gpu_leaks=dict(local.gpu_leaks),
                   shm_removed=list(local.shm_removed), shm_left=list(local.shm_left),
-                  unverified=list(local.unverified),
+                  unverified=list(local.unverified), escaped=list(local.escaped),
                   gpu_holders=dict(local.gpu_holders), nodes={"driver": local.to_dict()})
     for label, r in per_node.items():
         out.escalated += [f"{label}: {x}" for x in r.escalated]
@@ -106,6 +106,7 @@ def merge_reports(local: teardown.TeardownReport,
         out.shm_removed += [f"{label}: {x}" for x in r.shm_removed]
         out.shm_left += [f"{label}: {x}" for x in r.shm_left]
         out.unverified += [f"{label}: {x}" for x in r.unverified]
+        out.escaped += [f"{label}: {x}" for x in r.escaped]
         for d, mib in r.gpu_leaks.items():
             out.gpu_leaks[f"{label} gpu {d}"] = mib
         out.gpu_checked = out.gpu_checked or r.gpu_checked

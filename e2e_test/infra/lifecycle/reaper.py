@@ -53,6 +53,9 @@ RUN_ID_ENV = "E2E_RUN_ID"
 DRIVER_PID_ENV = "E2E_DRIVER_PID"
 DRIVER_CREATE_ENV = "E2E_DRIVER_CREATE"
 GUARDIAN_ENV = "E2E_GUARDIAN_OF"        # set on the guardian itself (it is not marked)
+# One per started process (process.ManagedProcess): a descendant that left the worker's session
+# (setsid after a double fork) is no child and in no session of the worker, but keeps this.
+PROC_TAG_ENV = "E2E_PROC_TAG"
 PREFLIGHT_ENV = "E2E_PREFLIGHT"
 PREFLIGHT_MODES = ("clear", "fail", "off")
 GRACE_S = 5.0            # SIGTERM -> SIGKILL
@@ -145,6 +148,20 @@ def pid_alive(pid: int, create: float | None = None) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    """Every running process whose environment carries PROC_TAG_ENV=tag; never this one."""
+    out = []
+    for p in psutil.process_iter():
+        if p.pid == os.getpid():
+            continue
+        try:
+            if p.environ().get(PROC_TAG_ENV) == tag and running(p):
+                out.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return out
 
 
 def marked(run: str | None = None) -> list[tuple[psutil.Process, Marker]]:

@@ -45,6 +45,9 @@ class TeardownReport:
     nodes: dict[str, dict] = field(default_factory=dict)
     # Hosts whose processes could not be checked (a lost node), with why: never clean.
     unverified: list[str] = field(default_factory=list)
+    # Descendants found by their worker's tag outside its session (process.remember_escaped):
+    # stopped with it, and named; a survivor among them is in `survivors` too.
+    escaped: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -54,6 +57,8 @@ class TeardownReport:
     def verdict(self) -> str:
         if self.ok:
             extra = f", {len(self.escalated)} needed SIGKILL" if self.escalated else ""
+            if self.escaped:
+                extra += f", {len(self.escaped)} had left a worker's session (stopped too)"
             where = (f" on {len(self.nodes) - 1} node(s) and the driver's host" if self.nodes
                      else "")
             return f"clean in {self.seconds:.1f} s{where}{extra}"

@@ -322,6 +322,7 @@ _add("E2E_PREFLIGHT", Choice("clear", "fail", "off"), "clear", "before a topolog
 _add("E2E_RUN_ID", Text(), None, "set by the harness on every process it starts: the ownership marker sweeps look for (never set it yourself)")
 _add("E2E_DRIVER_PID", Text(), None, "set by the harness beside E2E_RUN_ID: the pid of the driver that owns the process")
 _add("E2E_DRIVER_CREATE", Text(), None, "set by the harness beside E2E_RUN_ID: the driver's start time (a reused pid is not the driver)")
+_add("E2E_PROC_TAG", Text(), None, "set by the harness on every process it starts, one tag each: a descendant that left its worker's session (a daemon) is found by it at the stop (never set it yourself)")
 _add("E2E_GUARDIAN_OF", Text(), None, "set by the harness on the reaper's guardian process: the run it guards")
 _add("E2E_BURST_WINDOW", Int(1), 2, "running window (--max-num-seqs) of the small-window burst topology")
 _add("E2E_QUEUE_TIMEOUT_S", Int(1), 5, "smg admission queue timeout in the burst tests (whole seconds)")
