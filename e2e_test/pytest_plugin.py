@@ -711,6 +711,9 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
     engine, topo, *_ = cluster_key
     require_devices(request.config, topo, e2e_backend, engine)
     c = cluster_pool.get(cluster_key, lambda: _make_for_key(request.config, cluster_key))
+    # For the idle check after the test (_idle_after): by then this fixture is torn down and
+    # pytest (8 and later) refuses its value ("not available ... already been torn down").
+    request.node._e2e_cluster = c
     if request.node.get_closest_marker("quiet"):
         # timed against an engine's own pace: no worker boots beside it (a fault test's
         # restart in the background, marker `restarting`)
@@ -741,12 +744,13 @@ def _idle_after(request) -> None:
         return
     if not settings.get("E2E_IDLE_AFTER_TEST"):
         return
-    try:
-        c = request.getfixturevalue("cluster")
-    except (Exception, pytest.skip.Exception, pytest.fail.Exception):
-        return              # the topology did not start (or was skipped): nothing to check
+    # The test's topology, as its `cluster` fixture handed it out. Asking the fixture again
+    # here (getfixturevalue) raised on pytest 8+, since it is torn down before this autouse
+    # fixture, and the error was taken for a topology that never started: until 2026-12-05
+    # this check never ran (tests/test_idle_after_test.py).
+    c = getattr(request.node, "_e2e_cluster", None)
     if c is None or c.stopped or c.gateway is None:
-        return
+        return              # the topology did not start (or was skipped): nothing to check
     try:
         rep = c.wait_idle()
     except IdleError as e:
@@ -858,7 +862,8 @@ def record(request):
     yield rec
     rec["outcome"] = request.node.stash.get(OUTCOME, "unknown")
     if "cluster" in request.fixturenames:
-        c = request.getfixturevalue("cluster")
+        # as handed out (torn down already where the test named `record` first)
+        c = getattr(request.node, "_e2e_cluster", None) or request.getfixturevalue("cluster")
         rec.setdefault("cluster", c.name)
         rec.update(results.cluster_facts(c))
     state(request.config).records.append(rec)
