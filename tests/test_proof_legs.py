@@ -97,3 +97,16 @@ def test_pd_pairs_of_smgs_veto_fallback_count_as_picks_of_both_legs():
     gw = proof.gateway_dispatch(before, {**_gw(85, 194), **_fallbacks(overload=1)}, pd=True)
     assert proof.dispatch_problems(type("P", (), gw), 4) == [
         "the gateway picked prefill 3 and decode 3 times for 4 requests"]
+
+
+def test_a_role_with_no_counter_of_its_own_is_an_error_not_a_pass():
+    """An engine that named counters for the prefill only: the decode legs were read for
+    nothing (only the foreign counter, which an idle leg keeps at 0) and passed."""
+    before = [scrape()] * 4
+    after = [scrape(local=700), scrape(local=650), scrape(), scrape()]
+    _, problems = proof.legs_problems(WORKERS, before, after, {"prefill": [COMPUTED]}, FOREIGN)
+    assert problems == [
+        "decode-0 (decode): the engine names no counter of that role's own work: whether the "
+        "leg took traffic cannot be told",
+        "decode-1 (decode): the engine names no counter of that role's own work: whether the "
+        "leg took traffic cannot be told"]

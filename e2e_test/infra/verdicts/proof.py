@@ -224,6 +224,9 @@ def legs_problems(workers, before: list[dict], after: list[dict], own: dict,
     for (name, role), b, a in zip(workers, before, after):
         row: dict = {"role": role}
         key = name if names.count(name) == 1 else f"{name} as {role}"
+        if not own.get(role):           # nothing read for this leg: no pass over nothing
+            problems.append(f"{name} ({role}): the engine names no counter of that role's "
+                            "own work: whether the leg took traffic cannot be told")
         for c in own.get(role, ()):
             row[_label(c)] = metrics.delta(b, a, c[0], **c[1])
             if row[_label(c)] <= 0:
