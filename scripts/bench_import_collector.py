@@ -1,5 +1,8 @@
 """Benchmark: a worker launcher's imports with Python's garbage collector off (the default of
-launchers/e2e_warm_spawn.py) against on (`--collector-on`, the control).
+launchers/e2e_warm_spawn.py) against on (`--collector-on`, the control); with `--compare
+device`, with the GPU visible against hidden (`CUDA_VISIBLE_DEVICES=`, collector off both
+ways): whether K interpreters that each create a CUDA context a quarter into their imports
+(TokenSpeed, docs/lanes.md) import slower side by side than without a device.
 
 Each round starts K launchers at once (K interpreters importing side by side, as a lane's
 topologies booted together do), each running MODULE's import statements ahead and then the
@@ -11,6 +14,8 @@ of the processes' walls.
         --parallel 1 --rounds 3
     python scripts/bench_import_collector.py --module smg_grpc_servicer.tokenspeed \\
         --parallel 10 --rounds 2 --json out.json
+    python scripts/bench_import_collector.py --module smg_grpc_servicer.tokenspeed \\
+        --parallel 10 --rounds 2 --compare device
 """
 
 from __future__ import annotations
@@ -34,8 +39,16 @@ LINE = re.compile(r"imports ([0-9.]+) s ahead of \S+ \((\d+) import statements, 
                   r"collector (on|off)\)")
 
 
-def one_round(module: str, k: int, collector_on: bool, python: str) -> list[dict]:
+# --compare: the two modes of each round, and what each changes (collector on, device hidden)
+MODES = {"collector": (("off", {}), ("on", {"collector_on": True})),
+         "device": (("visible", {}), ("hidden", {"hide_device": True}))}
+
+
+def one_round(module: str, k: int, collector_on: bool, python: str,
+              hide_device: bool = False) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": extend_pythonpath(LAUNCHERS)}
+    if hide_device:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     argv = [python, "-m", "e2e_warm_spawn", "--run", module,
             *(["--collector-on"] * collector_on), "--", "--help"]
     t0 = time.monotonic()
@@ -60,31 +73,35 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="launchers at once (K)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of each mode")
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--compare", choices=sorted(MODES), default="collector",
+                    help="collector: off against on; device: the GPU visible against hidden")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     if a.parallel < 1 or a.rounds < 1:
         raise SystemExit("--parallel and --rounds must be at least 1")
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
-    for r in range(a.rounds):
-        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            got = one_round(a.module, a.parallel, mode == "on", a.python)
+    (a_name, a_kw), (b_name, b_kw) = MODES[a.compare]
+    runs: dict[str, list[dict]] = {a_name: [], b_name: []}
+    for r in range(a.rounds):         # alternating which mode goes first, round by round
+        for mode, kw in ((a_name, a_kw), (b_name, b_kw))[::1 if r % 2 == 0 else -1]:
+            got = one_round(a.module, a.parallel, kw.get("collector_on", False), a.python,
+                            hide_device=kw.get("hide_device", False))
             runs[mode] += got
-            print(f"round {r + 1} collector {mode}: imports "
+            print(f"round {r + 1} {a.compare} {mode}: imports "
                   f"{', '.join(str(g['imports_s']) for g in got)} s", flush=True)
     summary = {}
     for mode, got in runs.items():
         summary[mode] = {"n": len(got),
                          "imports_median_s": round(statistics.median(g["imports_s"] for g in got), 2),
                          "wall_median_s": round(statistics.median(g["wall_s"] for g in got), 2)}
-    off, on = summary["off"]["imports_median_s"], summary["on"]["imports_median_s"]
+    x, y = summary[a_name]["imports_median_s"], summary[b_name]["imports_median_s"]
     print(f"{a.module}, {a.parallel} at once, {a.rounds} rounds each: imports median "
-          f"{off} s with the collector off against {on} s on"
-          f"{f' ({100 * (off - on) / on:+.0f} %)' if on else ''}; "
-          f"walls {summary['off']['wall_median_s']} s against {summary['on']['wall_median_s']} s")
+          f"{x} s with the {a.compare} {a_name} against {y} s {b_name}"
+          f"{f' ({100 * (x - y) / y:+.0f} %)' if y else ''}; "
+          f"walls {summary[a_name]['wall_median_s']} s against {summary[b_name]['wall_median_s']} s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"module": a.module, "parallel": a.parallel, "rounds": a.rounds,
-                       "summary": summary, "runs": runs}, f, indent=1)
+                       "compare": a.compare, "summary": summary, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
