@@ -105,8 +105,6 @@ def test_a_role_with_no_counter_of_its_own_is_an_error_not_a_pass():
     before = [scrape()] * 4
     after = [scrape(local=700), scrape(local=650), scrape(), scrape()]
     _, problems = proof.legs_problems(WORKERS, before, after, {"prefill": [COMPUTED]}, FOREIGN)
-    assert problems == [
-        "decode-0 (decode): the engine names no counter of that role's own work: whether the "
-        "leg took traffic cannot be told",
-        "decode-1 (decode): the engine names no counter of that role's own work: whether the "
-        "leg took traffic cannot be told"]
+    why = ("the engine names no counter of that role's own work: whether the leg took "
+           "traffic cannot be told")
+    assert problems == [f"decode-0 (decode): {why}", f"decode-1 (decode): {why}"]
