@@ -195,12 +195,11 @@ def file_items(repo: Path = REPO, vlm: bool = False) -> list[Item]:
     return items
 
 
-def lane_env(sha: str, vlm: bool = False) -> str:
+def lane_env(sha: str) -> str:
     """The variables every lane call sets (gpu_lane.sh reads them)."""
-    env = (f"E2E_GIT_SHA={sha} E2E_DATASET_DIR={DEVICE['ds']} E2E_GGUF={DEVICE['gguf']} "
-           f"E2E_SMG_WHEEL=$(ls {DEVICE['whl']}/smg-*.whl) "
-           f"E2E_PYSPY_WHEEL=$(ls {DEVICE['whl']}/py_spy-*.whl)")
-    return env
+    return (f"E2E_GIT_SHA={sha} E2E_DATASET_DIR={DEVICE['ds']} E2E_GGUF={DEVICE['gguf']} "
+            f"E2E_SMG_WHEEL=$(ls {DEVICE['whl']}/smg-*.whl) "
+            f"E2E_PYSPY_WHEEL=$(ls {DEVICE['whl']}/py_spy-*.whl)")
 
 
 def plan_calls(engines: list[str], repo: Path = REPO, vlm: bool = False,
@@ -460,15 +459,15 @@ def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
 
 
 # ---------------------------------------------------------------------------------------- main
-def _print_calls(calls: list[Call], space: int, tree: int, sha: str, runs: list[list[str]],
-                 vlm: bool) -> None:
+def _print_calls(calls: list[Call], space: int, tree: int, sha: str,
+                 runs: list[list[str]]) -> None:
     print(f"tree {tree / 2**20:.1f} MiB travels with every call; {space / 2**20:.1f} MiB of "
           f"room each; {len(calls)} staging calls")
     for i, c in enumerate(calls, 1):
         print(f"\ncall {i} ({c.size / 2**20:.1f} MiB carried):")
         print(f"  carry:   {json.dumps(c.carry)}")
         print(f"  command: {c.command}")
-    env = lane_env(sha, vlm)
+    env = lane_env(sha)
     for j, r in enumerate(runs, len(calls) + 1):
         eng, specs = r[0], r[1:]
         lim = f"E2E_CALL_LIMIT_S=560 {env}"
@@ -523,7 +522,7 @@ def main(argv=None) -> int:
                                           capture_output=True, text=True, check=False).stdout.strip()
             tree = tree_bytes()
             calls, space = plan_calls(a.engine, vlm=a.vlm, tree=tree)
-            _print_calls(calls, space, tree, sha, a.run, a.vlm)
+            _print_calls(calls, space, tree, sha, a.run)
         elif a.cmd == "publish":
             note = a.note if a.note is not None else a.note_file.read_text()
             publish(a.files, a.device, note, a.prefix)
