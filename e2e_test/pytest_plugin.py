@@ -638,6 +638,11 @@ class ClusterPool:
             return
         wave = teardown.TeardownReport()
         teardown.check_gpu(wave, base.gpu_mib)
+        missing = sorted(set(base.gpus) - set(base.gpu_mib))
+        if missing:          # a GPU check over nothing: never clean
+            wave.unverified.append(f"GPU memory of GPU(s) {missing}: NVML read nothing before "
+                                   "the wave, so there was no baseline to compare with")
+        rep.unverified = rep.unverified + wave.unverified
         removed, left = teardown.clean_shm(base.shm)
         rep.shm_removed, rep.shm_left = rep.shm_removed + removed, rep.shm_left + left
         if wave.gpu_checked:

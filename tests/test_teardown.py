@@ -176,4 +176,28 @@ def test_a_topology_stopped_beside_others_checks_only_its_own_processes(monkeypa
     monkeypatch.setattr(td, "nvml_processes", lambda devices: None)    # no NVML: unchecked
     rep = td.TeardownReport()
     td.check_gpu_own(rep, (0,), {100})
-    assert not rep.gpu_checked and rep.ok
+    assert not rep.gpu_checked and not rep.ok and rep.unverified      # and never clean
+
+
+def test_a_gpu_check_over_nothing_is_not_verified_never_clean(monkeypatch):
+    """NVML reading nothing, at the start (no baseline), at the stop (a device of the baseline
+    unread) or for the per-process list: each made the GPU check skip itself, and the report
+    said clean."""
+    from e2e_test.infra.lifecycle import launcher
+    from e2e_test.infra.lifecycle import teardown as td
+    monkeypatch.setattr(td, "gpu_memory_mib", lambda devices: {})
+    monkeypatch.setattr(td, "listening_ports", lambda ports: [])
+    monkeypatch.setattr(td, "clean_shm", lambda shm: ([], []))
+    base = launcher.LocalLauncher().baseline((0,))
+    assert base.gpus == (0,) and base.gpu_mib == {}
+    rep = launcher.LocalLauncher().verify([], set(), base)
+    assert not rep.ok and "NVML read nothing at the start" in rep.verdict()
+    rep = td.TeardownReport()                     # a baseline, then nothing read at the stop
+    td.check_gpu(rep, {0: 500.0, 1: 500.0}, timeout=0, poll=0)
+    assert not rep.ok and "GPU(s) [0, 1]: NVML read nothing at the stop" in rep.verdict()
+    monkeypatch.setattr(td, "nvml_processes", lambda devices: None)
+    rep = td.TeardownReport()
+    td.check_gpu_own(rep, (0,), {100})
+    assert not rep.ok and "NVML's process list could not be read" in rep.verdict()
+    # a CPU topology asks no GPU: nothing to verify, clean
+    assert launcher.LocalLauncher().verify([], set(), launcher.LocalLauncher().baseline(())).ok

@@ -72,6 +72,7 @@ class Baseline:
     shared: bool = False
     own_gpus: tuple[int, ...] = ()
     own_pids: set[int] = field(default_factory=set)
+    gpus: tuple[int, ...] = ()        # the devices asked (gpu_mib is {} where NVML read none)
 
 
 class Launcher(Protocol):
@@ -100,7 +101,7 @@ class LocalLauncher:
 
     def baseline(self, gpus: tuple[int, ...]) -> Baseline:
         return Baseline(shm=teardown.shm_snapshot(),
-                        gpu_mib=teardown.gpu_memory_mib(gpus) if gpus else {})
+                        gpu_mib=teardown.gpu_memory_mib(gpus) if gpus else {}, gpus=tuple(gpus))
 
     def start(self, name: str, command: WorkerCommand, log_path: Path,
               cores: tuple[int, ...] = (), node: int | None = None,
@@ -128,6 +129,10 @@ class LocalLauncher:
             teardown.check_gpu_own(rep, baseline.own_gpus, baseline.own_pids)
         else:
             teardown.check_gpu(rep, baseline.gpu_mib)     # measured settle; names the holders
+            missing = sorted(set(baseline.gpus) - set(baseline.gpu_mib))
+            if missing:      # a GPU check over nothing: never clean
+                rep.unverified.append(f"GPU memory of GPU(s) {missing}: NVML read nothing at "
+                                      "the start, so there was no baseline to compare with")
             rep.shm_removed, rep.shm_left = teardown.clean_shm(baseline.shm)
         rep.seconds = round(time.monotonic() - t0, 2)
         return rep

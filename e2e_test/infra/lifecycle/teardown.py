@@ -193,16 +193,23 @@ def _settle(report: TeardownReport, measure, timeout: float, poll: float) -> dic
 
 def check_gpu(report: TeardownReport, baseline: dict[int, float], timeout: float = 20.0,
               poll: float = 0.25) -> None:
-    """Wait (measured) for GPU memory to come back to the baseline; name what still holds it."""
+    """Wait (measured) for GPU memory to come back to the baseline; name what still holds it.
+    A device of the baseline that NVML no longer reads is not verified (never clean)."""
     if not baseline:
         return
+    unread: set = set()
 
     def leaks():
         now = gpu_memory_mib(baseline.keys())
+        unread.clear()
+        unread.update(d for d in baseline if d not in now)
         return {d: round(now[d] - baseline[d], 1) for d in baseline
                 if d in now and now[d] - baseline[d] > GPU_TOLERANCE_MIB}
 
     left = _settle(report, leaks, timeout, poll)
+    if unread:
+        report.unverified.append(f"GPU memory of GPU(s) {sorted(unread)}: NVML read nothing "
+                                 "at the stop, so it was not compared with the baseline")
     if left:
         holders = gpu_holders(list(left)) or []
         report.gpu_holders = {d: [str(h) for h in holders if h.device == d] for d in left}
@@ -212,7 +219,7 @@ def check_gpu_own(report: TeardownReport, devices, pids: set[int], timeout: floa
                   poll: float = 0.25) -> None:
     """A topology stopped while others still run on its devices: wait (measured) until none
     of its processes (`pids`) holds memory on `devices` by NVML's per-process list; the
-    others' memory is theirs. Without NVML nothing is checked (as check_gpu)."""
+    others' memory is theirs. Without NVML nothing could be checked: not verified."""
     if not devices:
         return
     seen: dict = {}
@@ -226,6 +233,9 @@ def check_gpu_own(report: TeardownReport, devices, pids: set[int], timeout: floa
                 for d, rows in procs.items() if any(pid in pids for pid, _ in rows)}
 
     left = _settle(report, held, timeout, poll)
+    if left is None:
+        report.unverified.append(f"GPU memory of GPU(s) {sorted(devices)}: NVML's process "
+                                 "list could not be read, so this topology's was not checked")
     if left:
         report.gpu_holders = {d: [f"pid {pid} {m or 0:.0f} MiB on GPU {d} (this topology)"
                                   for pid, m in seen["procs"].get(d, []) if pid in pids]
