@@ -43,7 +43,7 @@ from .infra.specs.settings import options_from_env
 from .infra.specs.topology import Topology
 from .infra.verdicts import datasets
 from .pytest_lanes import device_shortfall, require_devices, reusable_plan  # noqa: F401  (public helpers)
-from .pytest_state import OUTCOME, RECORDED, state
+from .pytest_state import OUTCOME, RECORD, RECORDED, state
 
 pytest_plugins = ["e2e_test.pytest_lanes"]
 DEFAULT_TOPOLOGIES = ",".join(settings.SETTINGS["E2E_TOPOLOGIES"].default)
@@ -869,6 +869,7 @@ def record(request):
     """A dict the test fills; written as results/tests/<test>.json with the cluster's facts."""
     rec: dict = {"test": request.node.nodeid, "started": time.time()}
     request.node.stash[RECORDED] = True
+    request.node.stash[RECORD] = rec
     yield rec
     rec["outcome"] = request.node.stash.get(OUTCOME, "unknown")
     if "cluster" in request.fixturenames:
@@ -887,6 +888,12 @@ def pytest_runtest_makereport(item, call):
         item.stash[OUTCOME] = rep.outcome
     if rep.when == "call":     # the test body's interval, for the time report
         state(item.config).calls.append((rep.start, rep.stop))
+    if rep.when == "teardown" and rep.failed and RECORD in item.stash:
+        # Failed after its record was taken (the idle check after the test, which runs last):
+        # the result files say so too, not only pytest's exit code and junit.
+        rec = item.stash[RECORD]
+        rec["outcome"] = "error"
+        rec["teardown_error"] = _error_line(rep)
     if (rep.when == "setup" and rep.failed and "record" in getattr(item, "fixturenames", ())
             and not item.stash.get(RECORDED, False)):
         # A fixture before `record` failed (a topology that did not start): still leave a

@@ -38,6 +38,7 @@ class SessionState:
 STATE = pytest.StashKey[SessionState]()
 OUTCOME = pytest.StashKey[str]()      # an item's outcome (setup failure or call)
 RECORDED = pytest.StashKey[bool]()    # the item's `record` fixture ran
+RECORD = pytest.StashKey[dict]()      # the item's record (a teardown failure marks it)
 DESELECT_WHY = pytest.StashKey[str]()  # why the harness deselected an item at collection
 
 

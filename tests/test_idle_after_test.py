@@ -5,6 +5,7 @@ role is idle passes. The Cluster is built but never started (start, stop and wai
 stand-ins here: the fixture's logic is what is tested; the real idle check runs in
 e2e_test/router/test_serving_faults.py and after every e2e test)."""
 
+import json
 import types
 
 import pytest
@@ -21,8 +22,9 @@ import pytest
 SEEN = []
 
 @pytest.mark.topology_kinds("regular")
-def test_leaks(cluster):
+def test_leaks(cluster, record):
     SEEN.append(id(cluster))
+    record["sent"] = 1
 
 @pytest.mark.topology_kinds("regular")
 def test_after_the_leak(cluster):
@@ -88,6 +90,9 @@ def test_the_test_that_leaves_its_topology_busy_fails_and_the_next_gets_a_fresh_
     assert ("after test_leaks[vllm-1]: topology 1 (vllm): not idle 30 s after traffic: "
             "worker-0 (running 1, waiting 0)") in text, text
     assert stand_ins == {"start": 2, "stop": 2, "idle": 3}
+    # the result files say so too (the record was taken before the check ran)
+    [rec] = [json.loads(f.read_text()) for f in (pytester.path / "res").rglob("*test_leaks*.json")]
+    assert rec["outcome"] == "error" and "not idle 30 s after traffic" in rec["teardown_error"]
 
 
 AHEAD = '''
