@@ -1,7 +1,8 @@
 """Start/stop a topology over and over; count what each cycle left behind.
 
 After every cycle: processes of the cluster still alive, listening ports the harness had
-allocated, and /dev/shm entries that were not there before the first cycle.
+allocated, /dev/shm entries that were not there before the first cycle, and the cycle's own
+teardown verdict (GPU memory, what could not be verified): any of them makes the run not ok.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ def run_cycles(make_cluster, n: int, log=print) -> dict:
                "ports_listening": len(teardown.listening_ports(c.allocated_ports)),
                "new_shm": len(teardown.shm_snapshot() - shm_before),
                "shm_removed_by_harness": len(rep.shm_removed),
+               "teardown_ok": rep.ok, "teardown": rep.verdict(),
                "wall_s": round(time.monotonic() - t0, 1)}
         rows.append(row)
         log(f"cycle {i}/{n}: ready {row['ready_s']} s, teardown {row['teardown_s']} s, "
             f"processes left {row['processes_left']}, ports listening {row['ports_listening']}, "
-            f"new /dev/shm {row['new_shm']} (harness removed {row['shm_removed_by_harness']})")
+            f"new /dev/shm {row['new_shm']} (harness removed {row['shm_removed_by_harness']}), "
+            f"teardown {row['teardown']}")
     totals = {k: sum(r[k] for r in rows) for k in ("processes_left", "ports_listening")}
     totals["new_shm"] = len(teardown.shm_snapshot() - shm_before)
+    totals["teardowns_not_clean"] = sum(not r["teardown_ok"] for r in rows)
     return {"cycles": n, "rows": rows, "totals": totals, "ok": not any(totals.values())}
