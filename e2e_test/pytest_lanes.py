@@ -25,6 +25,9 @@ def pytest_addoption(parser):
     g.addoption("--e2e-min-tests", type=int, default=None, metavar="N",
                 help="fail the session when fewer than N tests are selected, or when fewer "
                      "than N ran (skipped ones do not count; lanes set this)")
+    g.addoption("--e2e-min-engine-tests", type=int, default=None, metavar="N",
+                help="the same for the tests on an engine (marked vllm or tokenspeed) alone: "
+                     "in a lane that runs unit tests too, they cannot make the count")
     g.addoption("--e2e-no-skips", action="store_true", default=False,
                 help="any skipped test fails the session (GPU and opt-in lanes set this)")
 
@@ -238,12 +241,15 @@ def pytest_collection_finish(session):
     if config.getoption("--e2e-no-skips") and skips:
         pytest.exit(f"--e2e-no-skips: {len(skips)} skipped at collection: " + "; ".join(skips),
                     returncode=pytest.ExitCode.TESTS_FAILED)
-    need = config.getoption("--e2e-min-tests")
-    if need is not None and len(session.items) < need:   # fewer selected: fewer can run
-        lane = settings.get("E2E_LANE")
-        pytest.exit(f"{f'lane {lane}: ' if lane else ''}{len(session.items)} test(s) selected, "
-                    f"fewer than --e2e-min-tests {need} (check paths, -m, E2E_ENGINES, "
-                    "E2E_TOPOLOGIES)", returncode=pytest.ExitCode.TESTS_FAILED)
+    lane = settings.get("E2E_LANE")
+    for opt, n in (("--e2e-min-tests", len(session.items)),
+                   ("--e2e-min-engine-tests",
+                    sum(_engine_of(i) != "none" for i in session.items))):
+        need = config.getoption(opt)
+        if need is not None and n < need:   # fewer selected: fewer can run
+            pytest.exit(f"{f'lane {lane}: ' if lane else ''}{n} test(s) selected, fewer than "
+                        f"{opt} {need} (check paths, -m, E2E_ENGINES, E2E_TOPOLOGIES)",
+                        returncode=pytest.ExitCode.TESTS_FAILED)
 
 
 def pytest_runtest_logreport(report):
@@ -251,9 +257,12 @@ def pytest_runtest_logreport(report):
     its body. Under xdist the controller sees every worker's reports here."""
     if report.when == "call" and (not report.skipped or hasattr(report, "wasxfail")):
         _RAN.add(report.nodeid)
+        if any(e in report.keywords for e in engine_names()):
+            _RAN_ENGINE.add(report.nodeid)
 
 
 _RAN: set = set()
+_RAN_ENGINE: set = set()      # of those, the tests on an engine (marked vllm/tokenspeed)
 
 
 def ran_count(config) -> int:
@@ -262,6 +271,7 @@ def ran_count(config) -> int:
 
 def pytest_sessionstart(session):
     _RAN.clear()
+    _RAN_ENGINE.clear()
 
 
 @pytest.hookimpl(trylast=True)
@@ -269,18 +279,19 @@ def pytest_sessionfinish(session, exitstatus):
     """--e2e-min-tests counts the tests that ran: a lane whose selection was skipped away
     (or deselected for this runner) fails instead of going green."""
     config = session.config
-    need = config.getoption("--e2e-min-tests")
-    if (need is None or getattr(config, "workerinput", None) is not None
-            or config.getoption("collectonly") or session.shouldstop or
-            exitstatus == pytest.ExitCode.INTERRUPTED):
+    if (getattr(config, "workerinput", None) is not None or config.getoption("collectonly")
+            or session.shouldstop or exitstatus == pytest.ExitCode.INTERRUPTED):
         return
-    ran = ran_count(config)
-    if ran < need:
-        lane = settings.get("E2E_LANE")
-        line = (f"{f'lane {lane}: ' if lane else ''}{ran} test(s) ran, fewer than "
-                f"--e2e-min-tests {need} ({len(session.items)} selected; skipped tests do not "
-                "count)")
-        state(config).min_tests_line = line
+    lane = settings.get("E2E_LANE")
+    for opt, ran, what in (("--e2e-min-tests", ran_count(config), "test(s)"),
+                           ("--e2e-min-engine-tests", len(_RAN_ENGINE), "test(s) on an engine")):
+        need = config.getoption(opt)
+        if need is None or ran >= need:
+            continue
+        line = (f"{f'lane {lane}: ' if lane else ''}{ran} {what} ran, fewer than {opt} {need} "
+                f"({len(session.items)} selected; skipped tests do not count)")
+        st = state(config)
+        st.min_tests_line = f"{st.min_tests_line}; {line}" if st.min_tests_line else line
         if session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

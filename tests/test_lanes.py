@@ -418,6 +418,47 @@ def test_no_skips_turns_a_skip_into_a_failure(tmp_path, no_skips):
         assert "SKIPPED" in out and "needs a thing" in out
 
 
+ENGINE_SKIPPED = """
+import pytest
+
+@pytest.mark.parametrize("i", range(5))
+def test_unit(i):
+    pass
+
+@pytest.mark.vllm
+def test_on_an_engine():
+    pytest.skip("no `1` baseline in this session")
+"""
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["min-tests-only", "min-engine-tests"])
+def test_unit_tests_alone_cannot_make_an_engine_minimum(tmp_path, gate):
+    """The e2e-cpu lane runs the unit tests with the engine tests: with every engine test
+    skipped, 5 unit tests still made --e2e-min-tests 5. --e2e-min-engine-tests counts the
+    engine tests alone."""
+    (tmp_path / "test_mixed.py").write_text(textwrap.dedent(ENGINE_SKIPPED))
+    args = ["-p", "e2e_test.pytest_plugin", "-q", "test_mixed.py", "--e2e-min-tests", "5"]
+    if gate:
+        args += ["--e2e-min-engine-tests", "1"]
+    env = clean_env(tmp_path, PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    r = subprocess.run(pytest_cmd(*args), cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    out = r.stdout + r.stderr
+    if not gate:
+        assert r.returncode == pytest.ExitCode.OK, out
+        return
+    assert r.returncode == pytest.ExitCode.TESTS_FAILED, out
+    assert ("0 test(s) on an engine ran, fewer than --e2e-min-engine-tests 1 (6 selected; "
+            "skipped tests do not count)") in out, out
+
+
+def test_the_cpu_lane_asks_for_its_engine_tests():
+    cpu = lanes.load_lanes()["e2e-cpu"]
+    args = cpu.pytest_args()
+    assert args[args.index("--e2e-min-engine-tests") + 1] == str(cpu.min_engine_tests) == "50"
+
+
 # -- running a lane ----------------------------------------------------------------------------
 
 def test_run_lane_unknown_lane_is_one_line():
@@ -495,7 +536,8 @@ def test_run_lane_command_and_env(tmp_path):
     assert argv[1:3] == ["-m", "pytest"]
     assert argv[3:] == [*lane.paths, "-m", lane.markers,
                         "--junitxml", str(tmp_path / "junit-e2e-cpu.xml"),
-                        "--e2e-min-tests", str(lane.min_tests), "-x", "-k", "chat"]
+                        "--e2e-min-tests", str(lane.min_tests),
+                        "--e2e-min-engine-tests", str(lane.min_engine_tests), "-x", "-k", "chat"]
     assert env["KEEP_ME"] == "1"                       # merged, never scrubbed
     assert env["E2E_ENGINES"] == "vllm"                # the lane wins over the caller
     assert env["E2E_TOPOLOGIES"] == "1,dp2,1p1d" and env["E2E_LANE"] == "e2e-cpu"
