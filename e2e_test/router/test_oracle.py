@@ -14,6 +14,9 @@ from e2e_test.infra.verdicts import comparisons, oracle
 from e2e_test.infra.verdicts.evals import recall
 from e2e_test.router.test_evals import CONCURRENCY, eval_n, max_prompt_tokens, oracle_pass
 
+# Every other file of e2e_test/router marks its tests e2e; this one did not, so `-m "not e2e"`
+# (the unit tests alone) still booted engines for it.
+pytestmark = pytest.mark.e2e
 EVALS = ["gsm8k", "mmlu"]
 
 
