@@ -507,12 +507,16 @@ def test_gpu_check_waits_for_a_dying_holder_to_go(nvml, monkeypatch):
     assert len(calls) == 3
 
 
-def test_gpu_check_is_skipped_on_cpu_and_without_nvml(nvml, monkeypatch):
+def test_gpu_check_is_skipped_on_cpu_and_an_error_without_nvml(nvml, monkeypatch):
+    """No device asked (CPU): no check. Devices asked but NVML cannot list their processes:
+    an error naming the way out, where it passed with nothing checked."""
     fake = nvml(procs={0: [(1, 999.0)]})
     reaper.preflight(devices=(), mode="clear")
     assert fake.calls == 0
     monkeypatch.setitem(sys.modules, "pynvml", None)      # import fails: no NVML here
-    assert reaper.preflight(devices=[0], mode="clear") == {}
+    with pytest.raises(PreflightError, match=r"NVML could not list the processes on GPU\(s\) "
+                                             r"\[0\].*E2E_PREFLIGHT=off"):
+        reaper.preflight(devices=[0], mode="clear")
 
 
 def test_settle_wait_is_measured(nvml):

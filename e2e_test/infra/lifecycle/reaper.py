@@ -782,7 +782,12 @@ def _foreign_gpu_holders(devices, settle: float = 0.0) -> list[GpuHolder]:
     run whose driver is gone: just cleared), wait up to `settle` s for NVML to drop them."""
     deadline = time.monotonic() + settle
     while True:
-        holders = gpu_holders(devices) or []
+        holders = gpu_holders(devices)
+        if holders is None:        # a check over nothing: the error, not a pass
+            raise PreflightError(
+                f"preflight: NVML could not list the processes on GPU(s) {list(devices)}: "
+                "whether memory there is held by others is unknown (E2E_PREFLIGHT=off skips "
+                "the preflight's checks)")
         foreign = [h for h in holders if not h.ours]
         dying = [h for h in foreign if h.owner == "not visible from here"
                  or h.owner.endswith("(driver gone)")]
