@@ -4,6 +4,7 @@ import os
 import socket
 import uuid
 
+import psutil
 import pytest
 
 from e2e_test.infra.errors import TeardownError
@@ -201,3 +202,17 @@ def test_a_gpu_check_over_nothing_is_not_verified_never_clean(monkeypatch):
     assert not rep.ok and "NVML's process list could not be read" in rep.verdict()
     # a CPU topology asks no GPU: nothing to verify, clean
     assert launcher.LocalLauncher().verify([], set(), launcher.LocalLauncher().baseline(())).ok
+
+
+def test_ports_that_could_not_be_listed_are_not_verified(monkeypatch):
+    """psutil refusing the socket list made the port check read "none listening": clean."""
+    from e2e_test.infra.lifecycle import launcher
+    from e2e_test.infra.lifecycle import teardown as td
+
+    def refused(kind):
+        raise psutil.AccessDenied()
+    monkeypatch.setattr(td.psutil, "net_connections", refused)
+    assert td.listening_ports({20001}) is None and td.listening_ports(set()) == []
+    monkeypatch.setattr(td, "clean_shm", lambda shm: ([], []))
+    rep = launcher.LocalLauncher().verify([], {20001}, launcher.LocalLauncher().baseline(()))
+    assert not rep.ok and "ports [20001]: the listening sockets could not be listed" in rep.verdict()

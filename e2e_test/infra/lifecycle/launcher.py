@@ -124,7 +124,11 @@ class LocalLauncher:
         rep.escalated = [r.name for r in stops if r.escalated]
         rep.survivors = [s for r in stops for s in r.survivors]
         rep.escaped = [s for r in stops for s in r.escaped]
-        rep.busy_ports = teardown.listening_ports(ports)
+        busy = teardown.listening_ports(ports)
+        if busy is None:
+            rep.unverified.append(f"ports {sorted(ports)}: the listening sockets could not be "
+                                  "listed")
+        rep.busy_ports = busy or []
         if baseline.shared:           # booted with others on its devices: its own processes
             teardown.check_gpu_own(rep, baseline.own_gpus, baseline.own_pids)
         else:

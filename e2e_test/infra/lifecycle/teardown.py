@@ -138,14 +138,18 @@ def clean_shm(before: set[str]) -> tuple[list[str], list[str]]:
     return removed, left
 
 
-def listening_ports(ports: set[int]) -> list[int]:
+def listening_ports(ports: set[int]) -> list[int] | None:
+    """Which of `ports` something listens on; None when the sockets could not be listed
+    (the check did not run: never read as "none")."""
+    if not ports:
+        return []
     busy = set()
     try:
         for c in psutil.net_connections(kind="inet"):
             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports:
                 busy.add(c.laddr.port)
     except (psutil.Error, OSError):
-        pass
+        return None
     return sorted(busy)
 
 

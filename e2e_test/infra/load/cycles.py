@@ -26,7 +26,7 @@ def run_cycles(make_cluster, n: int, log=print) -> dict:
         row = {"cycle": i, "ready_s": c.timing.topology_ready_s,
                "teardown_s": rep.seconds, "escalated": rep.escalated,
                "processes_left": left_procs,
-               "ports_listening": len(teardown.listening_ports(c.allocated_ports)),
+               "ports_listening": len(teardown.listening_ports(c.allocated_ports) or []),
                "new_shm": len(teardown.shm_snapshot() - shm_before),
                "shm_removed_by_harness": len(rep.shm_removed),
                "teardown_ok": rep.ok, "teardown": rep.verdict(),
