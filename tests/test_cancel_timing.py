@@ -96,8 +96,24 @@ def test_negative_control_idle_only_at_the_natural_end_fails():
 def test_prefill_case_without_a_natural_end_fails():
     probs = sf.cancel_problems(_done(remaining=None), 30.0)
     assert probs and "natural end is unknown" in probs[0]
-    # the decode case (non-streaming, no rate seen) keeps the bound alone
-    assert sf.cancel_problems(_done(case="cancel during decode", remaining=None), 30.0) == []
+    # the decode case (non-streaming, no rate seen): the engine's generated tokens instead
+    decode = _done(case="cancel during decode", remaining=None)
+    decode.generated_tokens = 212.0
+    assert sf.cancel_problems(decode, 30.0) == []
+
+
+def test_negative_control_a_decode_cancel_that_ran_to_its_end_fails():
+    """Non-streaming, idle within the bound: on a GPU a request of ~2400 tokens can end by
+    itself inside 30 s, which the bound alone took for a cancel. The decoding worker having
+    generated the whole max_tokens says the abort never reached it; not knowing is a failure."""
+    ran = _done(case="cancel during decode", remaining=None, idle=9.0)
+    ran.generated_tokens = 2400.0
+    assert "generated 2400 tokens, the request's whole max_tokens 2400" in \
+        sf.cancel_problems(ran, 30.0)[0]
+    unknown = _done(case="cancel during decode", remaining=None)
+    unknown.generated_unknown = "no worker reports vllm:generation_tokens_total"
+    assert "the tokens generated are unknown (no worker reports" in \
+        sf.cancel_problems(unknown, 30.0)[0]
 
 
 def test_not_idle_or_next_request_failing_fails():
@@ -167,3 +183,19 @@ def test_the_ci_burst_is_no_rate():
     assert sf.until_rate_resolved(c, 8)(9, 1.753) is False    # keeps reading: 5.6 s needed
     c.last_token_s = 1.752
     assert sf.decode_rate(c) is None                          # no span: no rate, no end
+
+
+def test_the_generated_count_is_unknown_where_no_worker_reports_it():
+    """A missing counter is not 0 (0 would pass as "the abort stopped it at once")."""
+    import types
+
+    from e2e_test.infra.engines import vllm
+
+    def worker(samples):
+        return types.SimpleNamespace(name="decode-0", metrics=lambda timeout: samples)
+    cluster = types.SimpleNamespace(driver=vllm.ENGINE, engine="vllm")
+    name = vllm.ENGINE.generation_counter
+    assert sf._generated(cluster, [worker({(name, ()): 40.0}), worker({(name, ()): 2.0})]) \
+        == (42.0, "")
+    assert sf._generated(cluster, [worker({("vllm:other", ()): 1.0})]) == (
+        None, f"no worker reports {name}")

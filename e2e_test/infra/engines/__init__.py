@@ -148,6 +148,9 @@ class Engine:
     # Prometheus counters whose sum grows while it processes tokens (the watchdog's progress
     # signal, Cluster.engine_work); empty: the watchdog sees no engine progress.
     work_counters: tuple[str, ...] = ()
+    # The counter of generated tokens (a cancel during decode must leave it short of the
+    # request's max_tokens: serving_faults.cancel_problems); None: not known for this engine.
+    generation_counter: str | None = None
     # Gauges that say a worker is idle: {"running", "waiting", "kv"} -> metric name (idle.py);
     # None: idleness cannot be verified for this engine. Roles that hold no requests (an FFN
     # server, an encoder) are skipped.

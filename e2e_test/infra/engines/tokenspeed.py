@@ -843,6 +843,7 @@ class TokenSpeedEngine(Engine):
     known_crashes = (ENCODE_GETLOAD_CRASH,)
     backends = ("cuda",)
     work_counters = WORK_COUNTERS
+    generation_counter = TS_PREFIX + "generation_tokens_total"
     lane_env = HOPPER_ENV
     boots_beside_others = (
         "TokenSpeed sizes its KV pool from the device's free memory at start (free_now - total"

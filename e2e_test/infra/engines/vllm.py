@@ -659,6 +659,7 @@ class VllmEngine(Engine):
     kinds = ("regular", "dp", "pd")
     multinode = True        # binds entry.host: workers may go on other nodes
     work_counters = WORK_COUNTERS
+    generation_counter = "vllm:generation_tokens_total"
     stage_env = "/root/stage/env.sh"
     progress_markers = PROGRESS_MARKERS
     # nothing moved: the decode side counted no prompt token as transferred

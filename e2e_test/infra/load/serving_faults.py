@@ -75,6 +75,11 @@ class CancelCase:
     # Seconds of decoding the request still had before it (max_tokens at the decode rate the
     # client saw); None when the client saw no tokens to measure a rate from.
     remaining_s: float | None = None
+    # Tokens the decoding worker(s) generated from before the request until idle (the engine's
+    # generation counter), and why that is unknown when it is: a request the abort never
+    # reached generates its whole max_tokens (ignore_eos).
+    generated_tokens: float | None = None
+    generated_unknown: str = ""
     next_requests_ok: int = 0
     next_requests: int = 0
     idle: dict = field(default_factory=dict)
@@ -216,9 +221,11 @@ async def drop(cluster, task, case: CancelCase, t0: float) -> float:
 
 
 def _after(cluster, case: CancelCase, t_cancel: float, bound_s: float,
-           next_n: int) -> CancelCase:
+           next_n: int, at_idle=None) -> CancelCase:
     rep = cluster.wait_idle(timeout=bound_s)
     case.idle_after_cancel_s = round(time.monotonic() - t_cancel, 3)
+    if at_idle is not None:       # read before the next requests add their own work
+        at_idle()
     case.idle = rep.to_dict()
     rate = decode_rate(case)
     if rate:
@@ -272,7 +279,35 @@ def cancel_problems(case: CancelCase, bound_s: float) -> list[str]:
         out.append(f"{case.case}: idle {case.idle_after_cancel_s} s after the cancel, not "
                    f"before the request's natural end ({case.remaining_s} s): the abort did "
                    "not reach the engines")
+    if case.case == "cancel during decode":
+        # Non-streaming: the client sees no token, so no natural end; the engine's count of
+        # generated tokens tells a cancelled request from one that ran to its end.
+        if case.generated_tokens is None:
+            out.append(f"{case.case}: the tokens generated are unknown "
+                       f"({case.generated_unknown or 'not read'}), so idle cannot be told from "
+                       "a request that ran to its end")
+        elif case.generated_tokens >= case.max_tokens:
+            out.append(f"{case.case}: the decoding worker(s) generated "
+                       f"{case.generated_tokens:.0f} tokens, the request's whole max_tokens "
+                       f"{case.max_tokens}: the abort did not reach the engines")
     return out
+
+
+def _generated(cluster, workers) -> tuple[float | None, str]:
+    """The engine's generated-token counter summed over `workers`; (None, why) when it
+    cannot be read or no worker reports it (a missing metric is not 0)."""
+    name = cluster.driver.generation_counter
+    if not name:
+        return None, f"engine {cluster.engine!r} names no generation counter"
+    total, seen = 0.0, False
+    for w in workers:
+        try:
+            samples = w.metrics(timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - said in the case, which then fails
+            return None, f"{w.name}'s metrics: {type(e).__name__}: {e}"[:200]
+        seen = seen or any(n == name for n, _ in samples)
+        total += sum(v for (n, _), v in samples.items() if n == name)
+    return (total, "") if seen else (None, f"no worker reports {name}")
 
 
 def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.5,
@@ -323,9 +358,18 @@ def cancel_during_decode(cluster, after_running_s: float = 1.5, bound_s: float =
             seen.setdefault("t", t)
         return "t" in seen and t - seen["t"] >= after_running_s
 
+    workers = cluster.role("decode") or cluster.workers
+    before, why = _generated(cluster, workers)
     t_cancel = asyncio.run(_post_then_drop(cluster, "Tell me a very long story about the "
                                            "mountains.", mt, stop_when, case, timeout))
-    return _after(cluster, case, t_cancel, bound_s, next_n)
+
+    def at_idle():
+        after, why_after = _generated(cluster, workers)
+        if before is None or after is None:
+            case.generated_unknown = why or why_after
+        else:
+            case.generated_tokens = after - before
+    return _after(cluster, case, t_cancel, bound_s, next_n, at_idle)
 
 
 @contextlib.contextmanager
