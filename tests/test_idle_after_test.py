@@ -32,7 +32,7 @@ def test_after_the_leak(cluster):
     assert SEEN[0] != SEEN[1], "the leaking topology was handed on"
 
 @pytest.mark.topology_kinds("regular")
-def test_shares_the_fresh_one(cluster):
+def test_shares_the_fresh_one(cluster, record):
     SEEN.append(id(cluster))
     assert SEEN[2] == SEEN[1]
 '''
@@ -93,6 +93,8 @@ def test_the_test_that_leaves_its_topology_busy_fails_and_the_next_gets_a_fresh_
     # the result files say so too (the record was taken before the check ran)
     [rec] = [json.loads(f.read_text()) for f in (pytester.path / "res").rglob("*test_leaks*.json")]
     assert rec["outcome"] == "error" and "not idle 30 s after traffic" in rec["teardown_error"]
+    [rec] = [json.loads(f.read_text()) for f in (pytester.path / "res").rglob("*fresh_one*.json")]
+    assert rec["outcome"] == "passed" and rec["idle_after_s"] == 0.01   # the check ran
 
 
 AHEAD = '''
