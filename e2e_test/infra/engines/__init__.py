@@ -151,6 +151,10 @@ class Engine:
     # The counter of generated tokens (a cancel during decode must leave it short of the
     # request's max_tokens: serving_faults.cancel_problems); None: not known for this engine.
     generation_counter: str | None = None
+    # A histogram of each request's time from its arrival to its end on a worker: on a PD
+    # prefill, the prefill's own span (a cancel during prefill is timed from it, where a
+    # client's time to first token also holds the transfer and the decode's first step).
+    request_latency_histogram: str | None = None
     # Gauges that say a worker is idle: {"running", "waiting", "kv"} -> metric name (idle.py);
     # None: idleness cannot be verified for this engine. Roles that hold no requests (an FFN
     # server, an encoder) are skipped.

@@ -660,6 +660,7 @@ class VllmEngine(Engine):
     multinode = True        # binds entry.host: workers may go on other nodes
     work_counters = WORK_COUNTERS
     generation_counter = "vllm:generation_tokens_total"
+    request_latency_histogram = "vllm:e2e_request_latency_seconds"
     stage_env = "/root/stage/env.sh"
     progress_markers = PROGRESS_MARKERS
     # nothing moved: the decode side counted no prompt token as transferred

@@ -80,6 +80,9 @@ class CancelCase:
     # reached generates its whole max_tokens (ignore_eos).
     generated_tokens: float | None = None
     generated_unknown: str = ""
+    # The probe's span on the PD prefill worker (arrival to end), which times the prefill
+    # cancel there; None on `1` or where the engine has no latency histogram.
+    prefill_s: float | None = None
     next_requests_ok: int = 0
     next_requests: int = 0
     idle: dict = field(default_factory=dict)
@@ -299,6 +302,10 @@ def _generated(cluster, workers) -> tuple[float | None, str]:
     name = cluster.driver.generation_counter
     if not name:
         return None, f"engine {cluster.engine!r} names no generation counter"
+    return _metric_sum(workers, name)
+
+
+def _metric_sum(workers, name: str) -> tuple[float | None, str]:
     total, seen = 0.0, False
     for w in workers:
         try:
@@ -308,6 +315,12 @@ def _generated(cluster, workers) -> tuple[float | None, str]:
         seen = seen or any(n == name for n, _ in samples)
         total += sum(v for (n, _), v in samples.items() if n == name)
     return (total, "") if seen else (None, f"no worker reports {name}")
+
+
+def prefill_cancel_delay(ttft_s: float, prefill_s: float | None, fraction: float) -> float:
+    """When to leave, from the send: `fraction` of the prefill's own span where the prefill
+    worker measured it (PD), else of the time to first token (`1`: the same thing). Pure."""
+    return max(0.05, fraction * (min(ttft_s, prefill_s) if prefill_s else ttft_s))
 
 
 def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.5,
@@ -321,20 +334,32 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
     must come well before (cancel_problems)."""
     mt = max_new_tokens(cluster, prompt_tokens_estimate=2 * prompt_words + 32)
     probe = CancelCase("prefill probe", cluster.topology.name, mt, prompt_words)
+    # In PD the client's time to first token also holds the KV transfer and the decode's first
+    # step: half of it fell after the prefill's end once (CI, 2026-12-05: cancelled at 2.43 s of
+    # a 4.73 s first token; the prefill had finished, held its KV for the decode's pull until its
+    # lease expired, and idle came 33.6 s later). The prefill's own span, from its worker's
+    # request latency histogram, times the cancel where the engine has one.
+    prefills = cluster.role("prefill")
+    hist = cluster.driver.request_latency_histogram
+    before = _metric_sum(prefills, hist + "_sum")[0] if prefills and hist else None
     asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
                                   until_rate_resolved(probe, probe_chunks), probe, timeout))
     ttft = probe.first_token_s
     rate = decode_rate(probe) or 0.0
+    after = _metric_sum(prefills, hist + "_sum")[0] if before is not None else None
+    prefill_s = round(after - before, 3) if after is not None and after > before else None
     cluster.wait_idle(timeout=bound_s)
     case = CancelCase("cancel during prefill", cluster.topology.name, mt, prompt_words)
-    delay = max(0.05, fraction * ttft)
+    case.prefill_s = prefill_s
+    delay = prefill_cancel_delay(ttft, prefill_s, fraction)
     t_cancel = asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
                                              lambda n, t: n > 0 or t >= delay, case, timeout))
     if case.chunks_before_cancel:
         raise HarnessError(f"cancel during prefill: a token came back after "
                            f"{case.first_token_s} s, before the cancel at "
                            f"{case.seconds_before_cancel} s (due at {delay:.2f} s; probe time "
-                           f"to first token {ttft} s; response headers at {case.headers_s} s, "
+                           f"to first token {ttft} s, prefill span {prefill_s} s; response "
+                           f"headers at {case.headers_s} s, "
                            f"client loop unscheduled for up to {case.loop_gap_max_s} s): the "
                            "prompt is too short on this machine")
     case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
