@@ -26,10 +26,14 @@ MiB = 2**20
 RECORDED = ROOT / "docs" / "validation" / "h200-e2e-1gpu-pd-tokenspeed-serial-c632ecc"
 
 
+# A fresh HOME (as .ci/run's clone runs) has no git identity: every commit here names one.
+GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+
+
 def _git(repo, *args):
     return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True,
-                          env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-                               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+                          env=GIT_ENV)
 
 
 def _file(p: Path, size: int) -> Path:
@@ -123,7 +127,7 @@ def test_detach_takes_validation_out_of_what_travels_and_guards_the_commit(tmp_p
     (repo / "README.md").write_text("changed\n")
     _git(repo, "add", "README.md")
     r = subprocess.run(["git", "commit", "-q", "-m", "x"], cwd=repo, capture_output=True,
-                       text=True, check=False)
+                       text=True, check=False, env=GIT_ENV)
     assert r.returncode != 0 and "is detached for a device session" in r.stderr
     assert ds.attach(repo) == "docs/validation attached, as committed"
     _git(repo, "commit", "-q", "-m", "after attach")        # the hook is gone
