@@ -443,7 +443,7 @@ def test_unit_tests_alone_cannot_make_an_engine_minimum(tmp_path, gate):
     env = clean_env(tmp_path, PYTHONPATH=os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     r = subprocess.run(pytest_cmd(*args), cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, check=False)
     out = r.stdout + r.stderr
     if not gate:
         assert r.returncode == pytest.ExitCode.OK, out
