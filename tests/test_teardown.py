@@ -196,6 +196,7 @@ def test_a_gpu_check_over_nothing_is_not_verified_never_clean(monkeypatch):
     rep = td.TeardownReport()                     # a baseline, then nothing read at the stop
     td.check_gpu(rep, {0: 500.0, 1: 500.0}, timeout=0, poll=0)
     assert not rep.ok and "GPU(s) [0, 1]: NVML read nothing at the stop" in rep.verdict()
+    assert not rep.gpu_checked         # the reports must not say "back to baseline (NVML)"
     monkeypatch.setattr(td, "nvml_processes", lambda devices: None)
     rep = td.TeardownReport()
     td.check_gpu_own(rep, (0,), {100})

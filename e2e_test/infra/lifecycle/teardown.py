@@ -214,6 +214,8 @@ def check_gpu(report: TeardownReport, baseline: dict[int, float], timeout: float
     if unread:
         report.unverified.append(f"GPU memory of GPU(s) {sorted(unread)}: NVML read nothing "
                                  "at the stop, so it was not compared with the baseline")
+        if unread == set(baseline):     # nothing was compared: not "back to baseline"
+            report.gpu_checked = False
     if left:
         holders = gpu_holders(list(left)) or []
         report.gpu_holders = {d: [str(h) for h in holders if h.device == d] for d in left}
