@@ -202,10 +202,10 @@ def test_the_generated_count_is_unknown_where_no_worker_reports_it():
 
 
 def test_the_prefill_cancel_is_timed_from_the_prefill_span_where_there_is_one():
-    """CI at 729a84c: on 1p1d the probe's first token came at 4.73 s; half of it (2.43 s) fell
-    after the prefill's end, whose KV then waited for a pull that never came until its lease
-    expired (idle 33.6 s later). Timed from the prefill worker's own span, the cancel lands
-    inside it; on `1` (no PD prefill) the time to first token is that span."""
+    """On 1p1d the client's first token also holds the KV transfer and the decode's first step:
+    half of a prefill span of 2.2 s (a GPU's short prefill) is 1.1 s, where half the first token
+    (2.37 s) may come after the prefill's end. On `1` (no PD prefill), or where the engine has
+    no latency histogram, the time to first token stands for the span."""
     assert sf.prefill_cancel_delay(4.73, 2.2, 0.5) == pytest.approx(1.1)
     assert sf.prefill_cancel_delay(4.73, None, 0.5) == pytest.approx(2.365)    # `1`, or unknown
     assert sf.prefill_cancel_delay(1.0, 3.0, 0.5) == pytest.approx(0.5)        # never past ttft

