@@ -844,6 +844,10 @@ class TokenSpeedEngine(Engine):
     backends = ("cuda",)
     work_counters = WORK_COUNTERS
     generation_counter = TS_PREFIX + "generation_tokens_total"
+    # RequestMetrics' e2e latency, observed at a request's finish (on a PD prefill: after its
+    # transfer); lightseekorg/tokenspeed runtime/metrics/collector.py. Not yet read on a GPU:
+    # where a worker lacks it, the prefill cancel falls back to the first token.
+    request_latency_histogram = TS_PREFIX + "e2e_request_latency_seconds"
     lane_env = HOPPER_ENV
     boots_beside_others = (
         "TokenSpeed sizes its KV pool from the device's free memory at start (free_now - total"
