@@ -74,11 +74,19 @@ def path_bytes(p: Path) -> int:
 
 
 def tree_bytes(repo: Path = REPO) -> int:
-    """What travels with every call: tracked files and untracked ones git does not ignore."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         cwd=repo, capture_output=True, check=True).stdout.split(b"\0")
-    return sum(_blocks((repo / n.decode()).stat().st_size) for n in set(out)
-               if n and (repo / n.decode()).is_file())
+    """What travels with every call (stage_offline.tracked_bytes, which cuts the parts)."""
+    n = _stage_offline().tracked_bytes(repo)
+    if n is None:
+        raise SessionError(f"{repo} is not a git checkout: what travels cannot be counted")
+    return n
+
+
+def _stage_offline():
+    spec = importlib.util.spec_from_file_location("stage_offline",
+                                                  REPO / "scripts" / "stage_offline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def room(tree: int, limit: int = CARRY_LIMIT, margin: int = MARGIN) -> int:

@@ -348,15 +348,17 @@ def _tar_member(ti: tarfile.TarInfo) -> tarfile.TarInfo:
 
 
 def tracked_bytes(repo: Path = REPO) -> int | None:
-    """What the checkout's tracked files (they travel with every device call) take, each
-    rounded up to a 4 KiB block as on disk (the device tool refused 45.8 MiB beside 17.3 MiB
-    of file sizes, 20.6 MiB on disk in 1565 files), or None outside a git checkout."""
+    """What travels with every device call: the checkout's tracked files and the untracked
+    ones git does not ignore, each rounded up to a 4 KiB block as on disk (the device tool
+    refused 45.8 MiB beside 17.3 MiB of file sizes, 20.6 MiB on disk in 1565 files), or None
+    outside a git checkout. scripts/device_session.py counts with it too."""
     try:
-        names = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True,
+        names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                                "--exclude-standard"], cwd=repo, capture_output=True,
                                check=True).stdout.split(b"\0")
     except (OSError, subprocess.CalledProcessError):
         return None
-    return sum(-(-(repo / n.decode()).stat().st_size // 4096) * 4096 for n in names
+    return sum(-(-(repo / n.decode()).stat().st_size // 4096) * 4096 for n in set(names)
                if n and (repo / n.decode()).is_file())
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from ..cluster import idle
+from ..cluster import idle, metrics
 from ..errors import HarnessError
 from ..lifecycle.process import kill_pid, open_pidfd, pidfd_ended, pidfd_signal
 from ..verdicts.proof import long_unique_prompt
@@ -313,7 +313,7 @@ def _metric_sum(workers, name: str) -> tuple[float | None, str]:
         except Exception as e:  # noqa: BLE001 - said in the case, which then fails
             return None, f"{w.name}'s metrics: {type(e).__name__}: {e}"[:200]
         seen = seen or any(n == name for n, _ in samples)
-        total += sum(v for (n, _), v in samples.items() if n == name)
+        total += metrics.total(samples, name)
     return (total, "") if seen else (None, f"no worker reports {name}")
 
 
