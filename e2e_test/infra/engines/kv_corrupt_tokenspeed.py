@@ -92,6 +92,22 @@ def page_layers(kv_args, device: str = "cuda") -> dict:
     return out
 
 
+def check_pages(kv_args, pages: list[int]) -> None:
+    """Every page lies inside every KV buffer of the pool (`kv_data_lens[b] //
+    kv_item_lens[b]` pages each), checked on the host before any device op: a page out of
+    range would index device memory outside the buffer (a device-side assert that poisons
+    the worker's CUDA context). A ValueError names the page and the buffer's size."""
+    for layer, bufs in enumerate(kv_args.offsets):
+        for b in bufs:
+            item, length = int(kv_args.kv_item_lens[b]), int(kv_args.kv_data_lens[b])
+            n = length // item if item > 0 else 0
+            bad = [p for p in pages if not 0 <= p < n]
+            if bad:
+                raise ValueError(f"pages {bad[:4]} (of {len(pages)}, {min(pages)}..{max(pages)})"
+                                 f" outside layer {layer}'s buffer {b}: {n} pages of {item} "
+                                 f"bytes ({length} bytes)")
+
+
 class PageCorruptor(kc.Corruptor):
     """engines/kv_corrupt.py's Corruptor over page views (`page_layers`): blocks are pages."""
 
@@ -145,6 +161,7 @@ class DecodeState(kc._State):
     def received(self, kv_args, room: int, kv_indices) -> None:
         """The decode asked for `room`'s KV into these pages (before the transfer)."""
         pages = [int(p) for p in kv_indices]
+        check_pages(kv_args, pages)
         self.pages[room] = pages
         if pages and self.current().name == "stale_last_block":
             self.stale[room] = (pages[-1:], self.page_corruptor(kv_args).snapshot(pages[-1:]))
@@ -159,6 +176,7 @@ class DecodeState(kc._State):
         if kind.name == "none" or not pages:
             self.stale.pop(room, None)
             return
+        check_pages(kv_args, pages)
         import torch
         c = self.page_corruptor(kv_args)
         with torch.inference_mode():
