@@ -217,3 +217,33 @@ def test_ports_that_could_not_be_listed_are_not_verified(monkeypatch):
     monkeypatch.setattr(td, "clean_shm", lambda shm: ([], []))
     rep = launcher.LocalLauncher().verify([], {20001}, launcher.LocalLauncher().baseline(()))
     assert not rep.ok and "ports [20001]: the listening sockets could not be listed" in rep.verdict()
+
+
+def test_clean_shm_keeps_a_live_semaphore_that_maps_show_under_another_name():
+    """multiprocessing's SemLock (spawn) is a POSIX semaphore that glibc maps under a
+    temporary name (/proc/PID/maps: `/dev/shm/sem.XXXXXX (deleted)`) before linking it to
+    `sem.mp-...`. Held by inode it stays, and a spawned child still opens it; by path it was
+    removed, and the child failed in `SemLock._rebuild` with FileNotFoundError (vLLM's engine
+    core, started while another topology's teardown ran)."""
+    import multiprocessing
+
+    if not SHM.is_dir() or not os.access(SHM, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    before = shm_snapshot()
+    ctx = multiprocessing.get_context("spawn")
+    lock = ctx.Lock()
+    name = "sem." + lock._semlock.name.lstrip("/")
+    assert name in shm_snapshot() - before
+    mapped = open("/proc/self/maps").read()
+    assert f"/dev/shm/{name}" not in mapped          # the premise: maps name another path
+    removed, left = clean_shm(shm_snapshot() - {name})
+    assert name not in removed and (SHM / name).exists(), removed
+    child = ctx.Process(target=_take_and_release, args=(lock,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+
+
+def _take_and_release(lock):
+    with lock:
+        pass

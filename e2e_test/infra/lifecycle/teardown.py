@@ -97,22 +97,28 @@ def shm_snapshot() -> set[str]:
         return set()
 
 
-def _held_shm_paths() -> set[str]:
+def _held_shm_inodes() -> set[tuple[int, int]]:
+    """(device, inode) of every file that a live process maps or holds open. By inode, not by
+    path: a POSIX semaphore (multiprocessing's SemLock) is mapped under glibc's temporary name,
+    which /proc/PID/maps shows as `/dev/shm/sem.XXXXXX (deleted)`, and then linked to its
+    real name `sem.mp-...`; by path it looks unheld, and removing it fails every process that
+    opens it later (a spawned child: `SemLock._rebuild` FileNotFoundError)."""
     held = set()
     for p in psutil.process_iter(["pid"]):
         try:
             with open(f"/proc/{p.pid}/maps") as f:
                 for line in f:
                     if "/dev/shm/" in line:
-                        held.add(line.split("/dev/shm/", 1)[1].split()[0].strip())
+                        dev, inode = line.split()[3:5]
+                        major, minor = (int(x, 16) for x in dev.split(":"))
+                        held.add((os.makedev(major, minor), int(inode)))
             for fd in os.scandir(f"/proc/{p.pid}/fd"):
                 try:
-                    target = os.readlink(fd.path)
+                    st = os.stat(fd.path)
                 except OSError:
                     continue
-                if target.startswith("/dev/shm/"):
-                    held.add(target[len("/dev/shm/"):])
-        except (OSError, psutil.Error):
+                held.add((st.st_dev, st.st_ino))
+        except (OSError, psutil.Error, ValueError):
             continue
     return held
 
@@ -122,12 +128,13 @@ def clean_shm(before: set[str]) -> tuple[list[str], list[str]]:
     new = shm_snapshot() - before
     if not new:
         return [], []
-    held = _held_shm_paths()
+    held = _held_shm_inodes()
     removed, left = [], []
-    for name in sorted(new - held):
+    for name in sorted(new):
         path = SHM / name
         try:
-            if path.is_dir():
+            st = path.stat()
+            if path.is_dir() or (st.st_dev, st.st_ino) in held:
                 continue
             path.unlink()
             removed.append(name)
