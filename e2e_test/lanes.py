@@ -775,9 +775,9 @@ def call(argv: list[str], env: dict, stop_wait_s: float = 120.0) -> int:
     Each interrupt must reach pytest exactly once: a second SIGINT means "kill every worker
     now" (cluster/signals.py). `timeout` signals its child and then its own process group,
     so a pytest in this process's group got the lane limit's one SIGINT twice, once from the
-    group and once passed on from here: on the H200 (9f29736) the 300 s limit of
-    `scripts/gpu_lane.sh` ended a lane with "second SIGINT: killing every worker now" in the
-    same second, no verified teardown. So, unless this process's group owns the terminal,
+    group and once passed on from here, and the lane limit of `scripts/gpu_lane.sh` ends a
+    lane with "second SIGINT: killing every worker now" in the same second, no verified
+    teardown. So, unless this process's group owns the terminal,
     pytest runs in a process group of its own and each interrupt is passed on from here
     (SIGTERM too), and it gets SIGTERM if this process dies (PR_SET_PDEATHSIG: a group
     SIGKILL, say a CI job's end, no longer reaches it). Where this group owns the terminal,
@@ -859,8 +859,8 @@ def _git_sha() -> str:
 def _refuse_a_used_results_folder(env: dict) -> None:
     """One line before anything starts where a part's results folder already holds a run
     (its run.json): the new run's files would lie beside the old run's clusters, burst plots
-    and tests that it does not overwrite (three runs into one folder on the H200 at ac24287
-    left nine clusters' logs in the last). A folder of its own is the default; a reused
+    and tests that it does not overwrite (three runs into one folder leave three runs'
+    clusters' logs in the last). A folder of its own is the default; a reused
     E2E_RESULTS_DIR is the caller's."""
     out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
     rec = out / "run.json"

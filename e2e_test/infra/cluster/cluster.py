@@ -420,8 +420,8 @@ class Cluster:
                 tails = "\n".join(f"--- {w.name} ({w.process.log_path}): "
                                   f"{w.command.readiness.pending()}\n"
                                   f"{w.process.log_tail(15)}" for w in pending)
-                # where each one was when time ran out (H200, 44140a5: two workers of a lane
-                # stopped at their first CUDA-graph capture for 300 s, and no stack said why)
+                # where each one was when time ran out (a worker stuck in its first CUDA-graph
+                # capture says nothing in its log; its stack does)
                 where = self.dir / "boot-stall"
                 dumps = stack_dumps(self, where, workers=pending)
                 raise StartupError(f"topology {self.topology.name}: {names} not ready within "

@@ -163,12 +163,12 @@ def _shares(used: dict[int, float]) -> str:
 # A wave's tests run in these phases (within a phase: the wave's key order, then file order).
 # EARLY: a topology with a test that leaves a worker restarting in the background (marker
 # `restarting`: a fault test that lost a leg) runs its tests up to that one first, so the
-# restart (50-58 s of vLLM on the H200 at 9d80458, run last and alone before) boots beside
-# the other topologies' tests; its breaking tests still run last.
+# restart (most of a minute for vLLM on an H200) boots beside the other topologies' tests,
+# not last and alone; its breaking tests still run last.
 # JUDGED before AHEAD: a test judged against the regular topology's baseline sends its own
 # topology's traffic first and waits for the baseline only to judge (test_pd.py), so its
-# pass runs beside the passes ahead (TokenSpeed on the H200, 9f29736: 1p1d's oracle passes,
-# about 11 s, ran only after `1`'s 116 s of passes before).
+# pass runs beside the passes ahead, not after all of `1`'s passes (docs/lanes.md, "Passes
+# ahead").
 EARLY, PLAIN, JUDGED, AHEAD, QUIET, BREAKS = range(6)
 
 
