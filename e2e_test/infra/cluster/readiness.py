@@ -133,9 +133,9 @@ class ModelServed:
     first generation is a test's (see legs_to_warm).
 
     `failures` keeps each probe that failed once the model was listed, with how long it took
-    and what the gateway said, so that a slow gateway readiness says why (H200, TokenSpeed
-    1p1d: the first request through a new prefill-decode pair outlasted smg's 3 s prefill
-    silence bound and was answered 504; the retry served)."""
+    and what the gateway said, so that a slow gateway readiness says why (TokenSpeed 1p1d on
+    an H200: the first request through a new prefill-decode pair can outlast smg's 3 s
+    prefill silence bound and be answered 504; the retry serves)."""
     base_url: str
     model: str
     completions: int = 1

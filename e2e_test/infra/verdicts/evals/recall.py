@@ -90,9 +90,8 @@ def stable_codes(baseline: dict, control_passes: list) -> tuple[list, list]:
 
 
 def untested_kinds(baseline_copied: list) -> list[str]:
-    """The code positions `1` copied none of (their copying is not checked): seen on the
-    H200 with TokenSpeed's chat-shaped passes, where SmolLM2 copied 3 tail codes and no
-    mid-text one. Pure."""
+    """The code positions `1` copied none of (their copying is not checked): with TokenSpeed's
+    chat-shaped passes SmolLM2 copies tail codes and no mid-text one. Pure."""
     kinds = {at_tail(i) for i in baseline_copied}
     return [name for tail, name in ((False, "mid-text"), (True, "tail (last block)"))
             if tail not in kinds]
