@@ -168,9 +168,9 @@ def test_rate_outweighs_a_stall_before_the_first_token():
 
 
 def test_negative_control_eight_chunks_read_a_burst_as_the_rate():
-    """The rule this replaced (leave after 8 chunks): the chunks generated during the stall
-    come at once, and the rate they give is far above the real one (CI at 1c951df: 9 chunks
-    in 1 ms, 8000 tokens/s, a natural end 0.5 s away)."""
+    """The rejected rule (leave after 8 chunks): the chunks generated during the stall come
+    at once, and the rate they give is far above the real one (a CI stall read 9 chunks in
+    1 ms as 8000 tokens/s, a natural end 0.5 s away; docs/lifecycle.md, "Cancellation")."""
     case = _measure(lambda c: (lambda n, _t: n >= 8))
     rate = sf.decode_rate(case)
     assert rate is None or rate > 3 * 100.0, rate
