@@ -86,7 +86,7 @@ def test_cancel_idle_before_the_natural_end_passes():
 
 
 def test_negative_control_idle_only_at_the_natural_end_fails():
-    """A request that ran to its end (max_tokens 16, the old prefill case: natural end about
+    """A request that ran to its end (max_tokens 16, a short prefill case: natural end about
     0.3 s) inside the 30 s bound: idle came, but not before the end, so the cancel proved
     nothing."""
     probs = sf.cancel_problems(_done(idle=0.4, remaining=0.35), 30.0)

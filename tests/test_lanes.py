@@ -853,7 +853,7 @@ def test_too_few_devices_deselects_at_collection(tmp_path):
 
 def test_afd_ffn_proof_is_not_selected_on_the_native_baseline(tmp_path):
     """The FFN proof has nothing to check on native-dpN: not selected there (the opt-in lane
-    runs under --e2e-no-skips, where its old skip failed the lane)."""
+    runs under --e2e-no-skips, where a skip fails the lane)."""
     lane = lanes.get_lane("e2e-4gpu-afd")
     r, ids = collect(tmp_path, *lane.paths, "-m", lane.markers, **lane.full_env())
     assert r.returncode == 0, r.stdout + r.stderr

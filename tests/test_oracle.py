@@ -172,7 +172,7 @@ def test_budget_is_a_tail_over_both_samples_and_still_fails_an_excess():
     every item numerics at n = 8, and at n = 32 a rate three times the control's."""
     arm = oracle.ControlArm([_cmp(["numerics"] * 6 + ["identical"] * 26),
                              _cmp(["numerics"] * 6 + ["identical"] * 26)])
-    assert math.ceil(8 * wilson_upper(12, 64) - 1e-9) == 3        # the rule it replaces
+    assert math.ceil(8 * wilson_upper(12, 64) - 1e-9) == 3        # the rate rule's budget
     assert fisher_greater(4, 8, 12, 64) == pytest.approx(0.067, abs=0.001)
     assert arm.budget(8) >= 4
     assert arm.budget(8) < 8 and arm.budget(32) < 18
@@ -350,8 +350,8 @@ def test_the_path_arm_ranks_the_first_step_shift_the_control_arm_cannot_hold():
     the path arm is to hold it. The same shift as in the path arm ranks level with it; a
     shift of 0.15 nats more, under the per-item bound, ranks above it at p < alpha (the
     negative control). With an arm recorded only (decides False: a GPU, unmeasured) both are
-    records, not verdicts: a healthy recall ranked above the first design of the arm at
-    p = 0.00036 in CI (docs/accuracy.md)."""
+    records, not verdicts: a healthy recall ranks far above an arm that holds one prefill
+    only (docs/accuracy.md, "Why recorded")."""
     control = _control(scale=0.1)
     healthy, shifted = _healthy_and_shifted(control.thresholds(32))
     path = _path(scale=0.1, shift=0.05)

@@ -382,7 +382,7 @@ def test_part_size_leaves_room_for_the_checkout():
     assert size % 1_000_000 == 0
     assert tracked + size + so.CARRY_MARGIN <= so.CARRY_LIMIT
     assert tracked + size + 1_000_000 + so.CARRY_MARGIN > so.CARRY_LIMIT   # the largest
-    assert tracked + so.PART + so.CARRY_MARGIN > so.CARRY_LIMIT            # the old cut: too big
+    assert tracked + so.PART + so.CARRY_MARGIN > so.CARRY_LIMIT            # the fixed cut: too big
     assert so.part_size_for(None) == so.PART
 
 
