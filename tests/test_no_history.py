@@ -39,7 +39,7 @@ def prose(source: str, shell: bool = False) -> list[tuple[int, str]]:
         out = []
         for n, line in enumerate(source.splitlines(), 1):
             m = re.search(r"""(?:^|\s)(#.*)$""", line)
-            if m and line.count("'", 0, m.start(1)) % 2 == 0 and line.count('"', 0, m.start(1)) % 2 == 0:
+            if m and not (line.count("'", 0, m.start(1)) % 2 or line.count('"', 0, m.start(1)) % 2):
                 out.append((n, m.group(1)))
         return out
     out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
@@ -125,4 +125,5 @@ def test_checker_reads_shell_comments_only():
            "X='#not a comment 5a89add'\n")
     hits = history_hits(src, "s.sh", shell=True)
     assert [h.split(": ", 2)[:2] for h in hits] == [
-        ["s.sh:1", "commit SHA 'ac24287'"], ["s.sh:2", "until a date or stop 'until session 4'"]], hits
+        ["s.sh:1", "commit SHA 'ac24287'"],
+        ["s.sh:2", "until a date or stop 'until session 4'"]], hits

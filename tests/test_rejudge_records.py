@@ -198,8 +198,8 @@ SENSITIVITY_MISSES = {
     ("h200-e2e-1gpu-pd-vllm-9a15985", "gsm8k"): (
         "a uniform 0.23-nats median shift stays under the bound 0.640 when the healthy deltas "
         "are tight (scaled max 0.425); only the rank test, which does not decide, sees it"),
-    # the bytecode run, booted together: the same limit on both evals (the serial run beside it catches
-    # GSM8K at a scaled max of 1.072 and MMLU at 0.401); the rank test's p: 6.5e-10, 2.3e-10
+    # the bytecode run, booted together: the same limit on both evals (the serial run beside it
+    # catches GSM8K at a scaled max of 1.072 and MMLU at 0.401); the rank test's p: 6.5e-10, 2.3e-10
     ("h200-e2e-1gpu-pd-vllm-44140a5", "gsm8k"): (
         "healthy deltas median 0.099, max 0.280: scaled to a median of 0.23 their max is 0.648, "
         "under the bound 0.722; only the rank test, which does not decide, sees it"),
