@@ -677,7 +677,7 @@ def write_workflow(path: Path | str | None = None, lanes: dict[str, Lane] | None
 def venv_python(venv: str, environ: dict | None = None, repo: Path = REPO) -> str:
     """The interpreter of `venv`: E2E_LANE_PYTHON when set (a staged runner whose engines come
     from PYTHONPATH), else VENV/bin/python under the checkout; the default venv falls back to
-    this interpreter (a checkout run from another venv behaves as before)."""
+    this interpreter (a checkout run from another venv uses that venv's)."""
     forced = settings.raw("E2E_LANE_PYTHON", environ)
     if forced:
         return forced
@@ -695,7 +695,7 @@ def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
                   python=None) -> list[tuple[list[str], dict[str, str]]]:
     """One (argv, env) per venv of the lane: each engine's cases run in that engine's venv,
     with the venv's env and the lane's env merged over `environ`. A lane in one venv is one
-    pytest, exactly as before; a split lane gives each part its own E2E_ENGINES, JUnit file,
+    pytest; a split lane gives each part its own E2E_ENGINES, JUnit file,
     minimum and results folder (results/<venv>)."""
     python = python or venv_python
     base = dict(os.environ if environ is None else environ)
@@ -769,15 +769,15 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
 def call(argv: list[str], env: dict, stop_wait_s: float = 120.0) -> int:
     """Run one part's pytest. Ctrl-C / SIGINT (a CI cancel, `timeout -s INT`) reaches pytest,
     whose handler tears its clusters down, and is waited for; subprocess.call would SIGKILL
-    it instead and leave the clusters to the reaper (seen on the H200: 29 GB held until the
-    guardian swept 5 s later).
+    it instead and leave the clusters to the reaper (on an H200: GPU memory held until the
+    guardian sweeps, seconds later).
 
     Each interrupt must reach pytest exactly once: a second SIGINT means "kill every worker
     now" (cluster/signals.py). `timeout` signals its child and then its own process group,
     so a pytest in this process's group got the lane limit's one SIGINT twice, once from the
-    group and once passed on from here: on the H200 (9f29736) the 300 s limit of
-    `scripts/gpu_lane.sh` ended a lane with "second SIGINT: killing every worker now" in the
-    same second, no verified teardown. So, unless this process's group owns the terminal,
+    group and once passed on from here, and the lane limit of `scripts/gpu_lane.sh` ends a
+    lane with "second SIGINT: killing every worker now" in the same second, no verified
+    teardown. So, unless this process's group owns the terminal,
     pytest runs in a process group of its own and each interrupt is passed on from here
     (SIGTERM too), and it gets SIGTERM if this process dies (PR_SET_PDEATHSIG: a group
     SIGKILL, say a CI job's end, no longer reaches it). Where this group owns the terminal,
@@ -859,8 +859,8 @@ def _git_sha() -> str:
 def _refuse_a_used_results_folder(env: dict) -> None:
     """One line before anything starts where a part's results folder already holds a run
     (its run.json): the new run's files would lie beside the old run's clusters, burst plots
-    and tests that it does not overwrite (three runs into one folder on the H200 at ac24287
-    left nine clusters' logs in the last). A folder of its own is the default; a reused
+    and tests that it does not overwrite (three runs into one folder leave three runs'
+    clusters' logs in the last). A folder of its own is the default; a reused
     E2E_RESULTS_DIR is the caller's."""
     out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
     rec = out / "run.json"

@@ -751,8 +751,8 @@ def _idle_after(request) -> None:
         return
     # The test's topology, as its `cluster` fixture handed it out. Asking the fixture again
     # here (getfixturevalue) raised on pytest 8+, since it is torn down before this autouse
-    # fixture, and the error was taken for a topology that never started: until 2026-12-05
-    # this check never ran (tests/test_idle_after_test.py).
+    # fixture, and the error reads as a topology that never started, so the check would
+    # never run (tests/test_idle_after_test.py).
     c = getattr(request.node, "_e2e_cluster", None)
     if c is None or c.stopped or c.gateway is None:
         return              # the topology did not start (or was skipped): nothing to check

@@ -10,7 +10,7 @@ the publication of what they brought back (docs/gpu.md, "A device session in fou
 
 A device call carries at most 64 MiB: the working tree that travels (tracked files and
 untracked ones git does not ignore, each rounded up to a 4 KiB block as on disk) plus at most
-8 carried paths. The published runs under docs/validation (48 MiB at 08ae0d4) leave no room for
+8 carried paths. The published runs under docs/validation (tens of MiB) leave no room for
 a part, so `detach` takes that folder out of the index and ignores it for the session (and puts
 a pre-commit hook in place that refuses a commit until `attach`).
 

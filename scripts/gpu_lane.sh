@@ -70,10 +70,9 @@ if ! command -v py-spy >/dev/null 2>&1; then
 fi
 if [ "$eng" = tokenspeed ]; then
   # CUDA graphs: the builder asks the greedy sampler and captures batch sizes up to 16 without
-  # a prefill graph (engines/tokenspeed.py serving_defaults). Eager, TokenSpeed's scheduler was
-  # CPU-bound at 22-34 ms a decode step and e2e-1gpu-pd took 187 s booted together; with
-  # graphs 68-71 s (H200, ac24287), 60-63 s with the scheduler warm-spawned (5a89add). The
-  # EPD lane stays eager, as it was measured.
+  # a prefill graph (engines/tokenspeed.py serving_defaults). Eager, TokenSpeed's scheduler is
+  # CPU-bound and e2e-1gpu-pd takes about three times as long (docs/gpu.md, table "Engine
+  # figures"). The EPD lane stays eager, as it is measured.
   [ "$lane" = e2e-1gpu-epd ] || export E2E_ENFORCE_EAGER=${E2E_ENFORCE_EAGER:-0}
   export E2E_MOONCAKE_TRANSPORT=${E2E_MOONCAKE_TRANSPORT:-tcp}
 fi
@@ -106,9 +105,9 @@ export E2E_GIT_SHA=${E2E_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || ec
 export E2E_BACKEND=cuda CI=${CI:-true} E2E_ENFORCE_EAGER=${E2E_ENFORCE_EAGER:-1}
 # Bytecode, once per machine and folder: the staged sites are installed with --no-compile and
 # the device's Python runs with dont_write_bytecode (its multiprocessing children carry -B), so
-# every worker process compiled every module it imported from source, every time (py-spy on
-# the H200, 75a6d0f: a vLLM engine core in SourceLoader.source_to_code under torch's import;
-# `import vllm.entrypoints.openai.api_server` 25-28 s, twice per worker). Python reads .pyc files
+# every worker process would compile every module it imports from source, every time (py-spy:
+# a vLLM engine core in SourceLoader.source_to_code under torch's import; docs/gpu.md, table
+# "Engine figures"). Python reads .pyc files
 # under that variable; it only never writes them. E2E_BYTECODE=0 (false, no) skips this.
 if ! [[ "${E2E_BYTECODE:-1}" =~ ^(0|[Ff]alse|FALSE|[Nn]o|NO)$ ]]; then
   bt=$(date +%s); done_dirs=""

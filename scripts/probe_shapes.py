@@ -11,10 +11,10 @@ dumps of the worker processes 2 s and 6 s into the whole concurrency-1 runs of c
 and chat-logprobs. Writes $OUT/probe.json and $OUT/probe-stacks.txt ($OUT default
 /tmp/probe-out).
 
-On the H200 (ac24287, docs/bench/h200-tokenspeed-probe-ac24287) it showed eager TokenSpeed's
-scheduler process on the CPU for the whole of every run, 22-34 ms an output token for every
-shape alike, its stacks in the model's Python forward: the eager launch cost, not logprobs or
-chat (what the oracle's passes were suspected of), which CUDA graphs removed.
+On an H200 it shows eager TokenSpeed's scheduler process on the CPU for the whole of every
+run, every shape alike, its stacks in the model's Python forward: the eager launch cost, not
+logprobs or chat, which CUDA graphs remove (docs/bench.md, "Request shapes: what an API costs
+per step"; docs/gpu.md, table "Engine figures").
 """
 import argparse
 import json

@@ -364,9 +364,9 @@ def tracked_bytes(repo: Path = REPO) -> int | None:
 
 def part_size_for(tracked: int | None, limit: int = CARRY_LIMIT,
                   margin: int = CARRY_MARGIN) -> int:
-    """The largest part (whole MB) that fits one call beside the tracked files: at 431dd93 the
-    checkout had grown to 20.6 MiB on disk with the published runs, and a 48 MB part no longer
-    fit."""
+    """The largest part (whole MB) that fits one call beside the tracked files: with the
+    published runs the checkout takes about 20 MiB on disk, and a fixed 48 MB part does not
+    fit beside it."""
     if tracked is None:
         return PART
     room = (limit - tracked - margin) // 1_000_000 * 1_000_000

@@ -100,7 +100,7 @@ def test_within_capacity_wants_every_request_200_with_its_tokens():
 
 
 def test_every_recorded_window_burst_keeps_the_queue_full_bound():
-    """The new bound, on what the H200 runs recorded (status counts and admission): it must
+    """The bound, on what the H200 runs recorded (status counts and admission): it must
     hold on every healthy run it would have judged."""
     seen = 0
     for f in sorted((ROOT / "docs" / "validation").glob("*/tests/*versus_window*.json")):

@@ -87,7 +87,7 @@ def test_cancel_idle_before_the_natural_end_passes():
 
 
 def test_negative_control_idle_only_at_the_natural_end_fails():
-    """A request that ran to its end (max_tokens 16, the old prefill case: natural end about
+    """A request that ran to its end (max_tokens 16, a short prefill case: natural end about
     0.3 s) inside the 30 s bound: idle came, but not before the end, so the cancel proved
     nothing."""
     probs = sf.cancel_problems(_done(idle=0.4, remaining=0.35), 30.0)
@@ -169,9 +169,9 @@ def test_rate_outweighs_a_stall_before_the_first_token():
 
 
 def test_negative_control_eight_chunks_read_a_burst_as_the_rate():
-    """The rule this replaced (leave after 8 chunks): the chunks generated during the stall
-    come at once, and the rate they give is far above the real one (CI at 1c951df: 9 chunks
-    in 1 ms, 8000 tokens/s, a natural end 0.5 s away)."""
+    """The rejected rule (leave after 8 chunks): the chunks generated during the stall come
+    at once, and the rate they give is far above the real one (a CI stall read 9 chunks in
+    1 ms as 8000 tokens/s, a natural end 0.5 s away; docs/lifecycle.md, "Cancellation")."""
     case = _measure(lambda c: (lambda n, _t: n >= 8))
     rate = sf.decode_rate(case)
     assert rate is None or rate > 3 * 100.0, rate

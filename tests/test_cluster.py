@@ -134,9 +134,9 @@ def test_a_worker_exiting_while_starting_fails_at_once(fake, weights, tmp_path):
 
 
 def test_a_worker_not_ready_in_time_leaves_its_stacks(fake, weights, tmp_path):
-    """Past the boot limit the error names where each pending worker's stack dumps are (H200,
-    44140a5: two TokenSpeed workers stopped at their first graph capture, and nothing said
-    where). One file per process of the pending worker, none for the others."""
+    """Past the boot limit the error names where each pending worker's stack dumps are (a
+    TokenSpeed worker stuck in its first graph capture says nothing of where in its log).
+    One file per process of the pending worker, none for the others."""
     fake.env = {"worker-0": {"FAKE_ENGINE_DELAY_S": "60"}}
     c = Cluster(model=fake_engine.fake_spec(weights, startup_timeout_s=2.0),
                 engine=fake_engine.NAME, topology="1", backend="cpu",

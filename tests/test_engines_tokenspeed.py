@@ -48,7 +48,7 @@ GRAPH_TAIL = EAGER_TAIL + ["--max-cudagraph-capture-size", "16", "--disable-pref
 def test_regular():
     t, e = entries("1")
     # a dist-init port of the harness's own: without it TokenSpeed derives one from --port,
-    # which another server of the session may hold (H200, 44140a5: EADDRINUSE, a relaunch)
+    # which another server of the session may hold (EADDRINUSE, a relaunch)
     assert tokenspeed.aux_ports(t, e["worker"], CUDA) == ["dist_init"]
     cmd = tokenspeed.build(SPEC, t, e["worker"], Ports(api=30000, aux={"dist_init": 30001}),
                            "/models/q", CUDA)
@@ -76,7 +76,7 @@ def test_regular_small_window_eager_and_extra_args():
                                      ("--sampling-backend=triton_full",)])
 def test_graphs_with_a_triton_sampler_is_refused_before_any_process(sampler):
     """CUDA graphs and TokenSpeed 0.1.0's triton samplers: the capture compiles the generic
-    Gumbel kernel and the boot stalled past its limit on the H200 (9f29736): one line, before
+    Gumbel kernel and the boot stalls past its limit on an H200: one line, before
     anything starts, naming the worker, the sampler and the way out."""
     t, e = entries("1p1d")
     ports = Ports(api=32000, aux={"dist_init": 32001})
@@ -325,8 +325,8 @@ def test_options_from_env():
 
 def test_dist_init_is_a_block_no_other_server_gets_a_port_of():
     """TokenSpeed binds the ports right above --dist-init-addr's (SGLang's PortArgs: +1 ...);
-    the H200 run at 9d80458 handed dist_init + 1 to the gateway of the same 1p1d, whose bind
-    failed. The cluster allocates dist_init as a block: every port the session hands out after
+    a gateway handed dist_init + 1 fails its bind. The cluster allocates dist_init as a
+    block: every port the session hands out after
     it (the gateway's, the next worker's) lies outside it."""
     from types import SimpleNamespace
 
@@ -357,10 +357,10 @@ def test_dist_init_is_a_block_no_other_server_gets_a_port_of():
 
 
 def test_a_regular_worker_gets_its_dist_init_block_too():
-    """Without --dist-init-addr a regular worker bound its TCPStore on --port +
-    ZMQ_TCP_PORT_DELTA, a port the harness never reserved (H200, 44140a5, three topologies
-    booted together: `1`'s worker died "port: 20741 ... EADDRINUSE" and was relaunched, 22 s
-    on the lane's critical path). Now the cluster reserves a block for it as for the PD roles."""
+    """Without --dist-init-addr a regular worker binds its TCPStore near --port, a port the
+    harness never reserved, which another topology booted together may hold (EADDRINUSE,
+    a relaunch on the lane's critical path). The cluster reserves a block for it as for the
+    PD roles."""
     from types import SimpleNamespace
 
     from e2e_test.infra.cluster.cluster import Cluster
@@ -444,9 +444,9 @@ def test_warm_spawn_wraps_a_single_scheduler_worker(monkeypatch):
         "__init__.py", "e2e_warm_spawn.py"]
 
 
-# The variables the warm scheduler's launcher line listed under "the parent's environment
-# differs in" on the H200 at c632ecc, before the warm interpreter got them from its start:
-# what TokenSpeed's servicer sets before it starts its scheduler.
+# The variables the warm scheduler's launcher line lists under "the parent's environment
+# differs in" on an H200 when the warm interpreter does not get them from its start: what
+# TokenSpeed's servicer sets before it starts its scheduler.
 SEEN_DIFFERING_ON_H200 = {"NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NVIDIA_TF32_OVERRIDE",
                           "TF_CPP_MIN_LOG_LEVEL", "TOKENSPEED_MAMBA_SSM_DTYPE",
                           "TORCHINDUCTOR_ENABLE_PDL", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",

@@ -130,7 +130,7 @@ def smol_folder(tmp_path):
 def test_gpu_kv_cache_pinned_to_the_models_kv_budget(tmp_path):
     """On a GPU the KV cache is kv_budget_tokens x the model's bytes per token, not what
     profiling device-wide memory leaves (which counts other topologies' workers booting beside
-    it): 131072 x 23,040 B. A model without a budget is profiled as before; a budget whose
+    it): 131072 x 23,040 B. A model without a budget is profiled by vLLM; a budget whose
     folder has no config.json is a one-line error before anything starts."""
     t, e = gpu_entries("1", SMOL, devices=(0,))
     cmd = vllm.build(SMOL, t, e["worker-0"], Ports(api=1), smol_folder(tmp_path), CUDA)

@@ -172,8 +172,8 @@ def test_grpc_workers_get_the_model_path_for_smg_tokenizer():
 
 
 def test_grpc_workers_of_a_regular_gateway_stay_on_the_command_line():
-    """Registered through POST /workers with runtime_type, a TokenSpeed `1` worker was listed
-    by smg but never served (404 model_not_found on the H200, 2026-12-04): a regular smg started
+    """Registered through POST /workers with runtime_type, a TokenSpeed `1` worker is listed
+    by smg but never served (404 model_not_found): a regular smg started
     with no worker URL builds its HTTP router. A regular gateway keeps its gRPC workers on
     --worker-urls; only kv_connector workers register."""
     a = GatewayWorker("grpc://127.0.0.1:20001", runtime_type="tokenspeed")

@@ -248,8 +248,8 @@ def _pass(n, answered=True):
 
 
 def test_a_kind_only_recorded_may_leave_nothing_answered_the_others_may_not():
-    """The CI run of d322f90: bitflip:0.1 made every recall request an HTTP error, and the
-    recorded-only case raised 'no item answered'. For such a kind that is recorded as request
+    """bitflip:0.1 can make every recall request an HTTP error, and a recorded-only case
+    would then raise 'no item answered'. For such a kind that is recorded as request
     errors; for `none` and the asserted kinds it stays an error (a verdict over nothing)."""
     from e2e_test.router.test_kv_corrupt import _judged
     control = oracle.ControlArm([oracle.compare("recall", "1", "1 second", _pass(4), _pass(4))])

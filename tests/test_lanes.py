@@ -478,7 +478,7 @@ def test_cli_run_unknown_lane(tmp_path):
 
 def test_an_interrupted_lane_part_leaves_its_run_record(tmp_path):
     """A part ended by an interrupt (the lane limit's SIGINT) still writes run.json, saying
-    so; the report names the lane from it (the H200's cut serial run at 9f29736 had none)."""
+    so; the report names the lane from it (a cut run has no other record)."""
     import json
 
     def runner(argv, env):
@@ -498,7 +498,7 @@ def test_an_interrupted_lane_part_leaves_its_run_record(tmp_path):
 
 def test_a_results_folder_that_holds_a_run_is_refused(tmp_path):
     """A second run into one results folder would leave its files beside the first run's
-    clusters and plots (ac24287): refused in one line before anything starts; the first
+    clusters and plots: refused in one line before anything starts; the first
     run's files are untouched; a folder without a run.json is used."""
     started = []
     environ = {"E2E_RESULTS_DIR": str(tmp_path)}
@@ -853,7 +853,7 @@ def test_too_few_devices_deselects_at_collection(tmp_path):
 
 def test_afd_ffn_proof_is_not_selected_on_the_native_baseline(tmp_path):
     """The FFN proof has nothing to check on native-dpN: not selected there (the opt-in lane
-    runs under --e2e-no-skips, where its old skip failed the lane)."""
+    runs under --e2e-no-skips, where a skip fails the lane)."""
     lane = lanes.get_lane("e2e-4gpu-afd")
     r, ids = collect(tmp_path, *lane.paths, "-m", lane.markers, **lane.full_env())
     assert r.returncode == 0, r.stdout + r.stderr

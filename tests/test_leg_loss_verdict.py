@@ -21,7 +21,7 @@ DECODE_502 = {"status": 502, "body": '{"error":{"code":"decode_request_failed"}}
 
 
 def decode_loss(**kw) -> LegLoss:
-    # CPU lane, 2026-12-01 (window 1p1d): 4 streams, decode SIGKILLed 3 s in.
+    # A CPU lane's record (window 1p1d): 4 streams, decode SIGKILLed 3 s in.
     base = {"role": "decode", "killed": ["decode-0"], "requests": 4, "errors": 4, "ok": 0,
             "in_flight_at_kill": 4, "past_prefill_at_kill": 2, "errors_before_first_token": 2,
             "max_end_after_kill_s": 0.213, "status_counts": {"200 stream_error": 4},
@@ -36,7 +36,7 @@ def test_a_decode_loss_that_errors_fast_passes():
 
 
 def test_a_slow_next_request_fails_and_says_where_the_time_went():
-    # The CI run at 05e988f: the next request took 29.689 s to come back 502.
+    # A CI record: the next request took 29.689 s to come back 502.
     after = {**DECODE_502, "seconds": 29.689, "gateway_transport_errors": 5,
              "workers": {"prefill-0": {"tokens": 160.0, "busy_s": 28.5}}}
     problems = leg_loss_problems(decode_loss(after_kill_request=after), BOUND)
@@ -59,8 +59,8 @@ def test_a_hang_and_an_answer_from_a_dead_decode_fail():
 
 
 def test_answers_complete_before_the_kill_are_no_verdict():
-    # CI of stop 38 (2026-12-03, window 1p1d, 512 tokens asked): the window's two streams were
-    # done within the 3 s before the kill, the two queued behind them failed 0.09 s after it
+    # A CI record (window 1p1d, 512 tokens asked): the window's two streams were done within
+    # the 3 s before the kill, the two queued behind them failed 0.09 s after it
     early = decode_loss(ok=2, errors=2, in_flight_at_kill=2, answered_before_kill=2,
                         status_counts={"200": 2, "200 stream_error": 2})
     why = sf.leg_loss_unmet(early)
@@ -80,8 +80,8 @@ def test_silent_errors_and_an_unnamed_death_fail():
 
 
 def h200_prefill_loss(**kw) -> LegLoss:
-    # lane e2e-1gpu-pd on the H200, 2026-12-01, prefill killed 1 s into traffic: every
-    # prefill was over before the kill and all 4 requests answered.
+    # An e2e-1gpu-pd record on an H200, prefill killed 1 s into traffic: every prefill was
+    # over before the kill and all 4 requests answered.
     base = {"role": "prefill", "killed": ["prefill-0"], "requests": 4, "errors": 0, "ok": 4,
             "in_flight_at_kill": 0, "past_prefill_at_kill": 2, "errors_before_first_token": 0,
             "max_end_after_kill_s": 1.935, "status_counts": {"200": 4},
@@ -110,10 +110,10 @@ def test_a_frozen_prefill_whose_requests_all_fail_passes():
 
 
 # -- when the killed worker was gone, and whether the harness could see --------------------
-# The CI run at 139e581 (2026-12-02): 4/4 decode streams ended with an error 28.971 s after the
-# SIGKILL, all within 0.1 ms of each other (other runs: 0.14 s); the next request came back 502
-# in 1.128 s. Two explanations fit that record, and the record could not tell them apart; the
-# harness now records what does (`gone_after_kill_s`, `seen_alive_until_s`, `harness_stalls`).
+# A CI record: 4/4 decode streams ended with an error 28.971 s after the SIGKILL, all within
+# 0.1 ms of each other (other runs: 0.14 s); the next request came back 502 in 1.128 s. Two
+# explanations fit such a record and it cannot tell them apart, so the harness records what
+# does (`gone_after_kill_s`, `seen_alive_until_s`, `harness_stalls`).
 CI_139E581 = {"max_end_after_kill_s": 28.971, "error_after_kill_s": {"max": 28.9712},
               "after_kill_request": {**DECODE_502, "seconds": 1.128, "at_s": 29.5}}
 
@@ -143,11 +143,12 @@ def test_a_gateway_that_holds_streams_of_a_dead_worker_fails():
     assert "last seen alive 0.05 s" in problems[0] and "09:57:04" in problems[0]
 
 
-# The CI run at a67baaf (2026-12-03): as at 139e581, 4/4 decode streams ended with their error
-# 29.063 s after the SIGKILL, within 0.1 ms of each other; the killed processes were gone in
-# 0.703 s, the watch never stalled, and smg logged the 4 stream ends in the kill's second. What
-# was left open: was the client's own event loop held (it reads nothing then), or did the
-# events reach it late? The client now records its loop's stalls and when it read each error.
+# A CI record with the watch's figures: as in CI_139E581, 4/4 decode streams ended with their
+# error 29.063 s after the SIGKILL, within 0.1 ms of each other; the killed processes were gone
+# in 0.703 s, the watch never stalled, and smg logged the 4 stream ends in the kill's second.
+# Such a record leaves open whether the client's own event loop was held (it reads nothing
+# then) or the events reached it late, so the client records its loop's stalls and when it
+# read each error.
 CI_A67BAAF = {**CI_139E581, "max_end_after_kill_s": 29.063, "seen_alive_until_s": 0.692,
               "gone_after_kill_s": 0.703, "gateway_stream_failures": ["14:00:54"] * 4,
               "kill_utc": "14:00:53.842"}
@@ -293,8 +294,8 @@ def _kill_counting_reads(w) -> None:
 
 
 def test_the_kill_reads_no_proc_entry_of_a_dying_process_and_sees_each_end():
-    # After the SIGKILL the watch learns of each end through pidfds alone (on the CI host,
-    # stop 38, the walk after the kill held the harness 73.9 and 27.7 s).
+    # After the SIGKILL the watch learns of each end through pidfds alone (a walk after the
+    # kill can hold the harness for more than a minute: docs/lifecycle.md, "Lifecycle figures").
     p, procs = _tree()
     try:
         w = sf.KillWatch(procs)
@@ -487,8 +488,8 @@ def test_the_look_sees_a_client_that_does_not_read_and_a_gateway_that_answers():
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True).start()
     port = srv.server_address[1]
-    # Connections to this port number that were there before this test's client: the fresh-clone
-    # CI at dab5213 saw 2 established client ends, one with nothing queued, 1300 tests into one
+    # Connections to this port number that were there before this test's client: a fresh-clone
+    # CI run saw 2 established client ends, one with nothing queued, 1300 tests into one
     # session (not reproduced: the file passes alone and beside two CPU burners; most likely a
     # pair an earlier test left open on a port number bind(0) gave out again, since the look
     # counts every established one). The look must add exactly the client's.

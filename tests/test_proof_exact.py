@@ -206,7 +206,7 @@ def test_epd_proof_negative_controls(run, broken, why):
 
 
 def test_the_recorded_epd_negative_control_fails_the_exact_checks_too():
-    """The e2e negative control (96e9300: a regular worker read as all three roles): the
+    """The recorded e2e negative control (a regular worker read as all three roles): the
     gateway picked no leg, and its forward tokens (prompt and decode steps, 290 for 266 prompt
     tokens) are outside the prefill's bound."""
     msg = _record("h200-e2e-1gpu-epd-tokenspeed-96e9300",

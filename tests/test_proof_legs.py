@@ -74,8 +74,8 @@ def _fallbacks(overload: float = 0, liveness: float = 0, stage: str = "selection
 
 def test_pd_pairs_of_smgs_veto_fallback_count_as_picks_of_both_legs():
     """smg 1.13.0 counts a PD pair its veto fallback picked (placement.rs relaxed_pair) under
-    its fallback counters only. H200, 5a89add-b: the prefill's overload veto (waiting 15 > 8)
-    held through the KV proof and the legs test, selections stood at 83, every request a
+    its fallback counters only. On an H200 the prefill's overload veto (waiting 15 > 8) can
+    hold through the KV proof and the legs test: selections stand still, every request a
     fallback pick. In a PD gateway each such pick is one prefill and one decode."""
     before = {**_gw(83, 190), **_fallbacks()}
     after = {**_gw(83, 194), **_fallbacks(overload=3, liveness=1)}

@@ -2,9 +2,9 @@
 `ray.get` are replaced). A call that times out is silence, and silence is loss only after
 SILENT_LOST_S; what Ray reports as a dead or unreachable actor is loss at once.
 
-The CI failure this guards against: on two busy cores, both nodes' status calls took over
-5 s while the engines initialised, and the old rule ("no answer within 5 s: lost") failed a
-healthy 1p1d boot naming both nodes lost."""
+The failure this guards against: on two busy cores, both nodes' status calls take over 5 s
+while the engines initialise, and a rule of "no answer within 5 s: lost" fails a healthy 1p1d
+boot naming both nodes lost (docs/lifecycle.md, table "Lifecycle figures")."""
 
 from pathlib import Path
 

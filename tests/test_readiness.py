@@ -101,8 +101,8 @@ def _round_robin_gateway(legs: int, fail_first: int = 0):
 
 def test_model_served_warms_every_leg_of_a_role():
     """Two prefills behind a round-robin gateway: ready only once two completions succeeded,
-    one per poll, so each leg served one before any test (H200, TokenSpeed 2p2d, 44140a5: a
-    test's first request on the cold prefill was retried by smg and the KV proof counted both).
+    one per poll, so each leg served one before any test (TokenSpeed 2p2d: a test's first
+    request on a cold prefill is retried by smg and the KV proof counts both).
     A failed probe does not count."""
     transport, hits = _round_robin_gateway(2, fail_first=1)
     legs = legs_to_warm(["prefill"] * 2 + ["decode"] * 2)
@@ -132,7 +132,7 @@ def test_legs_to_warm():
 
 def test_model_served_keeps_the_probes_that_failed():
     """A gateway that lists the model late, then answers the first chat 504 (smg's prefill
-    silence verdict on a new PD pair, as on the H200 at f78e3d1): the 504 is kept with its
+    silence verdict on a new PD pair, as TokenSpeed's 1p1d shows): the 504 is kept with its
     reason and duration, the not-yet-listed polls are not (they are the gateway starting)."""
     state = {"models": 0, "chats": 0}
 

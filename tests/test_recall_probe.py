@@ -48,7 +48,7 @@ def test_reproduced():
 
 
 def test_only_codes_that_1_copies_in_every_pass_are_required():
-    """The H200 case (vLLM 0.26, 2026-12-02): `1` copied item 1's code in its baseline, its
+    """The H200 case (vLLM 0.26): `1` copied item 1's code in its baseline, its
     control pass began at the near-tie ' a' and lost it, and so did 1p1d. Required of 1p1d
     are the codes copied in the baseline and in every control pass; item 1 is named as
     unstable, not required. A code lost by 1p1d that `1` copied every time still fails."""

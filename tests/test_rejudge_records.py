@@ -75,37 +75,37 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
       # the serial TokenSpeed run's 1p1d did not start (its gateway's port): `1`'s control only
       + [("h200-e2e-1gpu-pd-tokenspeed-9d80458-serial",
           "test_oracle_negative_control[tokenspeed-1]")]
-      # 75a6d0f and 44140a5 (the bytecode): both engines booted together and serially on one
-      # machine; the PD sweep (vLLM at 75a6d0f, TokenSpeed twice at 44140a5)
+      # the bytecode runs: both engines booted together and serially on one machine; the PD
+      # sweep (vLLM once, TokenSpeed twice)
       + [(f"h200-e2e-1gpu-pd-{eng}-{sha}{suffix}", t.format(eng=eng))
          for sha in ("75a6d0f", "44140a5")
          for eng in ("vllm", "tokenspeed") for suffix in ("", "-serial")
          for t in PD_LANE]
-      # 9f29736: both engines together and serially on one machine (vLLM's serial run cut by
+      # both engines together and serially on one machine (vLLM's serial run cut by
       # its lane limit in its last test, after these)
       + [(f"h200-e2e-1gpu-pd-{eng}-9f29736{suffix}", t.format(eng=eng))
          for eng, suffix in [("vllm", ""), ("vllm", "-serial-cut"), ("tokenspeed", ""),
                              ("tokenspeed", "-serial")]
          for t in PD_LANE]
-      # ac24287: TokenSpeed with CUDA graphs and the greedy sampler, together and serially,
+      # TokenSpeed with CUDA graphs and the greedy sampler, together and serially,
       # with its default capture sizes and then twice with sizes up to 16
       + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-ac24287{suffix}", t)
          for kind, suffixes in [("graphs-greedy", ("", "-serial")),
                                 ("graphs16", ("", "-serial", "-b", "-b-serial"))]
          for suffix in suffixes
          for t in pd_lane("tokenspeed")]
-      # 5a89add: TokenSpeed's scheduler warm-spawned (default) and cold, together and serially
+      # TokenSpeed's scheduler warm-spawned (default) and cold, together and serially
       + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-5a89add{suffix}", t)
          for kind, suffixes in [("warm-together", ("", "-b", "-c", "-d")),
                                 ("cold-together", ("", "-b")), ("warm-serial", ("",)),
                                 ("cold-serial", ("",))]
          for suffix in suffixes
          for t in pd_lane("tokenspeed")]
-      # 20a2049: vLLM booted together, the machine's first vLLM lane
+      # vLLM booted together, the machine's first vLLM lane
       + [("h200-e2e-1gpu-pd-vllm-20a2049", t)
          for t in pd_lane("vllm")]
-      # f78e3d1: both engines together and serially on one machine; vLLM's engine process
-      # forked (the default since f78e3d1) and, once, spawned
+      # both engines together and serially on one machine; vLLM's engine process forked (the
+      # default) and, once, spawned
       + [(f"h200-e2e-1gpu-pd-{eng}-{kind}-f78e3d1{suffix}", t.format(eng=eng))
          for eng, kind, suffix in [("tokenspeed", "together-first", ""),
                                    ("tokenspeed", "serial", ""), ("tokenspeed", "together", ""),
@@ -113,13 +113,13 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                                    ("vllm", "together-first", ""), ("vllm", "serial", ""),
                                    ("vllm", "together", ""), ("vllm", "together-spawn", "")]
          for t in PD_LANE]
-      # 2026-12-04: TokenSpeed's host KV pool at 0.05 (551b223 with E2E_ENGINE_ARGS, then
-      # 43c47c7's code on a second machine), together and serially
+      # TokenSpeed's host KV pool at 0.05 (first through E2E_ENGINE_ARGS, then as the
+      # default, on a second machine), together and serially
       + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}", t)
          for kind in ("together-kvstore-551b223", "serial-kvstore-551b223", "together-43c47c7",
                       "serial-43c47c7", "together-43c47c7-b")
          for t in pd_lane("tokenspeed")]
-      # f1eece8: held restarts; both engines together and serially on one machine, vLLM's
+      # held restarts; both engines together and serially on one machine, vLLM's
       # restart also unheld (E2E_HOLD_RESTARTS=0)
       + [(f"h200-e2e-1gpu-pd-{eng}-{kind}-f1eece8{suffix}", t.format(eng=eng))
          for eng, kind, suffix in [("vllm", "serial", ""), ("vllm", "together", ""),
@@ -128,7 +128,7 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                                    ("tokenspeed", "serial", ""),
                                    ("tokenspeed", "together", "-b")]
          for t in PD_LANE]
-      # 56658ab (and 2f68b9c, its code, on a second machine): TokenSpeed's launcher imports
+      # on two machines, the same code: TokenSpeed's launcher imports
       # with the collector off, and its control, on
       + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-{sha}{suffix}", t)
          for sha, kind, suffix in [("56658ab", "together", ""), ("56658ab", "serial", ""),
@@ -139,7 +139,7 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                                    ("2f68b9c", "together-collector-on", ""),
                                    ("2f68b9c", "together", "-c")]
          for t in pd_lane("tokenspeed")]
-      # c632ecc: the compilers' cache keys computed before the request (the launcher's
+      # the compilers' cache keys computed before the request (the launcher's
       # --call), and its control, in each first forward (E2E_TOKENSPEED_WARM_CALLS=0)
       + [(f"h200-e2e-1gpu-pd-tokenspeed-{kind}-c632ecc{suffix}", t)
          for kind, suffixes in [("together", ("", "-b", "-c", "-d", "-e")),
@@ -192,21 +192,21 @@ def _pd_case(run, name):
 # Where the modelled change is not caught, and why (a limit of the verdict, measured): the
 # co-booted H200 run's healthy GSM8K deltas are tight (median 0.095, max 0.176 nats), so
 # scaled to a median of 0.23 their max is 0.425, under the session's first-step bound of
-# 0.640; the rank test sees it (p 1.5e-9) but no longer decides. The serial run of the same
-# commit (max 0.398, scaled 1.133) and the earlier runs catch it.
+# 0.640; the rank test sees it (p 1.5e-9) but does not decide. The serial run of the same
+# code (max 0.398, scaled 1.133) and the other runs catch it.
 SENSITIVITY_MISSES = {
     ("h200-e2e-1gpu-pd-vllm-9a15985", "gsm8k"): (
         "a uniform 0.23-nats median shift stays under the bound 0.640 when the healthy deltas "
         "are tight (scaled max 0.425); only the rank test, which does not decide, sees it"),
-    # 44140a5, booted together: the same limit on both evals (the serial run beside it catches
-    # GSM8K at a scaled max of 1.072 and MMLU at 0.401); the rank test's p: 6.5e-10, 2.3e-10
+    # the bytecode run, booted together: the same limit on both evals (the serial run beside it
+    # catches GSM8K at a scaled max of 1.072 and MMLU at 0.401); the rank test's p: 6.5e-10, 2.3e-10
     ("h200-e2e-1gpu-pd-vllm-44140a5", "gsm8k"): (
         "healthy deltas median 0.099, max 0.280: scaled to a median of 0.23 their max is 0.648, "
         "under the bound 0.722; only the rank test, which does not decide, sees it"),
     ("h200-e2e-1gpu-pd-vllm-44140a5", "mmlu"): (
         "healthy deltas median 0.091, max 0.124: scaled max 0.314, under the bound 0.332; only "
         "the rank test, which does not decide, sees it"),
-    # 9f29736, booted together: MMLU again (GSM8K is caught, scaled max 1.103 over 0.722; the
+    # the next run, booted together: MMLU again (GSM8K is caught, scaled max 1.103 over 0.722; the
     # serial run beside it catches both); the rank test's p: 6.2e-9
     ("h200-e2e-1gpu-pd-vllm-9f29736", "mmlu"): (
         "healthy deltas median 0.084, max 0.124: scaled max 0.338, under the bound 0.359; only "
@@ -252,7 +252,7 @@ def test_a_computation_change_on_the_recorded_pd_is_caught(run, name, fraction, 
 
 @pytest.mark.parametrize("run, name", sorted(SENSITIVITY_MISSES))
 def test_a_path_arm_like_the_healthy_pd_sees_the_misses(run, name):
-    """A model until an H200 run records `1`'s path arm (Engine.first_step_path_arm: one
+    """A model while no H200 run records `1`'s path arm (Engine.first_step_path_arm: one
     token over another prefill's cached KV, the decode's path): if that arm holds what the
     healthy 1p1d's first steps hold (modelled here by the record's own healthy deltas), the
     uniform change to a median of 0.23 nats that the bound misses above ranks above it at

@@ -97,8 +97,8 @@ def test_the_report_carries_the_runs_time_report_and_its_boot_phases(tmp_path):
 
 def test_gateway_cell_says_which_probes_failed():
     """A gateway's readiness with the probes that failed on the way (readiness.ModelServed),
-    as TokenSpeed's 1p1d gateways saw on the H200 at f78e3d1; a record without them (before
-    they were kept) or with none reads as before."""
+    as TokenSpeed's 1p1d gateways see them; a record without them (an older one) or with
+    none reads as the readiness alone."""
     assert report.gateway_cell({"gateway_ready_s": 1.87}) == "1.9 s"
     assert report.gateway_cell({"gateway_ready_s": 1.87, "gateway_probe_failures": []}) == "1.9 s"
     cell = report.gateway_cell({"gateway_ready_s": 7.17, "gateway_probe_failures": [

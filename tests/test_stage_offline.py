@@ -309,7 +309,7 @@ def test_setup_sh_tokenspeed_content():
 
 def test_setup_sh_matches_the_one_used_on_the_h200():
     """tests/data/ts-stage-setup.sh is the script that installed TokenSpeed on the H200 (the
-    git-ignored .ts-stage/setup.sh of 2026-11-30 to 2026-12-02, copied); a checkout that has
+    git-ignored .ts-stage/setup.sh of those runs, copied); a checkout that has
     its own .ts-stage/setup.sh is held to it too."""
     rendered = so.render_setup(so.load_profile(PROFILE))
     assert rendered == (REPO / "tests" / "data" / "ts-stage-setup.sh").read_text()
@@ -375,14 +375,14 @@ def test_setup_sh_assembles_parts_carried_one_at_a_time(tmp_path):
 
 # ------------------------------------------------------------------------- part size, resplit
 def test_part_size_leaves_room_for_the_checkout():
-    """20.6 MiB of tracked files on disk (431dd93, with the published runs): a 48 MB part no
-    longer fit a 64 MiB call; the cut is what does, in whole MB."""
+    """20.6 MiB of tracked files on disk (with the published runs): a 48 MB part does not
+    fit a 64 MiB call beside them; the cut is what does, in whole MB."""
     tracked = int(20.59 * 2**20)
     size = so.part_size_for(tracked)
     assert size % 1_000_000 == 0
     assert tracked + size + so.CARRY_MARGIN <= so.CARRY_LIMIT
     assert tracked + size + 1_000_000 + so.CARRY_MARGIN > so.CARRY_LIMIT   # the largest
-    assert tracked + so.PART + so.CARRY_MARGIN > so.CARRY_LIMIT            # the old cut: too big
+    assert tracked + so.PART + so.CARRY_MARGIN > so.CARRY_LIMIT            # the fixed cut: too big
     assert so.part_size_for(None) == so.PART
 
 

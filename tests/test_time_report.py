@@ -63,7 +63,7 @@ def test_a_held_restarts_imports_count_as_boot_where_they_fall():
 
 
 def test_boots_beside_the_tests_are_not_waited_on():
-    # booted together (the shape of TokenSpeed's e2e-1gpu-pd at 44140a5): `1` boots 0..55 in a
+    # booted together (the shape of TokenSpeed's e2e-1gpu-pd): `1` boots 0..55 in a
     # thread while the 1p1d topology, ready at 30, runs its tests 30..60; the main thread
     # waited on 1p1d 0..30 and on `1` only 60..60 (it was up by then); the window's decode
     # restarts in the background 70..95 beside the tests 60..100, and the rejoin test waits

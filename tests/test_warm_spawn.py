@@ -247,7 +247,7 @@ def test_calls_beside_do_not_hold_the_request_back(stand_in):
 
 
 def test_calls_beside_count_what_fails(stand_in):
-    """Beside as before: one that names no module is counted when it is resolved, before the
+    """Beside, as with `before`: one that names no module is counted when it is resolved, before the
     thread; one that raises, in the thread; the target runs either way."""
     tmp, env = stand_in
     out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",

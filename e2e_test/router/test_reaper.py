@@ -148,8 +148,8 @@ def test_preflight_clears_what_a_killed_driver_and_guardian_left(own_cluster, re
                                                                  engine_name, e2e_backend,
                                                                  request):
     """Guardian and driver both SIGKILLed (what the guardian cannot survive): the topology
-    outlives them, as before the reaper; the next run's preflight names it (fail) or clears
-    it (default), and only it."""
+    outlives them, as it would without a reaper; the next run's preflight names it (fail)
+    or clears it (default), and only it."""
     del own_cluster
     driver, info, _, _, tree = _start_driver(
         tmp_path, request.config.getoption("--model"), engine_name, e2e_backend)

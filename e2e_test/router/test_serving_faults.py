@@ -29,9 +29,9 @@ CANCEL_IDLE_S = settings.get("E2E_CANCEL_IDLE_S")
 LEG_LOSS_S = settings.get("E2E_LEG_LOSS_S")
 SHARED = pytest.mark.topology_kinds("regular", "pd")
 # Timed against the engine's own pace (the probe's time to first token, the decode rate): with
-# nothing else on the device. H200 at 9d80458, booted together: the prefill probe's first token
-# took 0.346 s while `1`'s passes ran ahead beside it, the cancelled request's 0.181 s, so the
-# cancel came after the prefill and the case could not be made (skipped, a failure on the lane).
+# nothing else on the device. Beside passes ahead the probe's first token is slower than the
+# cancelled request's, so the cancel comes after the prefill and the case cannot be made
+# (skipped, a failure on the lane; docs/lanes.md, "Passes ahead").
 QUIET = pytest.mark.quiet
 
 
@@ -124,7 +124,7 @@ def test_pd_decode_leg_loss(cluster, record):
     it boots beside the other topologies' tests; test_pd_restart_rejoin_prefill_loss, this
     topology's last test, waits for it. The restart starts whatever the verdict: a failed
     or void leg loss leaves test_pd_restart_rejoin_prefill_loss its own checks, not a dead
-    decode (stop 38's CI failed that test at set-up on the leg this one left dead)."""
+    decode to fail at set-up on."""
     c = cluster
     try:
         _leg_loss(c, "decode", record)

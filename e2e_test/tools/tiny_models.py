@@ -388,8 +388,8 @@ def vlm_dims(attention: str = "full") -> dict:
     layer pattern from full_attention_interval alone, configs/qwen3_5_text_base_config.py
     layers_block_type). The default is "full" because TokenSpeed 0.1.0's PyPI scheduler (flat
     build) refuses PD/EPD for a model with GDN state layers ("flat GDN layout has no per-layer
-    KV on state layers"), seen on an H200 on 2026-11-30 with the hybrid model; the full variant
-    has not yet run on an engine.
+    KV on state layers"), as the hybrid model shows on an H200; the full variant has not run
+    on an engine.
     """
     if attention not in VLM_ATTENTION:
         raise ConfigError(f"tiny VLM attention {attention!r}: use one of "

@@ -65,9 +65,9 @@ PORT_RETRIES = 2
 STOP_GRACE_S = 15.0
 REQUEST_TIMEOUT_S = 120.0     # one request of Cluster.client (chat, evals through it)
 # How long the watchdog's engine poll waits for a worker's /metrics. On a 2-core runner,
-# during a 1p1d cross_request recall pass in float32, the API servers answered in up to
-# 10.5 s (the prefill's engine used 1.3 cores, the decode's 0.6 while it held KV); the poll
-# waited 2 s, so a slow answer was no answer and the work done meanwhile no progress.
+# during a 1p1d cross_request recall pass in float32, the API servers answer in up to about
+# 10 s (the prefill's engine on 1.3 cores, the decode's on 0.6 while it holds KV); a 2 s poll
+# makes a slow answer no answer and the work done meanwhile no progress.
 WORK_SCRAPE_S = 15.0
 
 _ids = itertools.count(1)
@@ -420,8 +420,8 @@ class Cluster:
                 tails = "\n".join(f"--- {w.name} ({w.process.log_path}): "
                                   f"{w.command.readiness.pending()}\n"
                                   f"{w.process.log_tail(15)}" for w in pending)
-                # where each one was when time ran out (H200, 44140a5: two workers of a lane
-                # stopped at their first CUDA-graph capture for 300 s, and no stack said why)
+                # where each one was when time ran out (a worker stuck in its first CUDA-graph
+                # capture says nothing in its log; its stack does)
                 where = self.dir / "boot-stall"
                 dumps = stack_dumps(self, where, workers=pending)
                 raise StartupError(f"topology {self.topology.name}: {names} not ready within "
@@ -618,8 +618,8 @@ class Cluster:
                    if p is not None and p.started_at is not None]
         # asked at once: on a busy host a remote handle's answer may take its whole status
         # timeout (ray_launcher.STATUS_TIMEOUT_S, 5 s), and asked one after the other the
-        # waits added up; a killed decode across two simulated nodes was named after 10.01 s,
-        # twice that timeout, against the multi-node test's 10 s (local run at 7848507)
+        # waits add up: a killed decode across two simulated nodes is named after twice that
+        # timeout, past the multi-node test's 10 s
         with ThreadPoolExecutor(max_workers=max(1, len(handles))) as ex:
             alive = list(ex.map(lambda h: h[1].alive(), handles))
         for (name, p), up in zip(handles, alive):

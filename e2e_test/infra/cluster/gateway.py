@@ -102,10 +102,10 @@ class GatewayConfig:
         detect_backend: a gRPC health check per runtime it knows, workflow/steps classify.rs,
         local/detect_backend.rs) and a TokenSpeed servicer answers each after at least 0.5 s
         (servicer.py HealthCheck sleeps 0.5 s before it looks): the TokenSpeed `1` gateways of
-        the H200 lanes spent 1.5 s in those steps (502, 503, 504 ms in their logs). Registered
-        through POST /workers with runtime_type "tokenspeed" instead (H200, 2026-12-04, at
-        0a9b744), smg listed the worker healthy and ready under its model and answered every
-        chat completion 404 model_not_found ("No worker available for model"): started with no
+        the H200 lanes spend about 1.5 s in those steps (about 500 ms each in their logs).
+        Registered through POST /workers with runtime_type "tokenspeed" instead, smg lists the
+        worker healthy and ready under its model and answers every chat completion 404
+        model_not_found ("No worker available for model"): started with no
         worker on its command line, a regular smg builds its HTTP router ("Created single
         router with ID: http-regular"; the router's connection mode comes from the startup
         URLs, routers/gateway.rs from_config), which never routes to a gRPC worker. smg's

@@ -133,9 +133,9 @@ class ModelServed:
     first generation is a test's (see legs_to_warm).
 
     `failures` keeps each probe that failed once the model was listed, with how long it took
-    and what the gateway said, so that a slow gateway readiness says why (H200, TokenSpeed
-    1p1d: the first request through a new prefill-decode pair outlasted smg's 3 s prefill
-    silence bound and was answered 504; the retry served)."""
+    and what the gateway said, so that a slow gateway readiness says why (TokenSpeed 1p1d on
+    an H200: the first request through a new prefill-decode pair can outlast smg's 3 s
+    prefill silence bound and be answered 504; the retry serves)."""
     base_url: str
     model: str
     completions: int = 1
@@ -162,9 +162,9 @@ def legs_to_warm(worker_types) -> int:
     """Probe completions a gateway needs before a topology counts as ready: the most workers
     of one type behind it (1 for `1` and 1p1d). A worker's first generation can be slow
     (TokenSpeed's disaggregated workers skip their warmup); as a test's first request on a
-    cold prefill it outlasted smg's 3 s PD silence bound, smg retried on the other prefill,
-    and the exact KV proof counted both (H200, TokenSpeed 2p2d, 44140a5: 5 selections and
-    1954 prefill tokens for 4 requests of 1561)."""
+    cold prefill it can outlast smg's 3 s PD silence bound, smg then retries on the other
+    prefill, and the exact KV proof counts both (TokenSpeed 2p2d on an H200: more selections
+    and prefill tokens than requests)."""
     counts: dict[str, int] = {}
     for t in worker_types:
         counts[t] = counts.get(t, 0) + 1

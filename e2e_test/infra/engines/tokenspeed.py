@@ -71,40 +71,34 @@ from . import (
 )
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
-# Warm spawn (launchers/e2e_warm_spawn.py): the servicer's process imports TokenSpeed's
-# runtime, then starts the scheduler in a spawn child (0.1.0 runtime/entrypoints/engine.py
+# Warm spawn (launchers/e2e_warm_spawn.py): the servicer's process imports TokenSpeed's runtime,
+# then starts the scheduler in a spawn child (0.1.0 runtime/entrypoints/engine.py
 # _set_envs_and_config: mp.set_start_method("spawn", force=True); _launch_subprocesses:
-# mp.Process(target=run_event_loop)), a fresh interpreter that imports it all again, one round
-# after the other: on the H200 at ac24287 the servicer's imports took 9.2-12.6 s and the
-# scheduler's first line came 9.3-13.4 s later (boot phases `starting` and `server imported,
-# starting engine`, medians), two thirds of a 30-39 s boot. The launcher starts the
+# mp.Process(target=run_event_loop)), a fresh interpreter that imports it all again, one round after
+# the other; the two rounds (boot phases `starting` and `server imported, starting engine`) are
+# about two thirds of a boot (docs/gpu.md, table "Engine figures"). The launcher starts the
 # scheduler's interpreter first, importing its module during the servicer's own imports; the
-# servicer's start of the scheduler then hands it over. Fork would not do: the runtime
-# initialises CUDA at import (tokenspeed_kernel platform.py current_platform() at module
-# level). What TokenSpeed sets in the servicer's environment before that start (spawn_env) goes
-# to the warm interpreter from its start, so that its imports see what a spawned scheduler's
-# would; the rest of the servicer's environment at the start is applied before the scheduler
-# runs. Only for a single scheduler (tp 1, dp 1: one target process). Env
-# E2E_TOKENSPEED_WARM_SPAWN.
+# servicer's start of the scheduler then hands it over. Fork would not do: the runtime initialises
+# CUDA at import (tokenspeed_kernel platform.py current_platform() at module level). What TokenSpeed
+# sets in the servicer's environment before that start (spawn_env) goes to the warm interpreter from
+# its start, so that its imports see what a spawned scheduler's would; the rest of the servicer's
+# environment at the start is applied before the scheduler runs. Only for a single scheduler (tp 1,
+# dp 1: one target process). Env E2E_TOKENSPEED_WARM_SPAWN.
 WARM_SPAWN = ("e2e_warm_spawn", "tokenspeed.runtime.engine.event_loop:run_event_loop",
               ("tokenspeed.runtime.engine.event_loop",))
 DEFAULT_WARM_SPAWN = True
-# What the waiting scheduler interpreter calls after its imports (the launcher's --call): the
-# hashes of installed files that each compiler keys its on-disk cache with, computed once per
-# process (functools caches) in the first forward. py-spy on the H200 (56658ab,
-# docs/bench/h200-tokenspeed-first-forward-56658ab) found them in every worker's first forward,
-# 0.5-0.6 s of its 3.3-5.0 s: triton's `triton_key` (the triton torch brings, which
-# TokenSpeed's own kernels such as execution/cache_loc_kernel.py and inductor compile with:
-# 0.32-0.41 s), tokenspeed_triton's (tokenspeed_kernel's kernels: 0.15-0.21 s), and inductor's
-# `torch_key` (0.06 s). Same files, same result, only sooner: after the interpreter's imports,
-# before the servicer's request is taken. On the H200 at c632ecc the calls took 0.7-0.9 s and
-# the request had come before they ended in every run booted together, so a compiled worker
-# gains little; the eager prefill's first forward, at the first request, lost its 0.65 s
-# (docs/lanes.md, "The compilers' cache keys before the request"). One that raises is reported
-# in the worker's log and filled in the first forward as before. Env E2E_TOKENSPEED_WARM_CALLS:
-# `before` (the default), `beside` (the launcher's --calls-beside: in a thread of the waiting
-# interpreter, so that the request does not wait for them; not yet measured on an H200),
-# `off` (the control; 1 and 0 still mean before and off).
+# What the waiting scheduler interpreter calls after its imports (the launcher's --call): the hashes
+# of installed files that each compiler keys its on-disk cache with, computed once per process
+# (functools caches) in every worker's first forward (py-spy): triton's `triton_key` (the triton
+# torch brings, which TokenSpeed's own kernels such as execution/cache_loc_kernel.py and inductor
+# compile with), tokenspeed_triton's (tokenspeed_kernel's kernels), and inductor's `torch_key`. Same
+# files, same result, only sooner: after the interpreter's imports, before the servicer's request is
+# taken. The eager prefill's first forward, at the first request, is spared them; a compiled worker
+# gains little, as the request mostly comes before the calls end (docs/gpu.md, table "Engine
+# figures"). One that raises is reported in the worker's log and filled in the first forward
+# instead. Env E2E_TOKENSPEED_WARM_CALLS: `before` (the default), `beside` (the launcher's
+# --calls-beside: in a thread of the waiting interpreter, so that the request does not wait for
+# them; not measured on a GPU), `off` (the control; 1 and 0 mean before and off).
 WARM_CALLS = ("triton.runtime.cache:triton_key", "tokenspeed_triton.runtime.cache:triton_key",
               "torch._inductor.codecache:torch_key")
 CALLS_MODES = ("before", "beside", "off")
@@ -138,14 +132,14 @@ TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"}, "tcp": {"MC_FORCE_TCP": "1
 # host memory). With neither, Mooncake picks multi-node NVLink (fabric handles), which does not
 # publish torch's cudaMalloc memory. Env E2E_MOONCAKE_TRANSPORT.
 DEFAULT_TRANSPORT = "nvlink"
-# SIGTERM -> SIGKILL after this many seconds. The servicer cannot stop cleanly sooner: its
-# SIGTERM path polls for in-flight requests every 0.5 s, SIGKILLs the scheduler children, then
-# gives gRPC a fixed 5 s stop grace (smg_grpc_servicer/tokenspeed/server.py:193-208,
-# servicer.py:865-910), while AsyncLLM's sigterm_watchdog wakes every 5 s and ends it with a
-# SIGKILL of itself (tokenspeed runtime/engine/async_llm.py:779-794): 13-15 s per topology on
-# the H200 (2026-12-01), once not at all. Upstream's own path ends in SIGKILL; the harness
-# sends it after 1.5 s (vLLM's clean stop takes 0.7 s) and verifies the teardown as always:
-# no process, port, GPU memory or /dev/shm segment left.
+# SIGTERM -> SIGKILL after this many seconds. The servicer cannot stop cleanly sooner: its SIGTERM
+# path polls for in-flight requests every 0.5 s, SIGKILLs the scheduler children, then gives gRPC a
+# fixed 5 s stop grace (smg_grpc_servicer/tokenspeed/server.py:193-208, servicer.py:865-910), while
+# AsyncLLM's sigterm_watchdog wakes every 5 s and ends it with a SIGKILL of itself (tokenspeed
+# runtime/engine/async_llm.py:779-794): 13-15 s per topology on an H200, and sometimes no stop at
+# all (docs/gpu.md, table "Engine figures"). Upstream's own path ends in SIGKILL; the harness sends
+# it after 1.5 s (vLLM's clean stop takes 0.7 s) and verifies the teardown as always: no process,
+# port, GPU memory or /dev/shm segment left.
 STOP_GRACE_S = 1.5
 # smg's load monitor polls every worker group's GetLoads, the encode group's included, unless
 # no load-aware policy, overload protection or engine metrics need it (smg 1.13
@@ -180,10 +174,9 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
     (233), and the TCPStore of torch.distributed at --port + randint(100, 1000) (`nccl_port`,
     checked free when drawn, bound later: execution/distributed_initializer.py uses it where
     no --dist-init-addr was given), ports in the harness's range that the harness may have
-    handed to another server. H200, 2026-12-02 (44140a5, three topologies booted together):
-    `1`'s worker (--port 20451) died binding its TCPStore ("port: 20741 ... EADDRINUSE",
-    20451 + 290) and its relaunch cost the lane's critical path 22 s. Given the address, the
-    TCPStore binds the block's base.
+    handed to another server: with topologies booted together, such a worker dies binding its
+    TCPStore (EADDRINUSE) and is relaunched on the lane's critical path (docs/decisions.md).
+    Given the address, the TCPStore binds the block's base.
     """
     names = []
     disagg = _disagg(topology, entry)
@@ -195,9 +188,9 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
 
 # TokenSpeed derives its control-plane ports from --dist-init-addr's port as SGLang does
 # (server_args PortArgs: port_base = dist_init + 1, then the detokenizer, RPC, metrics and
-# load-collector ports above it, and one scheduler input port per DP rank). H200, 2026-12-02,
-# 9d80458: the harness handed dist_init + 1 to the gateway of the same 1p1d, whose bind then
-# failed ("Address already in use") and with it the topology's 15 tests. The cluster allocates
+# load-collector ports above it, and one scheduler input port per DP rank). A port of that
+# block handed to another server (the gateway of the same topology, say) fails that server's
+# bind ("Address already in use") and with it the topology's tests. The cluster allocates
 # dist_init as a block this wide.
 DIST_INIT_DERIVED = 8
 
@@ -233,8 +226,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             "--gpu-memory-utilization", f"{util:g}",
             # No host KV store: on by default for prefill and regular workers, it pins
             # kvstore_ratio (2.0) x the device pool in host memory (server_args.py:182-184,
-            # 663-671; flat_memory_executor.py:79-82). A 0.30 pool of an H200 asked for more
-            # pinned memory than the runner had (FlatHostMirror, CUDA OOM, 2026-12-01). The
+            # 663-671; flat_memory_executor.py:79-82). A 0.30 pool of an H200 asks for more
+            # pinned memory than a runner has (FlatHostMirror, CUDA OOM; docs/upstream.md). The
             # suites test no host-tier cache; prefix caching on the device stays on.
             "--disable-kvstore"]
     if spec.kv_budget_tokens:
@@ -242,8 +235,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         # min(profiled, requested); TokenSpeed registry.py:76-90).
         argv += ["--max-total-tokens", str(spec.kv_budget_tokens)]
     # The Hopper kernel overrides in every worker's own environment, so that every way to
-    # start one (a lane, `bench`, `main`, a probe) gets them: without them a worker on the
-    # H200 died in its first forward ("no kernel image is available", rope.cu; ac24287).
+    # start one (a lane, `bench`, `main`, a probe) gets them: without them a worker on Hopper
+    # dies in its first forward ("no kernel image is available", rope.cu; docs/upstream.md).
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, entry.gpus)), **dict(HOPPER_ENV),
            **dict(COMPILE_ENV)}
     if disagg:
@@ -251,11 +244,11 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         # to pair with), so it skips it, as smg's own harness does for these roles only
         # (server.py:220). A regular or DP worker keeps it: SERVING then means one real
         # generation ran. Without it, smg's first deep health probe (servicer.py HealthCheck:
-        # a 1-token generate for aggregated workers) was the engine's first generation, took
-        # more than smg's 5 s reachability timeout, and smg retried only after 30 s: the `1`
-        # gateways of the H200 lanes were ready in 38.5 s (pd, cdba3e8) and 38.7 s (chat,
-        # 5b38e55) against 4.5-6 s for every later gateway ("detect_connection_mode ... gRPC
-        # reachability timeout", "delay_ms=30000" in their gateway logs).
+        # a 1-token generate for aggregated workers) is the engine's first generation, takes
+        # more than smg's 5 s reachability timeout, and smg retries only after 30 s
+        # ("detect_connection_mode ... gRPC reachability timeout", "delay_ms=30000" in the
+        # gateway log): the gateway's readiness waits about 30 s longer
+        # (docs/gpu.md, table "Engine figures").
         env["TOKENSPEED_SKIP_GRPC_WARMUP"] = "1"
     metrics_dir = None
     if options.state_dir:
@@ -340,17 +333,16 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                          metrics_dir=metrics_dir, stop_grace_s=STOP_GRACE_S)
 
 
-# Samplers whose CUDA graph capture did not finish within a boot limit. TokenSpeed 0.1.0's
+# Samplers whose CUDA graph capture does not finish within a boot limit. TokenSpeed 0.1.0's
 # triton backends route the capture's default variant to the generic Gumbel pool kernel
 # (sampling/backends/triton.py prepare_capture: _SAMPLE_ROUTE_GUMBEL_GENERIC; triton_full
 # calls the same kernel), which tokenspeed_kernel 0.1.3 writes with TOPK_PAD = 128 unrolled by
 # tl.static_range inside the vocabulary loop and again over its 8 attempts
-# (ops/sampling/triton/generic.py). On the H200 (9f29736, and 44140a5 before it) the two
-# workers with graphs were each still in tokenspeed_triton's make_ttgir compiling
-# `_gumbel_sample_generic_pool_kernel`, called from the capture's warm-up
-# (execution/cuda_graph_wrapper.py run_once), when their 300 s boot limit came (py-spy,
-# docs/validation/h200-e2e-1gpu-pd-tokenspeed-graphs-9f29736); NCCL's init had completed in
-# 1.14 s. Eager workers never compile it: greedy batches take cute_argmax.
+# (ops/sampling/triton/generic.py). On an H200, py-spy finds workers with graphs still in
+# tokenspeed_triton's make_ttgir compiling `_gumbel_sample_generic_pool_kernel`, called from
+# the capture's warm-up (execution/cuda_graph_wrapper.py run_once), when their 300 s boot
+# limit comes, long after NCCL's init (docs/upstream.md). Eager workers never compile it:
+# greedy batches take cute_argmax.
 GRAPH_STALL_SAMPLERS = {
     name: ("the graph capture compiles tokenspeed_kernel's generic Gumbel sampling kernel, "
            "still compiling after 270 s on an H200 (TokenSpeed 0.1.0)")
@@ -358,7 +350,7 @@ GRAPH_STALL_SAMPLERS = {
 
 
 # What the harness asks of a TokenSpeed worker unless E2E_ENGINE_ARGS (or the model's own
-# arguments) say otherwise, measured on the H200 at ac24287 (docs/lanes.md):
+# arguments) say otherwise, each measured on an H200 (docs/gpu.md, table "Engine figures"):
 # - the greedy sampler: every request the harness sends is temperature 0, whose answer is the
 #   argmax either way (`greedy` ignores temperature, top-p and top-k: a request with sampling
 #   parameters would get argmax too); TokenSpeed's own default, FlashInfer's sampler,
@@ -366,21 +358,20 @@ GRAPH_STALL_SAMPLERS = {
 # - with CUDA graphs, capture batch sizes up to GRAPH_MAX_BS only, and no prefill graph: the
 #   harness has at most 16 requests in flight on a topology (the passes' concurrency, a
 #   burst's E2E_BURST_N default), a larger batch runs without a graph (cuda_graph_wrapper
-#   can_run: bs <= max_bs). Ready in 26-39 s against 70-75 s with TokenSpeed's default sizes
-#   (1-32, 64, 96, 128, 160) and its prefill graph.
+#   can_run: bs <= max_bs). A worker is ready in about half the time it takes with
+#   TokenSpeed's default sizes (1-32, 64, 96, 128, 160) and its prefill graph.
 # - a host KV pool of KVSTORE_RATIO of the device pool: with --disable-kvstore TokenSpeed
 #   0.1.0 still allocates its host pool, for retraction (event_loop.py "KVStore L2 cache will
 #   not be used during normal execution, but it will still be used when retraction happens"),
 #   at --kvstore-ratio 2.0 x the device pool, and pins it for the GPU
 #   (kv_cache_host.py init_kv_buffer: torch.empty on the host, then
 #   register_host_tensor_for_gpu_access): 6 GB for SmolLM2's 131072-token pool, in every
-#   worker. On the H200 (2026-12-04, 551b223) a worker's `allocating KV cache` to ready took
-#   2.3-3.3 s with it and 0.3-0.8 s at 0.05 (the whole lane booted together 52 s, 23 passed).
+#   worker, which lengthens every worker's `allocating KV cache` to ready by seconds.
 #   The suites never fill the device pool (at most 16 requests of at most 4096 tokens in
 #   flight, half of it), so nothing is retracted; the host tier is not under test.
-# Eager (E2E_ENFORCE_EAGER=1, and the always-eager prefill) TokenSpeed's scheduler was
-# CPU-bound at 22-34 ms a decode step for this 135M model, every request shape alike (the
-# probe of ac24287); with graphs `1`'s oracle passes took 10-15 s instead of 116 s.
+# Eager (E2E_ENFORCE_EAGER=1, and the always-eager prefill) TokenSpeed's scheduler is
+# CPU-bound for this 135M model, every request shape alike (scripts/probe_shapes.py); with
+# graphs `1`'s oracle passes take a tenth of the time.
 DEFAULT_SAMPLER = "greedy"
 GRAPH_MAX_BS = 16
 KVSTORE_RATIO = "0.05"
@@ -403,11 +394,11 @@ def spawn_env(args: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     (--enable-nccl-nvls), and setdefaults the TF32 overrides unless --disable-tf32;
     utils/server_args.py validate() sets TOKENSPEED_MAMBA_SSM_DTYPE (--mamba-ssm-dtype, default
     float32) and setdefaults TORCHINDUCTOR_ENABLE_PDL and TRTLLM_ENABLE_PDL unless
-    --disable-pdl. The warm interpreter imported without them until this was found: the
-    launcher's line listed all eight under "the parent's environment differs in" on the H200
-    (c632ecc), and TokenSpeed compiles with torch.compile at import (runtime/sampling/utils.py,
-    layers/common.py), which reads inductor's config, TORCHINDUCTOR_ENABLE_PDL with it, then:
-    its warm scheduler compiled without PDL, a spawned one with it."""
+    --disable-pdl. The warm interpreter gets them from its start, as a spawned scheduler does:
+    TokenSpeed compiles with torch.compile at import (runtime/sampling/utils.py,
+    layers/common.py), which reads inductor's config, TORCHINDUCTOR_ENABLE_PDL with it, so a
+    warm scheduler imported without them compiles without PDL where a spawned one compiles
+    with it (the launcher's line "the parent's environment differs in" names any left out)."""
     symm = _has_flag(args, ("--enable-symm-mem",))
     env = {"TF_CPP_MIN_LOG_LEVEL": "3", "NCCL_CUMEM_ENABLE": "1" if symm else "0",
            "CUDA_DEVICE_MAX_CONNECTIONS": "4", "CUDA_MODULE_LOADING": "AUTO",
@@ -559,7 +550,7 @@ class TokenSpeedPDProof:
     decode_generation_tokens: float
     decode_prompt_tokens: float
     # PD pairs smg's veto fallback picked, counted in the two selections above
-    # (proof.FALLBACKS); absent in records before 5a89add
+    # (proof.FALLBACKS); absent in older records, read as 0
     gateway_fallback_pairs: float = 0.0
 
     def to_dict(self) -> dict:
@@ -779,12 +770,11 @@ HOPPER_ENV = (
 # through its pool of compile subprocesses. TokenSpeed 0.1.0 torch.compiles the chosen tokens'
 # logprobs (sampling/utils.py gather_token_logprobs_torch, with --enable-output-logprobs) at a
 # worker's first forward: the first graph capture, or an eager worker's first request. py-spy
-# on the H200 (2026-12-04, scripts/probe_boot.py) caught the scheduler in that compile while a
-# thread waited on the pool (compile_worker/subproc_pool.py) and 17 pool processes, each
-# importing torch, beside every worker with graphs. The same kernel is compiled either way. It
-# did not change the boot measurably (A/B on the H200, timings only: `1` ready in 16.3 s against
-# 15.3 s with the pool, 1p1d's decode in 16.8 s against 17.5 s, its gateway 4.0 s both ways); it
-# is kept for the 17 processes per worker it saves (docs/lanes.md).
+# (scripts/probe_boot.py) catches the scheduler in that compile while a thread waits on the
+# pool (compile_worker/subproc_pool.py) and 17 pool processes, each importing torch, beside
+# every worker with graphs. The same kernel is compiled either way, and the boot takes as long
+# either way (docs/gpu.md, table "Engine figures"); the setting saves the 17 processes per
+# worker.
 COMPILE_ENV = (("TORCHINDUCTOR_COMPILE_THREADS", "1"),)
 
 
@@ -793,8 +783,8 @@ WORK_COUNTERS = ("tokenspeed:iteration_tokens_total_sum",)
 
 
 # Boot states in a TokenSpeed worker's log (progress.py): the servicer's first lines come once
-# its imports are done; the scheduler process's weights and its KV pool follow (the H200 log of
-# 2026-12-01: "Inferred world_size ...", "Launching TokenSpeed scheduler + AsyncLLM...",
+# its imports are done; the scheduler process's weights and its KV pool follow (a worker's log
+# on an H200: "Inferred world_size ...", "Launching TokenSpeed scheduler + AsyncLLM...",
 # "Loading safetensors checkpoint shards", "KVStore L2 cache ... (event_loop.py)").
 PROGRESS_MARKERS = (
     (r"Inferred world_size|Launching TokenSpeed scheduler", "server imported, starting engine"),
@@ -825,7 +815,7 @@ class TokenSpeedEngine(Engine):
                              "inductor's) before the request; beside: in a thread, the request "
                              "not waiting for them (not yet measured on an H200); off: in the "
                              "first forward (the control)"))
-    # TokenSpeed 0.1.0 refuses top-k output logprobs on H200 (2026-12-01): "top_logprobs_num
+    # TokenSpeed 0.1.0 refuses top-k output logprobs: "top_logprobs_num
     # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
     # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled
     # token's logprob alone (oracle.compare_item).
@@ -833,8 +823,8 @@ class TokenSpeedEngine(Engine):
     # smg 1.13's gRPC router drops logprobs from every completions response
     # (model_gateway/src/routers/grpc/regular/processor.rs:1282 "logprobs: None, // TODO: wire
     # legacy LogProbs from backend token_logprobs"; streaming.rs likewise), while chat converts
-    # the servicer's output_logprobs (utils/logprobs.rs convert_proto_to_openai_logprobs): seen
-    # on the H200 on 2026-12-01 as completions with text and no logprobs. So the oracle asks
+    # the servicer's output_logprobs (utils/logprobs.rs convert_proto_to_openai_logprobs): a
+    # completion comes back with text and no logprobs. So the oracle asks
     # TokenSpeed through chat, `logprobs: true, top_logprobs: 0`.
     logprobs_api = "chat"
     idle_skip_roles = IDLE_SKIP_ROLES
@@ -845,7 +835,7 @@ class TokenSpeedEngine(Engine):
     work_counters = WORK_COUNTERS
     generation_counter = TS_PREFIX + "generation_tokens_total"
     # RequestMetrics' e2e latency, observed at a request's finish (on a PD prefill: after its
-    # transfer); lightseekorg/tokenspeed runtime/metrics/collector.py. Not yet read on a GPU:
+    # transfer); lightseekorg/tokenspeed runtime/metrics/collector.py. Not read on a GPU:
     # where a worker lacks it, the prefill cancel falls back to the first token.
     request_latency_histogram = TS_PREFIX + "e2e_request_latency_seconds"
     lane_env = HOPPER_ENV

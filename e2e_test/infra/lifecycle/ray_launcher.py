@@ -41,11 +41,11 @@ STATUS_TIMEOUT_S = 5.0        # one status call waits this long for its answer
 # cores) Ray's own processes can stall for seconds. Loss is what Ray itself reports (the
 # actor died or is unreachable, or the GCS declared the node dead: a killed raylet is seen so
 # in 2.3-3.6 s, measured in the multi-node test and in CI) or a node silent for longer than
-# this. This is looser than the 5 s it replaces, for a measured reason: the slowest answered
-# call (RayHandle.slowest_answer_s, recorded by the test) was 0.04-0.2 s with the machine to
-# itself, but 6.62 s in a fresh-clone CI run at 0c4e8f4 (prefill-0, while two engines
-# initialised on two cores), and in CI at f10f95d both nodes' calls took over 5 s at once, so
-# the 5 s rule failed a healthy boot. The fallback takes the bound every other actor call
+# this. This is looser than a 5 s rule, for a measured reason: the slowest answered
+# call (RayHandle.slowest_answer_s, recorded by the test) is a fraction of a second with the
+# machine to itself, but over 5 s, on both nodes at once, while two engines initialise on two
+# cores, so a 5 s rule fails a healthy boot (docs/lifecycle.md, table "Lifecycle figures").
+# The fallback takes the bound every other actor call
 # already has (CALL_TIMEOUT_S: 9x the slowest answer seen); it only covers a node that
 # neither answers nor is reported dead by Ray.
 SILENT_LOST_S = 60.0

@@ -132,9 +132,9 @@ def marker_of(p: psutil.Process) -> Marker | None:
 # How far two readings of one process's create time may differ. psutil adds the boot time of
 # /proc/stat's `btime`, whole seconds the kernel derives from the wall clock at each read, so
 # a slewing clock moves it by 1 s between readings: the same process then reads 1.0000002 s
-# apart at today's epoch (float spacing 2.4e-7). A 1.0 s limit took a live driver for a reused
-# pid once (fresh-clone CI at 2df5866, btime's fraction .95: "driver pid 10514 gone without a
-# goodbye", its guardian stopped the session's workers). A pid reused within 2.5 s of the
+# apart at today's epoch (float spacing 2.4e-7), and a 1.0 s limit takes a live driver for a
+# reused pid (its guardian then stops the session's workers; docs/lifecycle.md, table
+# "Lifecycle figures"). A pid reused within 2.5 s of the
 # first process's start would need the whole pid space to wrap in that time.
 CREATE_SLACK_S = 2.5
 

@@ -14,8 +14,8 @@ Request shapes (SHAPES): the same prompts asked as a completion or as a chat mes
 without the chosen tokens' logprobs. Arm B may differ from A in its shape instead of its
 topology (`bench --a 1 --b 1 --shape chat --shape-b chat-logprobs`): then one topology serves
 both arms, interleaved the same way, and the verdict says what the shape costs per step
-(on TokenSpeed 0.1.0 through smg, H200, ac24287, every shape cost alike: eager TokenSpeed's
-launch work, docs/bench.md).
+(on eager TokenSpeed 0.1.0 through smg every shape costs alike, its launch work: docs/bench.md,
+"Request shapes: what an API costs per step").
 """
 
 from __future__ import annotations

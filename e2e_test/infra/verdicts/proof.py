@@ -125,8 +125,8 @@ SELECTIONS = "smg_worker_selection_total"
 # smg_worker_selection_total, while its single-worker fallback counts both (placement.rs
 # overload_fallback). The load monitor's poll (every 10 s) during a burst sets a prefill's
 # overload veto for the next 10 s (waiting requests 15-16 over smg's default threshold of 8):
-# on the H200 (vLLM 9a15985, TokenSpeed 5a89add-b) every request of a PD proof inside that
-# window was such a pick and the proof, counting selections alone, saw none. In a PD gateway
+# every request of a PD proof inside that window is such a pick, and a proof counting
+# selections alone sees none (both engines, on an H200). In a PD gateway
 # these counters at stage "selection" come from that path only (the single-worker fallback
 # serves regular gateways), so each is one prefill and one decode picked.
 FALLBACKS = ("smg_worker_overload_fallback_total", "smg_worker_liveness_fallback_total")

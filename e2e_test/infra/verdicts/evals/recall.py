@@ -78,8 +78,8 @@ def stable_codes(baseline: dict, control_passes: list) -> tuple[list, list]:
     """(stable, unstable): the pass codes `1` copied in its baseline pass (index -> text)
     and also in every pass of its control arm (the same prompts again on the same server),
     and those it copied in the baseline only. A code `1` itself does not copy every time is
-    not a KV test: on the H200 (vLLM 0.26, 2026-12-02) recall item 1 began at a near-tie
-    (' ' or ' a', 0.125 nats apart) and its control pass lost the code exactly as 1p1d did.
+    not a KV test: an item that begins at a near-tie (' ' or ' a', 0.125 nats apart, on vLLM
+    0.26 on an H200) loses its code in the control pass exactly as 1p1d does.
     Only stable codes are required of a disaggregated topology; the oracle still compares
     every item token by token. Pure."""
     copied = sorted(i for i, t in baseline.items() if reproduced(i, t))
@@ -90,9 +90,8 @@ def stable_codes(baseline: dict, control_passes: list) -> tuple[list, list]:
 
 
 def untested_kinds(baseline_copied: list) -> list[str]:
-    """The code positions `1` copied none of (their copying is not checked): seen on the
-    H200 with TokenSpeed's chat-shaped passes, where SmolLM2 copied 3 tail codes and no
-    mid-text one. Pure."""
+    """The code positions `1` copied none of (their copying is not checked): with TokenSpeed's
+    chat-shaped passes SmolLM2 copies tail codes and no mid-text one. Pure."""
     kinds = {at_tail(i) for i in baseline_copied}
     return [name for tail, name in ((False, "mid-text"), (True, "tail (last block)"))
             if tail not in kinds]
