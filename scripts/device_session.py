@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A GPU stop's device session, prepared here: what its calls carry, the calls themselves, and
-the publication of what they brought back (docs/gpu.md, "A device session in four commands").
+the publication of what they brought back (docs/gpu.md, "A device session in three commands").
 
   python scripts/device_session.py prepare --engine tokenspeed [--engine vllm] [--vlm]
   python scripts/device_session.py calls --engine tokenspeed [--vlm] [--run ENGINE SPEC...]
