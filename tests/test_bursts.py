@@ -4,7 +4,6 @@ a burst wrong fails, naming it. A burst with no result, or fewer results than re
 an error. Then the bound on "queue full" refusals against every recorded H200 burst."""
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest

@@ -50,8 +50,8 @@ def _cells(r: dict) -> list[str]:
     last = r["last_failure"]
     where = f"{last['run']}: {last['message'] or '(no message recorded)'}" if last else ""
     return [r["test"], r["engine"], r["lane"], str(r["passed"]), str(r["failed"]),
-            f"{r['failed'] / (r['passed'] + r['failed']):.2f} "
-            f"[{r['rate_low']:.2f}, {r['rate_high']:.2f}]", where]
+            (f"{r['failed'] / (r['passed'] + r['failed']):.2f} "
+             f"[{r['rate_low']:.2f}, {r['rate_high']:.2f}]"), where]
 
 
 def text(lines: list[dict]) -> str:
@@ -70,10 +70,10 @@ def render(lines: list[dict], trend_href: str | None = None) -> str:
     if not rs:
         raise ValueError("no indexed run holds a test that passed or failed: no flake view")
     body = ["<h1>Flake view</h1>",
-            f"<p class=\"meta\">{len(lines)} indexed runs; per test × engine × lane: passes, "
-            "failures (an error at setup or teardown is one), the failure rate with its 95 % "
-            "Wilson score interval, and the last failure's first line. Skips are not counted."
-            "</p>"]
+            (f"<p class=\"meta\">{len(lines)} indexed runs; per test × engine × lane: "
+             "passes, failures (an error at setup or teardown is one), the failure rate with "
+             "its 95 % Wilson score interval, and the last failure's first line. Skips are not "
+             "counted.</p>")]
     if trend_href:
         body.append(f"<p class=\"meta\"><a id=\"trend\" href=\"{esc(trend_href)}\">trend page"
                     "</a></p>")
