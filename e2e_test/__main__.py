@@ -226,18 +226,20 @@ def _report_dirs(args: list[str]) -> list:
     is skipped with a note on stderr; none holding any is an error."""
     from pathlib import Path
 
-    dirs = []
+    dirs, skipped = [], []
     for d in map(Path, args):
         if not d.is_dir():
             raise ConfigError(f"report: {d} is not a folder")
-        if report.has_results(d):
-            dirs.append(d)
-        else:
-            print(f"report: skipped {d}: no results (no run.json, summary.json, note.json or "
-                  "tests/*.json)", file=sys.stderr)
+        (dirs if report.has_results(d) else skipped).append(d)
+    if not dirs and len(args) == 1:
+        raise ConfigError(f"report: {args[0]} holds no results (no run.json, summary.json, "
+                          "note.json or tests/*.json; point it at a results folder)")
     if not dirs:
         raise ConfigError("report: none of the folders given holds results (run.json, "
                           "summary.json, note.json or tests/*.json; point it at result folders)")
+    for d in skipped:
+        print(f"report: skipped {d}: no results (no run.json, summary.json, note.json or "
+              "tests/*.json)", file=sys.stderr)
     return dirs
 
 

@@ -242,6 +242,9 @@ def test_report_on_a_glob_skips_folders_without_results(tmp_path):
     assert "skipped" in r.stderr and "empty" in r.stderr and len(r.stderr.splitlines()) == 1
     assert "# Validation results" in r.stdout and not list(cwd.iterdir())
     none = _report(pub / "empty", cwd=cwd)                               # negative control
+    assert none.returncode == 2 and "holds no results" in none.stderr
+    assert len(none.stderr.splitlines()) == 1
+    none = _report(pub / "empty", pub / "empty", cwd=cwd)
     assert none.returncode == 2 and "none of the folders" in none.stderr
 
 
