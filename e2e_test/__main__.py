@@ -20,6 +20,10 @@
                                          tests, oracle verdicts, burst plots, teardown)
   report --trend DIR... [--out F]        static HTML trend page across runs (ready times,
                                          accuracy with Wilson intervals, bursts, windows)
+  report --trend [INDEX] [--out F]       the same from the index alone, with flakes.html beside
+  report --flakes [INDEX] [--html]       per test × engine × lane: passes, failures, Wilson
+                                         interval of the failure rate, last failure
+  report --table [INDEX] [--out MD]      docs/validation.md's What-has-run table
   lanes                                  list the CI lanes
   settings [--write-readme]              check every E2E_* variable and print the values
   run LANE [-- pytest args]              run a lane locally with its selection and env
@@ -217,30 +221,107 @@ def cmd_bench(a) -> int:
     return 0
 
 
-def cmd_report(a) -> int:
+def _report_dirs(args: list[str]) -> list:
+    """The result folders among `args` (a glob's expansion): a folder that holds no results
+    is skipped with a note on stderr; none holding any is an error."""
     from pathlib import Path
 
-    dirs = [Path(d) for d in a.dirs]
-    if a.html and a.trend:
-        raise ConfigError("report: give --html (one run) or --trend (several), not both")
-    if a.html and len(dirs) != 1:
-        raise ConfigError(f"report --html renders one result folder; got {len(dirs)}")
-    for d in dirs:                      # nothing is rendered from a folder that holds no run
+    dirs, skipped = [], []
+    for d in map(Path, args):
         if not d.is_dir():
             raise ConfigError(f"report: {d} is not a folder")
-        if not report.has_results(d):
-            raise ConfigError(f"report: {d} holds no results (no run.json, summary.json, "
-                              "note.json or tests/*.json; point it at a results folder)")
-    if a.html or a.trend:
-        text = html_report.render_run(dirs[0]) if a.html else html_report.render_trend(dirs)
-        out = Path(a.out or (dirs[0] / "run.html" if a.html else "trend.html"))
-        out.write_text(text)
-        print(f"wrote {out}")
+        (dirs if report.has_results(d) else skipped).append(d)
+    if not dirs and len(args) == 1:
+        raise ConfigError(f"report: {args[0]} holds no results (no run.json, summary.json, "
+                          "note.json or tests/*.json; point it at a results folder)")
+    if not dirs:
+        raise ConfigError("report: none of the folders given holds results (run.json, "
+                          "summary.json, note.json or tests/*.json; point it at result folders)")
+    for d in skipped:
+        print(f"report: skipped {d}: no results (no run.json, summary.json, note.json or "
+              "tests/*.json)", file=sys.stderr)
+    return dirs
+
+
+def _index_arg(args: list[str], what: str):
+    """The one index file `args` names, or the committed one where it names none."""
+    from pathlib import Path
+
+    from .infra.reports import index
+
+    if len(args) > 1:
+        raise ConfigError(f"report {what} reads one index (INDEX.jsonl); got {len(args)} paths")
+    path = Path(args[0]) if args else index.COMMITTED
+    if not path.is_file():
+        raise ConfigError(f"report {what}: {path} is not an index file (INDEX.jsonl)")
+    try:
+        lines = index.read(path)
+    except ValueError as e:
+        raise ConfigError(f"report {what}: {e}") from None
+    if not lines:
+        raise ConfigError(f"report {what}: {path} holds no run")
+    return path, lines
+
+
+def _write(path, text: str) -> None:
+    path.write_text(text)
+    print(f"wrote {path}")
+
+
+def cmd_report(a) -> int:
+    import os
+    from pathlib import Path
+
+    from .infra.reports import flakes, validation_page
+
+    modes = [m for m in ("html", "trend", "flakes", "table") if getattr(a, m)]
+    if len(modes) > 1 and modes != ["html", "flakes"]:
+        raise ConfigError("report: give one of --html (one run), --trend, --flakes, --table "
+                          "(--html with --flakes: the flake view as a page)")
+    if a.flakes:
+        path, lines = _index_arg(a.dirs, "--flakes")
+        if not a.html:
+            print(flakes.text(lines))
+            return 0
+        _write(Path(a.out) if a.out else path.parent / "flakes.html",
+               flakes.render(lines, trend_href="trend.html"))
+        return 0
+    if a.table:
+        path, lines = _index_arg(a.dirs, "--table")
+        block = validation_page.table(lines, path.parent)
+        if not a.out:
+            print(block)
+            return 0
+        out = Path(a.out)
+        try:
+            text = validation_page.replace_block(out.read_text(), block, str(out))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"report --table: {e}") from None
+        _write(out, text)
+        return 0
+    if not a.dirs and not a.trend:
+        raise ConfigError("report: name result folders (or --trend/--flakes/--table INDEX)")
+    if a.trend and (not a.dirs or (len(a.dirs) == 1 and Path(a.dirs[0]).is_file())):
+        path, lines = _index_arg(a.dirs, "--trend")
+        out = Path(a.out) if a.out else path.parent / "trend.html"
+        _write(out, html_report.render_trend(lines=lines, flakes_href="flakes.html"))
+        _write(out.parent / "flakes.html", flakes.render(lines, trend_href=out.name))
+        return 0
+    if a.html:
+        if len(a.dirs) != 1:
+            raise ConfigError(f"report --html renders one result folder; got {len(a.dirs)}")
+        [d] = _report_dirs(a.dirs)
+        _write(Path(a.out) if a.out else d / "run.html", html_report.render_run(d))
+        return 0
+    dirs = _report_dirs(a.dirs)
+    if a.trend:                # beside its input: the folders' common parent
+        common = Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
+        out = Path(a.out) if a.out else (common if len(dirs) > 1 else common.parent) / "trend.html"
+        _write(out, html_report.render_trend(dirs))
         return 0
     text = report.render(dirs)
     if a.out:
-        Path(a.out).write_text(text + "\n")
-        print(f"wrote {a.out}")
+        _write(Path(a.out), text + "\n")
     else:
         print(text)
     return 0
@@ -327,12 +408,24 @@ def main(argv: list[str] | None = None) -> int:
                         "serves both arms")
     b.set_defaults(fn=cmd_bench)
     rp = sub.add_parser("report", help="markdown validation report from result folders; "
-                        "--html: a page for one run; --trend: a page across runs")
-    rp.add_argument("dirs", nargs="+")
-    rp.add_argument("--out", help="output file (--html: DIR/run.html, --trend: trend.html)")
-    rp.add_argument("--html", action="store_true", help="static HTML page of one result folder")
+                        "--html: a page for one run; --trend: a page across runs; --flakes: "
+                        "per-test failure rates; --table: docs/validation.md's table")
+    rp.add_argument("dirs", nargs="*", help="result folders (a glob), or one INDEX.jsonl "
+                    "(--trend, --flakes, --table; default docs/validation/index.jsonl)")
+    rp.add_argument("--out", help="output file (default beside the input: --html DIR/run.html, "
+                    "--trend trend.html and flakes.html beside the index or in the folders' "
+                    "common parent; markdown and --flakes: stdout; --table: stdout, or the "
+                    "page whose table it rewrites)")
+    rp.add_argument("--html", action="store_true", help="static HTML page of one result "
+                    "folder (with --flakes: the flake view as a page)")
     rp.add_argument("--trend", action="store_true",
-                    help="static HTML trend page across result folders, in the order given")
+                    help="static HTML trend page across result folders, in the order given, "
+                    "or across an index's runs")
+    rp.add_argument("--flakes", action="store_true",
+                    help="per test × engine × lane: passes, failures, failure rate (Wilson 95 "
+                    "%%), last failure, from an index")
+    rp.add_argument("--table", action="store_true",
+                    help="the What-has-run table (one row per lane × engine × device)")
     rp.set_defaults(fn=cmd_report)
     ln = sub.add_parser("lanes")
     ln.add_argument("--write-workflow", action="store_true",

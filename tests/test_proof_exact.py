@@ -1,7 +1,8 @@
 """The exact PD, EPD and AFD proofs (engines/vllm.vllm_transfer_problems,
 engines/tokenspeed.tokenspeed_transfer_problems and epd_problems, engines/afd.afd_trace_problems;
-the shared KV arithmetic in proof.py) against the figures the H200 runs recorded under docs/validation/, each
-with negative controls built from the same numbers."""
+the shared KV arithmetic in proof.py) against the figures the H200 runs recorded (their proof
+records, kept in each run's line of docs/validation/index.jsonl), each with negative controls
+built from the same numbers."""
 
 import json
 from dataclasses import replace
@@ -10,17 +11,22 @@ from pathlib import Path
 import pytest
 
 from e2e_test.infra.engines import afd, tokenspeed, vllm
+from e2e_test.infra.reports import index
+from e2e_test.infra.reports.results import safe_name
 from e2e_test.infra.verdicts import proof
 
-VALIDATION = Path(__file__).resolve().parent.parent / "docs" / "validation"
+INDEX = {x["run"]: x for x in index.read(
+    Path(__file__).resolve().parent.parent / "docs" / "validation" / "index.jsonl")}
 # SmolLM2-135M-Instruct's config.json (the fields the KV size depends on)
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
            "head_dim": 64, "hidden_size": 576, "dtype": "bfloat16"}
 
 
 def _record(run, test):
-    f = next((VALIDATION / run / "tests").glob(f"*{test}*.json"))
-    return json.loads(f.read_text())
+    """The proof keys of the run's first test whose record file name (results.safe_name of
+    its id) holds `test` (index.jsonl `proofs`)."""
+    proofs = INDEX[run]["proofs"]
+    return proofs[next(t for t in sorted(proofs) if test in safe_name(t))]
 
 
 def test_kv_bytes_per_token_of_smollm2():

@@ -1,5 +1,5 @@
 """The oracle's current rule (bounds from the control arm, the first-step rank test) applied
-to the recorded H200 runs under docs/validation/ (scripts/rejudge_oracle.py): every healthy
+to the recorded H200 runs in docs/validation/index.jsonl (scripts/rejudge_oracle.py): every healthy
 1p1d comparison that can be re-judged passes, every negative control fails for the right
 reason, and a computation change modelled on the recorded PD deltas is caught."""
 
@@ -17,7 +17,8 @@ _spec = importlib.util.spec_from_file_location("rejudge_oracle",
 rejudge = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rejudge)
 
-RUNS = sorted(p for p in rejudge.VALIDATION.iterdir() if p.is_dir())
+LINES = rejudge.lines()
+RUNS = [LINES[name] for name in sorted(LINES)]
 # The tests of a PD lane run that the re-judge covers: `1`'s negative control, the two evals
 # against `1` and the recall, on 1p1d (`eng` filled in: the test ids' engine).
 PD_LANE = ("test_oracle_negative_control[{eng}-1]",
@@ -182,7 +183,7 @@ def test_negative_controls_fail_for_the_right_reason(res):
 
 
 def _pd_case(run, name):
-    recs = rejudge.read_records(rejudge.VALIDATION / run)
+    recs = rejudge.read_records(LINES[run])
     arm = rejudge.controls(recs)[("vllm", name)]
     cmp = next(c for t, _, n, c in rejudge.comparisons(recs)
                if "answers_match" in t and n == name)

@@ -79,11 +79,13 @@ def test_the_report_carries_the_runs_time_report_and_its_boot_phases(tmp_path):
     from pathlib import Path
 
     from e2e_test.infra.reports import report
-    src = Path(__file__).parent.parent / "docs/validation/h200-e2e-1gpu-pd-tokenspeed-cdba3e8"
+    src = (Path(__file__).parent.parent
+           / "docs/validation/h200-e2e-1gpu-pd-tokenspeed-together-c632ecc-e")
     text = report.render([src])
-    assert ("- time: boots 62 %, traffic 36 %, teardown 2 %, idle 0 % of 323 s (3 boots, "
-            "202 s; compile cache: 5 unknown)") in text
-    assert "boot phases" not in text                  # recorded before phases were
+    assert ("- time: boots 35 % (waited on 36 %), traffic 57 %, teardown 7 %, idle 1 % of 64 s "
+            "(3 boots, 23 s; compile cache: 5 unknown); booted together") in text
+    assert ("- boot phases (median of 5 worker boots): starting 13.0 s, server imported, "
+            "starting engine 0.8 s") in text
     d = tmp_path / "run"
     shutil.copytree(src, d)
     rep = json.loads((d / "timing.json").read_text())
@@ -91,6 +93,9 @@ def test_the_report_carries_the_runs_time_report_and_its_boot_phases(tmp_path):
     (d / "timing.json").write_text(json.dumps(rep))
     assert ("- boot phases (median of 5 worker boots): starting 24.3 s, loading weights "
             "20.1 s") in report.render([d])
+    del rep["boot_phases"]                            # a report from before phases were kept
+    (d / "timing.json").write_text(json.dumps(rep))
+    assert "boot phases" not in report.render([d])
     (d / "timing.json").unlink()
     assert "- time:" not in report.render([d])
 

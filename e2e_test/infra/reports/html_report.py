@@ -5,6 +5,7 @@ CI artifact or a folder under docs/ can be opened from disk with no server and n
 
   python -m e2e_test report --html DIR [--out run.html]
   python -m e2e_test report --trend DIR DIR ... [--out trend.html]
+  python -m e2e_test report --trend docs/validation/index.jsonl [--out trend.html]
 
 Inputs are what a run leaves in E2E_RESULTS_DIR (see results.py and report.py): tests/*.json,
 summary.json, optional run.json ({"lane", "device", "date", "note", "git_sha", "argv"}), and the
@@ -317,52 +318,78 @@ def _run_label(r: dict) -> str:
         + f" [{r['dir'].name}]"
 
 
-def collect_trend(dirs: list[Path]) -> dict:
-    """Per run: the series values. Returns {"runs": [label...], "series": {group: {key:
-    [value per run or None]}}} with values as dicts for accuracy ({k, n}) and scalars else."""
-    runs = [report.load_results(Path(d)) for d in dirs]
-    labels = [_run_label(r) for r in runs]
-    groups = ("ready_s", "accuracy", "burst_p50_s", "burst_p99_s", "shed", "window",
-              "teardown_s")
-    series: dict[str, dict[str, list]] = {g: {} for g in groups}
+GROUPS = ("ready_s", "accuracy", "burst_p50_s", "burst_p99_s", "shed", "window", "teardown_s")
 
-    def put(group: str, key: str, i: int, value) -> None:
-        row = series[group].setdefault(key, [None] * len(runs))
-        if group == "accuracy" and row[i] is not None:
-            row[i] = {"k": row[i]["k"] + value["k"], "n": row[i]["n"] + value["n"]}
-        elif row[i] is None or group == "window":
-            row[i] = value
-        else:                     # several clusters of one topology in a run: the slowest
-            row[i] = max(row[i], value)
 
-    for i, r in enumerate(runs):
-        topo_of = {t["cluster"]: (t.get("engine", "?"), t.get("topology", "?"))
-                   for t in r["tests"] if t.get("cluster")}
-        for name, c in r["summary"].get("clusters", {}).items():
-            eng, topo = topo_of.get(name, ("?", name))
-            for role, v in ((c.get("timing") or {}).get("workers") or {}).items():
-                put("ready_s", f"{eng} {topo} {role}", i, float(v))
-            td = c.get("teardown") or {}
-            if td.get("seconds") is not None:
-                put("teardown_s", f"{eng} {topo}", i, float(td["seconds"]))
-        for t in r["tests"]:
-            eng, topo = t.get("engine", "?"), t.get("topology", "?")
-            for ev in (t.get("evals") or {}).values():
-                if ev.get("scored"):
-                    put("accuracy", f"{eng} {topo} {ev['eval']}", i,
-                        {"k": int(ev["correct"]), "n": int(ev["scored"])})
-            for b in (t.get("bursts") or {}).values():
-                key = f"{eng} {topo} {b.get('name')}"
-                lat = b.get("latency_s") or {}
-                if lat:
-                    put("burst_p50_s", key, i, float(lat["p50"]))
-                    put("burst_p99_s", key, i, float(lat["p99"]))
-                sc = b.get("status_counts") or {}
-                put("shed", key, i, float(sum(v for k, v in sc.items() if not k.startswith("200"))))
-                win = (b.get("effective_window") or {}).get("max_num_seqs")
-                if win is not None:
-                    put("window", key, i, int(win))
+def trend_points(r: dict) -> dict:
+    """One run's values (r: report.load_results): {group: {series key: value}}, accuracy as
+    {k, n} summed over the run's tests, the engine window as the last one recorded, every
+    other value the largest of the run's clusters of that series (the slowest)."""
+    points: dict[str, dict] = {g: {} for g in GROUPS}
+
+    def put(group: str, key: str, value) -> None:
+        have = points[group].get(key)
+        if group == "accuracy" and have is not None:
+            points[group][key] = {"k": have["k"] + value["k"], "n": have["n"] + value["n"]}
+        elif have is None or group == "window":
+            points[group][key] = value
+        else:
+            points[group][key] = max(have, value)
+
+    topo_of = {t["cluster"]: (t.get("engine", "?"), t.get("topology", "?"))
+               for t in r["tests"] if t.get("cluster")}
+    for name, c in r["summary"].get("clusters", {}).items():
+        eng, topo = topo_of.get(name, ("?", name))
+        for role, v in ((c.get("timing") or {}).get("workers") or {}).items():
+            put("ready_s", f"{eng} {topo} {role}", float(v))
+        td = c.get("teardown") or {}
+        if td.get("seconds") is not None:
+            put("teardown_s", f"{eng} {topo}", float(td["seconds"]))
+    for t in r["tests"]:
+        eng, topo = t.get("engine", "?"), t.get("topology", "?")
+        for ev in (t.get("evals") or {}).values():
+            if ev.get("scored"):
+                put("accuracy", f"{eng} {topo} {ev['eval']}",
+                    {"k": int(ev["correct"]), "n": int(ev["scored"])})
+        for b in (t.get("bursts") or {}).values():
+            key = f"{eng} {topo} {b.get('name')}"
+            lat = b.get("latency_s") or {}
+            if lat:
+                put("burst_p50_s", key, float(lat["p50"]))
+                put("burst_p99_s", key, float(lat["p99"]))
+            sc = b.get("status_counts") or {}
+            put("shed", key, float(sum(v for k, v in sc.items() if not k.startswith("200"))))
+            win = (b.get("effective_window") or {}).get("max_num_seqs")
+            if win is not None:
+                put("window", key, int(win))
+    return {g: v for g, v in points.items() if v}
+
+
+def series_of(labels: list[str], points: list[dict]) -> dict:
+    """{"runs": labels, "series": {group: {key: [value per run or None]}}} from each run's
+    trend_points, in the order given."""
+    series: dict[str, dict[str, list]] = {g: {} for g in GROUPS}
+    for i, p in enumerate(points):
+        for group, vals in p.items():
+            for key, v in vals.items():
+                series[group].setdefault(key, [None] * len(points))[i] = v
     return {"runs": labels, "series": series}
+
+
+def collect_trend(dirs: list[Path]) -> dict:
+    """Per run folder: the series values (series_of over trend_points)."""
+    runs = [report.load_results(Path(d)) for d in dirs]
+    return series_of([_run_label(r) for r in runs], [trend_points(r) for r in runs])
+
+
+def collect_trend_index(lines: list[dict]) -> dict:
+    """The same from index lines (reports/index.py), which carry each run's trend_points."""
+    return series_of([_line_label(x) for x in lines], [x.get("trend") or {} for x in lines])
+
+
+def _line_label(line: dict) -> str:
+    return (line.get("lane") or line["run"]).split(":")[0].split(" (")[0][:40] \
+        + f" [{line['run']}]"
 
 
 def mark_changes(group: str, values: list) -> list[bool]:
@@ -441,16 +468,23 @@ def _fmt(group: str, v) -> str:
     return f"{v:.2f}"
 
 
-def render_trend(dirs: list[Path]) -> str:
-    data = collect_trend(dirs)
+def render_trend(dirs: list[Path] | None = None, lines: list[dict] | None = None,
+                 flakes_href: str | None = None) -> str:
+    """The trend page from result folders (`dirs`) or from index lines (`lines`, what
+    reports/index.py wrote: no folder needed); `flakes_href` links the flake view."""
+    data = collect_trend_index(lines) if lines is not None else collect_trend(dirs or [])
     runs = data["runs"]
-    body = ["<h1>Trend across result folders</h1>",
-            "<p class=\"meta\">Runs in the order given: "
-            + "; ".join(f"#{i + 1} {esc(r)}" for i, r in enumerate(runs)) + "</p>",
-            ("<p class=\"meta\">Marked (red): accuracy that differs from the previous run of the "
-             "same series beyond a two-proportion z-test at 95 %; an engine window that differs "
-             "from the previous run; a time outside median ± max(3·1.4826·MAD, "
-             f"{NOISE_FLOOR:.0%} of the median) of the earlier runs of that series.</p>")]
+    body = ["<h1>Trend across " + ("indexed runs" if lines is not None else "result folders")
+            + "</h1>"]
+    if flakes_href:
+        body.append(f"<p class=\"meta\">Per test: <a id=\"flakes\" href=\"{esc(flakes_href)}\">"
+                    "passes, failures and the failure rate's interval (flake view)</a></p>")
+    body += ["<p class=\"meta\">Runs in the order given: "
+             + "; ".join(f"#{i + 1} {esc(r)}" for i, r in enumerate(runs)) + "</p>",
+             ("<p class=\"meta\">Marked (red): accuracy that differs from the previous run of the "
+              "same series beyond a two-proportion z-test at 95 %; an engine window that differs "
+              "from the previous run; a time outside median ± max(3·1.4826·MAD, "
+              f"{NOISE_FLOOR:.0%} of the median) of the earlier runs of that series.</p>")]
     for group, rows in data["series"].items():
         if not rows:
             continue

@@ -2,7 +2,8 @@
 
 Each folder is what a run left in E2E_RESULTS_DIR (tests/*.json, summary.json) plus an
 optional `run.json` written next to it by whoever ran it ({"lane", "device", "date", "note"}).
-`python -m e2e_test report --out docs/validation.md DIR [DIR ...]`
+`python -m e2e_test report DIR [DIR ...] [--out FILE]` (markdown; docs/validation.md is
+validation_page.py's, from the index)
 """
 
 from __future__ import annotations
