@@ -28,7 +28,8 @@ from pathlib import Path
 from ..verdicts import oracle as oracle_rule
 from . import report
 
-# A folder name's commit: seven or more hex digits between dashes (h200-e2e-1gpu-pd-vllm-9d80458-serial).
+# A folder name's commit: seven or more hex digits between dashes
+# (h200-e2e-1gpu-pd-vllm-SHA-serial).
 _NAME_SHA = re.compile(r"(?:^|-)([0-9a-f]{7,40})(?=-|$)")
 MESSAGE_CHARS = 200
 GREEN = ("passed", "skipped")
@@ -412,8 +413,8 @@ def lane_engine(line: dict) -> tuple[str, str]:
 
 
 def date_key(line: dict) -> str:
-    """A sortable form of the recorded date (`2026-12-02 13:12:09 UTC`, `2026-12-02T13:16:05Z`,
-    `2026-11-29 22:55 UTC`): its minute; no date sorts first."""
+    """A sortable form of the recorded date (`YYYY-MM-DD hh:mm:ss UTC`, `YYYY-MM-DDThh:mm:ssZ`,
+    `YYYY-MM-DD hh:mm UTC`): its minute; no date sorts first."""
     return (line.get("date") or "").replace("T", " ")[:16]
 
 
