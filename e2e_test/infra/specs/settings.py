@@ -282,7 +282,7 @@ _add("E2E_CPU_CORES", DeviceList(), None, "CPU cores for CPU workers (subset of 
 _add("E2E_MODEL_PATH", PathKind(must_be_dir=True), None, "weights folder of the model under test (overrides the registry); its config.json is parsed before launch")
 _add("E2E_MODEL_ROOT", PathKind(must_be_dir=True), None, "folder holding hub-id sub-folders for `source: hf` registry entries")
 _add("E2E_CACHE_DIR", PathKind(), Path("~/.cache/e2e_test").expanduser(), "cache of prepared models and downloaded datasets")
-_add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: the cache")
+_add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: ../shared/datasets beside the checkout where it holds them, else the cache")
 _add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go; unset: a folder of its own per run, results/<lane or run>-<date>-<time>-<pid>, with results/latest pointing at it")
 # An offline GPU runner's recipe (scripts/gpu_lane.sh; docs/gpu.md)
 _add("E2E_STAGE_ENV", PathKind(), None, lambda: "scripts/gpu_lane.sh: the env file the engine's staging wrote (default " + ", ".join(f"{e.stage_env} for {e.name}" for e in all_engines() if e.stage_env) + ")")
