@@ -225,6 +225,8 @@ def cmd_main(a) -> int:
 
 
 def cmd_cycles(a) -> int:
+    if a.n < 1:
+        raise ConfigError(f"cycles -n {a.n}: needs at least 1 cycle")
     lifecycle.install()
     rep = cycles.run_cycles(lambda: cluster_from_args(a), a.n, log=print)
     print(json.dumps(rep, indent=2))

@@ -73,3 +73,11 @@ def test_tiny_models_without_a_prepared_tokenizer_name_the_prepare_command(tmp_p
     err = r.stderr.strip()
     assert err.count("\n") == 0 and "no tokenizer files" in err, err
     assert "python -m e2e_test models prepare" in err and "--tokenizer DIR" in err
+
+
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_cycles_needs_at_least_one_cycle(tmp_path, n):
+    r = run_cli(tmp_path, "cycles", "-n", n, "--backend", "cpu")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == f"error: cycles -n {n}: needs at least 1 cycle"
+    assert r.stdout == ""                                   # nothing started
