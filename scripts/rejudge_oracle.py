@@ -125,7 +125,12 @@ def rejudge(run: Path) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    runs = [Path(a) for a in argv] or sorted(p for p in VALIDATION.iterdir() if p.is_dir())
+    import argparse
+    p = argparse.ArgumentParser(prog="python scripts/rejudge_oracle.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="*", type=Path,
+                   help="result folders (default: every run under docs/validation/)")
+    runs = p.parse_args(argv).runs or sorted(q for q in VALIDATION.iterdir() if q.is_dir())
     bad = 0
     for run in runs:
         for res in rejudge(run):
