@@ -20,7 +20,7 @@ def run_cli(tmp_path, *argv, **env):
     e.update(E2E_RESULTS_DIR=str(tmp_path / "results"), E2E_CACHE_DIR=str(tmp_path / "cache"),
              **env)
     return subprocess.run([sys.executable, "-m", "e2e_test", *argv], cwd=REPO, env=e,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_plan_needs_no_prepared_model(tmp_path):
@@ -42,7 +42,8 @@ def test_plan_output_pastes_into_bash(tmp_path):
     for ln in lines:
         assert ln.startswith(("# ", "env ")), ln
     # bash parses the whole output as it is (-n: reads, runs nothing)
-    sh = subprocess.run(["bash", "-n"], input=r.stdout, capture_output=True, text=True)
+    sh = subprocess.run(["bash", "-n"], input=r.stdout, capture_output=True, text=True,
+                        check=False)
     assert sh.returncode == 0, sh.stderr
 
 
