@@ -10,4 +10,4 @@ fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh --extras "${E2E_EXTRAS:-cpu}"
-exec .venv/bin/python -m e2e_test main "$@"
+exec "${E2E_VENV:-.venv}/bin/python" -m e2e_test main "$@"

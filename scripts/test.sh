@@ -9,4 +9,6 @@ fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh --extras cpu
-exec .venv/bin/python -m e2e_test run e2e-cpu "$@"
+# E2E_VENV: the lane runs in that venv's interpreter too (run LANE's E2E_LANE_PYTHON)
+[ -z "${E2E_VENV:-}" ] || export E2E_LANE_PYTHON="${E2E_LANE_PYTHON:-$E2E_VENV/bin/python}"
+exec "${E2E_VENV:-.venv}/bin/python" -m e2e_test run e2e-cpu "$@"

@@ -46,6 +46,9 @@ def test_stuck_role_says_how_busy_the_worker_is():
     assert diagnostics.stuck_role(q) == "prefill-0 (running 1, waiting 0, 1.3 cores busy)"
 
 
+WAITS = "import time; print(1, flush=True); time.sleep(60)"
+
+
 @pytest.mark.parametrize("competitors", [0, 3])
 def test_cpu_cores_tells_a_computing_worker_from_a_waiting_one(competitors):
     """Also on a loaded machine: with 3 more spinners per core the busy worker gets about a
@@ -60,8 +63,7 @@ def test_cpu_cores_tells_a_computing_worker_from_a_waiting_one(competitors):
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(competitors * (os.cpu_count() or 1))]
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    idle = subprocess.Popen([sys.executable, "-c", "import time; print(1, flush=True); "
-                             "time.sleep(60)"], stdout=subprocess.PIPE)
+    idle = subprocess.Popen([sys.executable, "-c", WAITS], stdout=subprocess.PIPE)
     try:
         idle.stdout.readline()                         # its start-up done: it waits from now
         def w(name, proc):

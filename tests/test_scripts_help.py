@@ -49,3 +49,32 @@ def test_script_answers_help_and_starts_nothing(script, guarded_env):
         assert r.stdout.lower().startswith("usage:"), (flag, r.stdout[:200])
         assert not called.exists(), f"{script} {flag} ran {called.read_text()}"
         assert not (tmp / "venv").exists() and not (tmp / "out").exists()
+
+
+@pytest.mark.parametrize("script,wants", [
+    ("main.sh", ["-m e2e_test models prepare", "-m e2e_test main --topology 1"]),
+    ("test.sh", ["-m e2e_test models prepare", "-m e2e_test run e2e-cpu -x"]),
+])
+def test_main_and_test_scripts_run_in_E2E_VENV(tmp_path, script, wants):
+    """E2E_VENV names the venv that bootstrap sets up and the script then runs in: a stand-in
+    venv (its install stamp current, so bootstrap installs nothing) whose python records its
+    arguments."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "python.log"
+    py = venv / "bin" / "python"
+    py.write_text(f'#!/bin/sh\necho "$*" >> {log}\necho "LANE_PYTHON=$E2E_LANE_PYTHON" >> {log}\n')
+    py.chmod(0o755)
+    stamp = subprocess.run(f"cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16",
+                           shell=True, cwd=REPO, capture_output=True, text=True, check=True)
+    (venv / ".e2e-bootstrap-cpu").write_text(stamp.stdout)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("E2E_", "AFD_"))}
+    env["E2E_VENV"] = str(venv)
+    args = ["--topology", "1"] if script == "main.sh" else ["-x"]
+    r = subprocess.run(["bash", str(REPO / "scripts" / script), *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ran = log.read_text()
+    assert all(w in ran for w in wants), ran
+    if script == "test.sh":
+        assert f"LANE_PYTHON={py}" in ran, ran

@@ -97,6 +97,15 @@ def Choice(*choices: str) -> Kind:
     return Kind("choice", " | ".join(choices), parse)
 
 
+def OneOf(among: Callable[[], tuple[str, ...]]) -> Kind:
+    """One of what `among()` returns when asked (a registry's names)."""
+    def parse(raw: str) -> str:
+        if raw.strip() not in among():
+            raise ValueError("unknown value")
+        return raw.strip()
+    return Kind("choice", lambda: " | ".join(among()), parse)
+
+
 def CsvOf(*choices: str, among: Callable[[], tuple[str, ...]] | None = None) -> Kind:
     """A comma list of `choices`, or of what `among()` returns when asked (a registry's names)."""
     def allowed() -> tuple[str, ...]:
@@ -182,6 +191,9 @@ class Setting:
     kind: Kind
     initial: Any                        # the value when unset (None: see the doc); a callable:
     doc: str | Callable[[], str]        # asked each time (a registry's current names)
+    # the table's default column where the value when unset is not what happens (a folder
+    # made per run)
+    default_text: str | None = None
 
     @property
     def default(self) -> Any:
@@ -249,9 +261,9 @@ class _Table(dict):
 SETTINGS: dict[str, Setting] = _Table()
 
 
-def _add(name: str, kind: Kind, default: Any, doc: str) -> None:
+def _add(name: str, kind: Kind, default: Any, doc: str, default_text: str | None = None) -> None:
     assert not dict.__contains__(SETTINGS, name), name
-    dict.__setitem__(SETTINGS, name, Setting(name, kind, default, doc))
+    dict.__setitem__(SETTINGS, name, Setting(name, kind, default, doc, default_text))
 
 
 def __getattr__(name: str):
@@ -264,9 +276,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 def extras() -> tuple[str, ...]:
-    """The pyproject extras E2E_EXTRAS accepts: the CPU and GPU stacks, each registered
-    engine's own (Engine.extra), the unit tests'."""
-    return ("cpu", "gpu", *(e.extra for e in all_engines() if e.extra), "dev")
+    """The pyproject extras E2E_EXTRAS accepts, one of them (scripts/bootstrap.sh --extras):
+    the CPU and GPU stacks, each registered engine's own (Engine.extra)."""
+    return ("cpu", "gpu", *(e.extra for e in all_engines() if e.extra))
 
 # Selection (the pytest plugin; `run LANE` sets the first three from the lane table)
 _add("E2E_ENGINES", CsvOf(among=engine_names), engine_names, "engines to parametrize over (`--engine`)")
@@ -283,7 +295,7 @@ _add("E2E_MODEL_PATH", PathKind(must_be_dir=True), None, "weights folder of the 
 _add("E2E_MODEL_ROOT", PathKind(must_be_dir=True), None, "folder holding hub-id sub-folders for `source: hf` registry entries")
 _add("E2E_CACHE_DIR", PathKind(), Path("~/.cache/e2e_test").expanduser(), "cache of prepared models and downloaded datasets")
 _add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: ../shared/datasets beside the checkout where it holds them, else the cache")
-_add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go; unset: a folder of its own per run, results/<lane or run>-<date>-<time>-<pid>, with results/latest pointing at it")
+_add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go; unset: a folder of its own per run, results/<lane or run>-<date>-<time>-<pid>, with results/latest pointing at it", default_text="a folder per run")
 # An offline GPU runner's recipe (scripts/gpu_lane.sh; docs/gpu.md)
 _add("E2E_STAGE_ENV", PathKind(), None, lambda: "scripts/gpu_lane.sh: the env file the engine's staging wrote (default " + ", ".join(f"{e.stage_env} for {e.name}" for e in all_engines() if e.stage_env) + ")")
 _add("E2E_SMG_WHEEL", PathKind(), None, "scripts/gpu_lane.sh: the smg wheel to install when the engine's site has no smg (default .whl/smg-*.whl)")
@@ -331,8 +343,8 @@ _add("E2E_GSM8K_N", Int(1), None, "GSM8K questions; unset: the model's registry 
 _add("E2E_MMLU_N", Int(1), None, "MMLU questions; unset: the model's registry n")
 _add("E2E_FAULT_STALL_WINDOW_S", Float(0), 20.0, "watchdog window of the SIGSTOP fault test")
 # Shell scripts (scripts/bootstrap.sh, scripts/main.sh)
-_add("E2E_VENV", PathKind(), Path(".venv"), "virtualenv scripts/bootstrap.sh creates and uses")
-_add("E2E_EXTRAS", CsvOf(among=extras), ("cpu",), "pyproject extras scripts/main.sh installs")
+_add("E2E_VENV", PathKind(), Path(".venv"), "virtualenv scripts/bootstrap.sh creates and scripts/main.sh and scripts/test.sh run in")
+_add("E2E_EXTRAS", OneOf(extras), "cpu", "the pyproject extra scripts/main.sh installs (scripts/bootstrap.sh --extras); one")
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -451,7 +463,7 @@ def shown(v: Any, name: str | None = None) -> str:
 
 
 def _default_text(s: Setting) -> str:
-    return shown(s.default, s.name)
+    return s.default_text or shown(s.default, s.name)
 
 
 def table() -> str:
