@@ -21,7 +21,8 @@
   report --trend DIR... [--out F]        static HTML trend page across runs (ready times,
                                          accuracy with Wilson intervals, bursts, windows)
   lanes                                  list the CI lanes
-  settings [--write-readme]              check every E2E_* variable and print the values
+  settings [--markdown]                  check every E2E_* variable and print the values;
+                                         --markdown: docs/settings.md, the table of them
   run LANE [-- pytest args]              run a lane locally with its selection and env
 """
 
@@ -283,8 +284,8 @@ def cmd_lanes(a) -> int:
 
 
 def cmd_settings(a) -> int:
-    if a.write_readme:
-        print(f"wrote {settings.write_readme()}")
+    if a.markdown:
+        sys.stdout.write(settings.markdown())
         return 0
     values = startup.check()
     for name, v in values.items():
@@ -367,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="regenerate .github/workflows/e2e-lanes.yml from e2e_test/lanes.yaml")
     ln.set_defaults(fn=cmd_lanes)
     st = sub.add_parser("settings", help="check every E2E_* variable and print the values")
-    st.add_argument("--write-readme", action="store_true",
-                    help="regenerate the variables table in README.md")
+    st.add_argument("--markdown", action="store_true",
+                    help="print docs/settings.md, the table of every variable "
+                         "(python -m e2e_test settings --markdown > docs/settings.md)")
     st.set_defaults(fn=cmd_settings)
     r = sub.add_parser("run")
     r.add_argument("lane")

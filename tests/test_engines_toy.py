@@ -53,7 +53,7 @@ def test_toy_engine_in_settings(toy):
     assert "toy" in engines.engine_names()
     assert settings.get("E2E_ENGINES", {"E2E_ENGINES": "toy"}) == ("toy",)
     assert "toy" in settings.shown(settings.SETTINGS["E2E_ENGINES"].default)
-    assert "toy" in settings.table()          # the `settings` output and the README table
+    assert "toy" in settings.table()          # the `settings` output and docs/settings.md
 
 
 def test_toy_engine_in_lane_validation(toy, monkeypatch, tmp_path):

@@ -2,7 +2,7 @@
 
 Table-driven over every bad input of issue 17: each one, given to the CLI (`python -m e2e_test
 plan 1`) and to pytest (collection only), is one line, exit 2, naming the variable (or option),
-what it got and what it accepts, before any process starts. Plus: the README table is fresh,
+what it got and what it accepts, before any process starts. Plus: docs/settings.md is up to date,
 good values parse, `plan` shows what pytest would run, and the weights' config.json is parsed
 before launch.
 """
@@ -264,12 +264,20 @@ def test_options_from_env_reads_mooncake_transport():
     assert (o.opt("mooncake_transport"), o.extra_args) == ("tcp", ("--x", "1"))
 
 
-# -- README ---------------------------------------------------------------------------------------
+# -- docs/settings.md -----------------------------------------------------------------------------
 
-def test_readme_table_is_fresh():
-    text = settings.readme_path().read_text()
-    assert settings.render_readme(text) == text, (
-        "README.md's variables table is stale: python -m e2e_test settings --write-readme")
+def test_docs_settings_is_up_to_date():
+    assert settings.docs_path().read_text() == settings.markdown(), (
+        "docs/settings.md is stale: python -m e2e_test settings --markdown > docs/settings.md")
+
+
+def test_settings_markdown_prints_the_page(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "e2e_test", "settings", "--markdown"], cwd=REPO,
+                       env=clean_env(tmp_path), capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == settings.markdown() and r.stdout.startswith("# Settings\n")
+    assert "| `E2E_BURST_N` | int | 16 |" in r.stdout
 
 
 def test_table_lists_every_variable_once():

@@ -9,9 +9,9 @@ This module is only the table and its parsing; `startup.check()` / `startup.star
 (infra/startup.py: the checks across variables, against the machine's devices, the model
 registry, the engines and the weights) run at start-up (the CLI's `main`, the pytest plugin's configure, `run LANE`), so a
 wrong value is one line, exit 2, naming the variable, what it got and what it accepts, before
-any process starts. Adding a variable is one `_add(...)` line below; the README's table
-(between the `settings:begin`/`settings:end` markers) is generated from this list
-(`python -m e2e_test settings --write-readme`; tests/test_settings.py checks it is fresh).
+any process starts. Adding a variable is one `_add(...)` line below; docs/settings.md is
+generated from this list (`python -m e2e_test settings --markdown > docs/settings.md`;
+tests/test_settings.py checks it is up to date).
 
 An empty value counts as unset (the workflow passes `${{ vars.X }}` even when X is not set).
 """
@@ -435,11 +435,7 @@ def collect(environ=None) -> tuple[dict[str, Any], list[str]]:
 
 
 
-# -- the README table -----------------------------------------------------------------------------
-
-BEGIN, END = "<!-- settings:begin (generated: python -m e2e_test settings --write-readme) -->", \
-    "<!-- settings:end -->"
-
+# -- the table in docs/settings.md ----------------------------------------------------------------
 
 def shown(v: Any, name: str | None = None) -> str:
     """A value as a user would type it (`vllm,tokenspeed`, `~/.cache/e2e_test`, `true`,
@@ -474,20 +470,27 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def render_readme(text: str) -> str:
-    """`text` with the block between the markers replaced by the current table."""
-    if BEGIN not in text or END not in text:
-        raise ConfigError("README.md has no settings markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+INTRO = """\
+# Settings
+
+Every environment variable the harness reads is declared once, in
+`e2e_test/infra/specs/settings.py`, and all of them are parsed and checked at start-up (the CLI,
+the pytest plugin, `run LANE`): a wrong value is one line and exit 2, naming the variable, what
+it got and what it accepts, before any process starts, for example
+`E2E_BURST_N='abc': not an integer; accepts an integer >= 1`. Device ids are checked against
+NVML (cuda) or this process's CPU affinity (cpu); the weights folder's `config.json` is parsed
+before a worker is launched. An empty value counts as unset. `python -m e2e_test settings`
+checks the current environment and prints every value.
+
+This page is generated: `python -m e2e_test settings --markdown > docs/settings.md`
+(tests/test_settings.py checks it is up to date).
+"""
 
 
-def readme_path() -> Path:
-    return Path(__file__).resolve().parents[3] / "README.md"
+def markdown() -> str:
+    """docs/settings.md: the intro and the table of every variable."""
+    return f"{INTRO}\n{table()}\n"
 
 
-def write_readme(path: Path | None = None) -> Path:
-    p = path or readme_path()
-    p.write_text(render_readme(p.read_text()))
-    return p
+def docs_path() -> Path:
+    return Path(__file__).resolve().parents[3] / "docs" / "settings.md"
