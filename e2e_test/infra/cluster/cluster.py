@@ -210,7 +210,8 @@ class Cluster:
             startup.check_devices(devices, self.backend, "devices")
         # need_weights=False: a plan only (`python -m e2e_test plan`), whose commands name the
         # folder the weights will be in
-        self.model_path = weights_path(self.spec, must_exist=need_weights)
+        self.model_path = (weights_path(self.spec) if need_weights
+                           else weights_path(self.spec, must_exist=False))
         self.launcher: Launcher = launcher or make_launcher()
         # `plan`: placed already by the caller (the pytest plugin's check at collection, with
         # the same model, backend, devices, engine and this launcher's nodes): not placed again.
