@@ -25,7 +25,8 @@
                                          interval of the failure rate, last failure
   report --table [INDEX] [--out MD]      docs/validation.md's What-has-run table
   lanes                                  list the CI lanes
-  settings [--write-readme]              check every E2E_* variable and print the values
+  settings [--markdown]                  check every E2E_* variable and print the values;
+                                         --markdown: docs/settings.md, the table of them
   run LANE [-- pytest args]              run a lane locally with its selection and env
 """
 
@@ -65,20 +66,31 @@ def _common(p: argparse.ArgumentParser, topology: str | None = "1") -> None:
                    help="env E2E_ENFORCE_EAGER")
 
 
+def default_tokenizer(action: str) -> str:
+    """The tokenizer folder tiny-moe/tiny-vlm use without --tokenizer: the prepared default
+    model's; not prepared, a ConfigError naming the command that prepares it."""
+    spec = model_specs.get_spec(DEFAULT_MODEL)
+    d = models.prepared_dir(spec)
+    if not (d / "tokenizer.json").is_file():
+        raise ConfigError(f"models {action}: no tokenizer files in {d} (the prepared "
+                          f"{DEFAULT_MODEL}'s, the default tokenizer); prepare it: python -m "
+                          f"e2e_test models prepare --model {DEFAULT_MODEL}, or give "
+                          "--tokenizer DIR")
+    return str(d)
+
+
 def cmd_models(a) -> int:
     if a.action == "tiny-moe":
         if not a.out:
             raise ConfigError("models tiny-moe needs --out DIR")
-        tok = a.tokenizer or str(models.prepared_dir(model_specs.get_spec(
-            DEFAULT_MODEL)))
+        tok = a.tokenizer or default_tokenizer(a.action)
         path = tiny_models.build_tiny_moe(a.family, a.out, tok, seed=a.seed, force=a.force)
         print(f"{path} ({json.dumps(tiny_models.read_marker(path)['dims'])})")
         return 0
     if a.action == "tiny-vlm":
         out = a.out or os.path.expanduser(
             model_specs.get_spec("tiny-random/Qwen3.5-VL").weights.path)
-        tok = a.tokenizer or str(models.prepared_dir(model_specs.get_spec(
-            DEFAULT_MODEL)))
+        tok = a.tokenizer or default_tokenizer(a.action)
         path = tiny_models.build_tiny_vlm(out, tok, seed=a.seed, force=a.force,
                                           attention=a.attention)
         marker = tiny_models.read_marker(path, tiny_models.VLM_MARKER)
@@ -127,16 +139,31 @@ def cluster_from_args(a, **kw):
 
 
 def cmd_plan(a) -> int:
-    """The device plan and each worker's command, shell-quoted: a line pasted into bash runs
-    that argv (`env K=V ... argv`)."""
+    """The device plan and each worker's command, shell-quoted, as lines that paste into bash:
+    the plan and each role's name as `#` comments, then the role's `env K=V ... argv`. Starts
+    nothing and needs no prepared weights: it plans from the model registry (a weights folder
+    that is there has its config.json checked); where a worker's command needs the weights
+    (a GPU worker's KV budget reads config.json), the error names the command that prepares
+    them."""
     import shlex
-    c = cluster_from_args(a)
-    print(c.plan.describe())
+    spec = model_specs.get_spec(a.model)
+    path = models.weights_path(spec, must_exist=False)
+    ready = (path / "config.json").is_file()
+    if ready:
+        models.check_config_json(spec, path, str(path))
+    try:
+        c = cluster_from_args(a, need_weights=False)
+    except ConfigError as e:
+        if ready:
+            raise
+        raise ConfigError(f"{e.summary}; {models.prepare_hint(spec)}") from None
+    print("\n".join("# " + line for line in c.plan.describe().splitlines()))
+    if not ready:
+        print(f"# weights not there yet ({path}): {models.prepare_hint(spec)}")
     for w in c.workers:
-        print(f"{w.name}: {shlex.join(w.command.argv)}")
-        if w.command.env:
-            print("  env: " + " ".join(f"{k}={shlex.quote(str(v))}"
-                                      for k, v in w.command.env.items()))
+        env = "".join(f"{k}={shlex.quote(str(v))} " for k, v in w.command.env.items())
+        print(f"# {w.name}")
+        print(("env " + env if env else "") + shlex.join(w.command.argv))
     return 0
 
 
@@ -203,6 +230,8 @@ def cmd_main(a) -> int:
 
 
 def cmd_cycles(a) -> int:
+    if a.n < 1:
+        raise ConfigError(f"cycles -n {a.n}: needs at least 1 cycle")
     lifecycle.install()
     rep = cycles.run_cycles(lambda: cluster_from_args(a), a.n, log=print)
     print(json.dumps(rep, indent=2))
@@ -336,8 +365,8 @@ def cmd_lanes(a) -> int:
 
 
 def cmd_settings(a) -> int:
-    if a.write_readme:
-        print(f"wrote {settings.write_readme()}")
+    if a.markdown:
+        sys.stdout.write(settings.markdown())
         return 0
     values = startup.check()
     for name, v in values.items():
@@ -432,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="regenerate .github/workflows/e2e-lanes.yml from e2e_test/lanes.yaml")
     ln.set_defaults(fn=cmd_lanes)
     st = sub.add_parser("settings", help="check every E2E_* variable and print the values")
-    st.add_argument("--write-readme", action="store_true",
-                    help="regenerate the variables table in README.md")
+    st.add_argument("--markdown", action="store_true",
+                    help="print docs/settings.md, the table of every variable "
+                         "(python -m e2e_test settings --markdown > docs/settings.md)")
     st.set_defaults(fn=cmd_settings)
     r = sub.add_parser("run")
     r.add_argument("lane")

@@ -48,5 +48,8 @@ def overlapped():
 
 
 if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(prog="python scripts/bench_overlap.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for f in (serial, overlapped, serial, overlapped):
         print(json.dumps(f()), flush=True)

@@ -3,6 +3,11 @@
 # one engine extra, then the default model prepared in the cache. Re-running is cheap: the
 # install is skipped while pyproject.toml and this script are unchanged.
 #   bash scripts/bootstrap.sh [--extras cpu|gpu|tokenspeed]
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then    # usage and the comment above
+  echo "usage: bash scripts/bootstrap.sh [--extras cpu|gpu|tokenspeed]"
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
+  exit 0
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=cpu

@@ -33,6 +33,11 @@
 #     E2E_LANE_LOG when set (scripts/gpu_runs.sh: several runs in one call).
 # The lane's wall limit is E2E_LANE_LIMIT_S (default 570 s: a 10-minute job with room to tear
 # down); on it pytest gets SIGINT, whose handler tears every cluster down.
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then    # usage and the comment above
+  echo "usage: bash scripts/gpu_lane.sh ENGINE LANE|bench [-- PYTEST OR BENCH ARGS]"
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
+  exit 0
+fi
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ $# -lt 2 ]; then

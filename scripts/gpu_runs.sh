@@ -18,6 +18,11 @@
 #     VAR must be an E2E_*, TOKENSPEED_* or VLLM_* variable. Bad specs stop it before any run.
 # Prints one line per run (`gpu_runs: NAME rc=R wall=Ws`) and exits 1 if any run failed or was
 # skipped.
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then    # usage and the comment above
+  echo "usage: bash scripts/gpu_runs.sh ENGINE NAME:LANE[:VAR=VALUE,...] ... [-- ARGS]"
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
+  exit 0
+fi
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 usage() { echo "usage: scripts/gpu_runs.sh ENGINE NAME:LANE[:VAR=VALUE,...] ... [-- ARGS]" >&2; exit 2; }

@@ -34,7 +34,6 @@ from e2e_test.infra.load import bench, load
 from e2e_test.infra.specs import settings
 
 OUT = Path(os.environ.get("OUT", "/tmp/probe-out"))
-OUT.mkdir(parents=True, exist_ok=True)
 
 
 def procs(c):
@@ -70,6 +69,7 @@ def main():
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--concs", default="1,8")
     a = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
     ns = argparse.Namespace(model=settings.raw("E2E_MODEL") or settings.DEFAULT_MODEL,
                             engine=a.engine, topology="1", backend=a.backend, devices=None,
                             enforce_eager=True)

@@ -144,8 +144,14 @@ def rejudge(run: Path | dict) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python scripts/rejudge_oracle.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="*",
+                    help="index files or result folders (default: the committed index, "
+                         f"{INDEX.relative_to(INDEX.parents[2])})")
     runs: list[Path | dict] = []
-    for a in argv or [str(INDEX)]:
+    for a in ap.parse_args(argv).runs or [str(INDEX)]:
         p = Path(a)
         if p.is_file():
             runs += index.read(p)

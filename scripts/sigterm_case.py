@@ -3,14 +3,16 @@
 teardown report (cluster/cluster.json) says how long GPU memory took to come back
 (gpu_settle_s) or names who holds it. Run by scripts/sigterm_case.sh, which sends the signal
 and records nvidia-smi around it."""
-import sys
+import argparse
 import time
 
 from e2e_test.infra.cluster import signals as lifecycle
 from e2e_test.infra.cluster.cluster import Cluster
 
+p = argparse.ArgumentParser(prog="python scripts/sigterm_case.py", description=__doc__)
+p.add_argument("out", help="folder for the cluster's results and the `ready` stamp")
+out = p.parse_args().out
 lifecycle.install()
-out = sys.argv[1]
 with Cluster(topology="1", backend="cuda", results_dir=out + "/cluster") as c:
     r = c.chat("Say OK.", max_tokens=8)
     print("READY", c.timing.total_ready_s, repr(r["choices"][0]["message"]["content"]), flush=True)

@@ -1,6 +1,11 @@
 #!/bin/bash
 # Experiment, not a lane (issue 22): SIGTERM to a Python-API driver holding `1` on a GPU.
 # usage: PY=VENV/bin/python bash scripts/sigterm_case.sh   (writes ${OUT:-results}/sigterm-case)
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then    # usage and the comment above
+  echo "usage: PY=VENV/bin/python bash scripts/sigterm_case.sh"
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
+  exit 0
+fi
 set -u
 o=${OUT:-results}/sigterm-case; mkdir -p $o
 export E2E_BACKEND=cuda E2E_MODEL_PATH=${E2E_MODEL_PATH:-/root/models/SmolLM2-135M-Instruct} VLLM_USE_FLASHINFER_SAMPLER=0 \

@@ -36,3 +36,13 @@ def fake_gpus(monkeypatch):
     from e2e_test.infra.specs import devices
     monkeypatch.setattr(devices, "nvml_inventory", lambda: tuple(range(8)))
     return tuple(range(8))
+
+
+@pytest.fixture(autouse=True)
+def _whole_machine_per_test(monkeypatch):
+    """Under `pytest -n N` each xdist worker's environment says which share of the devices it
+    leases (devices.xdist_share). The unit tests plan and collect on their own, in this process
+    or in a pytest they start, and expect the machine's whole core list, as outside xdist: the
+    worker count is removed for each test (the worker id stays: it keeps the workers' port
+    slices apart, ports.py)."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)

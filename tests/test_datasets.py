@@ -1,6 +1,7 @@
 """GSM8K/MMLU loaders on the real offline copies, and one-line ConfigErrors for bad folders."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -134,23 +135,44 @@ def test_bad_mmlu_row(tmp_path, monkeypatch, row):
 def test_no_env_and_empty_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("E2E_DATASET_DIR", raising=False)
     monkeypatch.setenv("E2E_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(datasets, "SHARED", tmp_path / "shared" / "datasets")
     with pytest.raises(ConfigError) as ei:
         load_gsm8k("test")
     msg = one_line(ei)
     assert "E2E_DATASET_DIR" in msg and "datasets download" in msg
-    assert msg == ("no gsm8k data: set E2E_DATASET_DIR to a folder with gsm8k/{train,test}.jsonl, "
+    assert msg == (f"no gsm8k data in {tmp_path / 'shared' / 'datasets'} nor the cache: set "
+                   "E2E_DATASET_DIR to a folder with gsm8k/{train,test}.jsonl, "
                    f"or run `python -m e2e_test datasets download` while online to fill "
                    f"{tmp_path / 'datasets'}")
-    with pytest.raises(ConfigError, match=r"no mmlu data: .*mmlu/\{dev,test\}\.jsonl"):
+    with pytest.raises(ConfigError, match=r"no mmlu data .*mmlu/\{dev,test\}\.jsonl"):
         load_mmlu("test")
 
 
 def test_cache_is_used_without_env(tmp_path, monkeypatch):
     monkeypatch.delenv("E2E_DATASET_DIR", raising=False)
     monkeypatch.setenv("E2E_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(datasets, "SHARED", tmp_path / "shared" / "datasets")
     write_dataset(tmp_path / "datasets")
     assert dataset_dir("mmlu") == tmp_path / "datasets" / "mmlu"
     assert load_gsm8k("test")[0].reference == "2"
+
+
+def test_shared_datasets_beside_the_checkout_are_found_without_env(tmp_path, monkeypatch):
+    """../shared/datasets (where CI and the scripts keep the copies) is used when
+    E2E_DATASET_DIR is unset, before the cache; a dataset it lacks comes from the cache."""
+    assert datasets.SHARED == Path(datasets.__file__).resolve().parents[4] / "shared" / "datasets"
+    monkeypatch.delenv("E2E_DATASET_DIR", raising=False)
+    monkeypatch.setenv("E2E_CACHE_DIR", str(tmp_path / "cache"))
+    write_dataset(tmp_path / "cache" / "datasets")
+    shared = tmp_path / "shared" / "datasets"
+    write_dataset(shared)
+    (shared / "mmlu" / "test.jsonl").unlink()              # mmlu incomplete there
+    monkeypatch.setattr(datasets, "SHARED", shared)
+    assert dataset_dir("gsm8k") == shared / "gsm8k"
+    assert dataset_dir("mmlu") == tmp_path / "cache" / "datasets" / "mmlu"
+    # an explicit E2E_DATASET_DIR still wins
+    monkeypatch.setenv("E2E_DATASET_DIR", str(tmp_path / "cache" / "datasets"))
+    assert dataset_dir("gsm8k") == tmp_path / "cache" / "datasets" / "gsm8k"
 
 
 def test_env_var_name():

@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from e2e_test.infra.cluster import diagnostics
 from e2e_test.infra.engines import tokenspeed, vllm
 
@@ -44,14 +46,26 @@ def test_stuck_role_says_how_busy_the_worker_is():
     assert diagnostics.stuck_role(q) == "prefill-0 (running 1, waiting 0, 1.3 cores busy)"
 
 
-def test_cpu_cores_tells_a_computing_worker_from_a_waiting_one():
+WAITS = "import time; print(1, flush=True); time.sleep(60)"
+
+
+@pytest.mark.parametrize("competitors", [0, 3])
+def test_cpu_cores_tells_a_computing_worker_from_a_waiting_one(competitors):
+    """Also on a loaded machine: with 3 more spinners per core the busy worker gets about a
+    quarter of a core, yet it asks for a whole one (schedstat: on-CPU plus run-queue wait)."""
+    import os
     import subprocess
     import sys
 
     import psutil
+    if competitors and not diagnostics.SCHEDSTAT:
+        pytest.skip("no /proc/PID/schedstat on this kernel: cores are the CPU time received")
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(competitors * (os.cpu_count() or 1))]
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    idle = subprocess.Popen([sys.executable, "-c", WAITS], stdout=subprocess.PIPE)
     try:
+        idle.stdout.readline()                         # its start-up done: it waits from now
         def w(name, proc):
             p = psutil.Process(proc.pid)
             return SimpleNamespace(name=name, process=SimpleNamespace(tree=lambda: [p]))
@@ -61,10 +75,9 @@ def test_cpu_cores_tells_a_computing_worker_from_a_waiting_one():
         assert cores["idle-0"] < 0.1, cores           # negative control: a waiting process
         assert cores["remote-0"] is None, cores       # nothing to read is not "idle"
     finally:
-        busy.kill()
-        idle.kill()
-        busy.wait()
-        idle.wait()
+        for p in (busy, idle, *load):
+            p.kill()
+            p.wait()
 
 
 def test_a_stopped_worker_is_named_without_waiting_for_its_metrics():

@@ -53,7 +53,7 @@ def test_toy_engine_in_settings(toy):
     assert "toy" in engines.engine_names()
     assert settings.get("E2E_ENGINES", {"E2E_ENGINES": "toy"}) == ("toy",)
     assert "toy" in settings.shown(settings.SETTINGS["E2E_ENGINES"].default)
-    assert "toy" in settings.table()          # the `settings` output and the README table
+    assert "toy" in settings.table()          # the `settings` output and docs/settings.md
 
 
 def test_toy_engine_in_lane_validation(toy, monkeypatch, tmp_path):
@@ -150,7 +150,9 @@ def test_toy_engine_brings_its_extra_its_boot_markers_and_its_report_lines(toy, 
             return [f"toy says {record['toy_key']}"] if "toy_key" in record else []
 
     engines.register(Toy())
-    assert settings.get("E2E_EXTRAS", {"E2E_EXTRAS": "cpu,toy"}) == ("cpu", "toy")
+    assert settings.get("E2E_EXTRAS", {"E2E_EXTRAS": "toy"}) == "toy"
+    with pytest.raises(settings.SettingError, match=r"accepts cpu \| gpu \| .*toy"):
+        settings.get("E2E_EXTRAS", {"E2E_EXTRAS": "cpu,toy"})     # bootstrap takes one
     assert "/root/stage/toy-env.sh for toy" in settings.SETTINGS["E2E_STAGE_ENV"].text
     assert progress.state_of("loading weights\ntoy is listening\n") == \
         "serving, waiting for health"

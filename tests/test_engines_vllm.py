@@ -494,3 +494,16 @@ def test_no_path_arm_where_the_regular_worker_caches_no_prefix():
     on = SimpleNamespace(workers=[worker("True")], model_name="m")
     with pytest.raises(HarnessError, match="none of 0 prompts"):
         ENGINE.first_step_path_arm(on, "gsm8k", [], "vllm/1")
+
+
+def test_cpu_tp_worker_binds_each_rank_to_its_own_cores():
+    """A tp=2 prefill on CPU: `--tensor-parallel-size 2` and one `|`-separated core list per
+    rank in VLLM_CPU_OMP_THREADS_BIND (vLLM's CPU worker binds rank r to the r-th list)."""
+    t, e = cpu_entries("1p1d,p.tp=2", cores=(0, 1, 2, 3, 4))
+    p = vllm.build(SMOL, t, e["prefill-0"], Ports(api=20300, aux={"nixl": 20301}), "/m",
+                   EngineOptions())
+    d = vllm.build(SMOL, t, e["decode-0"], Ports(api=20302, aux={"nixl": 20303}), "/m",
+                   EngineOptions())
+    assert p.argv[p.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2"
+    assert d.env["VLLM_CPU_OMP_THREADS_BIND"] == "3-4"

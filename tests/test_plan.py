@@ -49,6 +49,33 @@ def test_cpu_uneven_split_is_disjoint_and_complete():
     assert [e.cores for e in plan.entries] == [(0, 1, 2), (3, 4), (5, 6)]
 
 
+def test_cpu_tp_role_gets_a_core_per_rank():
+    """A tp=2 prefill gets two cores (one per rank); the spare cores are shared out evenly."""
+    e = by_name(plan_cpu(parse("1p1d,p.tp=2"), (0, 1, 2)))
+    assert (e["prefill-0"].tp, e["prefill-0"].cores, e["decode-0"].cores) == (2, (0, 1), (2,))
+    e = by_name(plan_cpu(parse("1p1d,p.tp=2"), tuple(range(5))))
+    assert (e["prefill-0"].cores, e["decode-0"].cores) == ((0, 1, 2), (3, 4))
+    e = by_name(plan_cpu(parse("1p1d,d.tp=4"), tuple(range(6))))
+    assert (e["prefill-0"].cores, e["decode-0"].cores) == ((0, 1), (2, 3, 4, 5))
+
+
+def test_cpu_tp_role_on_too_few_cores_is_one_line():
+    with pytest.raises(ConfigError) as ei:
+        plan_cpu(parse("1p1d,p.tp=2"), (0, 1))
+    assert str(ei.value) == ("topology '1p1d,p.tp=2' needs 3 cores, one per rank of each "
+                             "worker (prefill-0 2, decode-0 1); only 2 core(s) available (0,1)")
+
+
+def test_cpu_tp_worker_binds_one_core_list_per_rank():
+    """vLLM on CPU binds rank r's OMP threads to the r-th `|`-separated list."""
+    from e2e_test.infra.specs.devices import rank_core_lists
+    assert rank_core_lists((0, 1), 2) == "0|1"
+    assert rank_core_lists((0, 1, 2, 3, 4), 2) == "0-2|3-4"
+    assert rank_core_lists((4, 5, 6), 1) == "4-6"
+    with pytest.raises(ConfigError, match="2 ranks need a core each; got 1"):
+        rank_core_lists((0,), 2)
+
+
 def test_cpu_too_many_workers():
     with pytest.raises(ConfigError) as ei:
         plan_cpu(parse("2p1d"), (0, 1))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")       # the `multinode` extra; .ci/run installs it
+# the `multinode` extra; .ci/run installs it
+ray = pytest.importorskip("ray", reason="needs ray: pip install -e '.[multinode]'")
 
 from e2e_test.infra.lifecycle import ray_launcher  # noqa: E402
 from e2e_test.infra.specs.plan import Node  # noqa: E402

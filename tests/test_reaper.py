@@ -561,3 +561,26 @@ def test_a_create_time_read_one_btime_second_apart_is_the_same_process():
     assert reaper.pid_alive(os.getpid(), me + 1.0000002)
     assert reaper.pid_alive(os.getpid(), me - 1.0000002)
     assert not reaper.pid_alive(os.getpid(), me + 10.0)      # the negative control
+
+
+def test_a_run_whose_guardian_still_runs_is_left_to_it(planted):
+    """A driver SIGKILLed while another run's preflight looks: the processes are its guardian's
+    to stop (and report), not the preflight's; once the guardian has exited they are orphans.
+    (The race behind test_sigkill_of_the_driver_stops_its_whole_tree finding no report when
+    another xdist worker's preflight swept the tree first.)"""
+    pid, create = _dead_driver()
+    run = f"guarded-{os.getpid()}"
+    pids = planted(_marker(run, pid, create))
+    guardian = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                 reaper.GUARDIAN_MODULE, "--run-id", run])
+    try:
+        deadline = time.monotonic() + 10
+        while run not in reaper.guarded_runs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run in reaper.guarded_runs()
+        assert not {p.pid for p, _ in reaper.orphans()} & set(pids)
+    finally:
+        guardian.kill()
+        guardian.wait()
+    # the control: the same processes, their guardian gone, are orphans
+    assert {p.pid for p, _ in reaper.orphans()} >= set(pids)

@@ -192,7 +192,8 @@ class Cluster:
                  startup_timeout: float | None = None, results_dir: Path | str | None = None,
                  name: str | None = None, gateway_args: tuple[str, ...] = (),
                  launcher: Launcher | None = None, plan: Plan | None = None,
-                 shared_devices: bool = False, hold_restarts: bool = False):
+                 shared_devices: bool = False, hold_restarts: bool = False,
+                 need_weights: bool = True):
         self.spec: ModelSpec = model if isinstance(model, ModelSpec) else get_spec(model)
         self.engine = engine
         self.topology = topologies.parse(topology)     # a Topology is taken as it is
@@ -207,7 +208,10 @@ class Cluster:
                               f"{self.backend}{why}")
         if devices:
             startup.check_devices(devices, self.backend, "devices")
-        self.model_path = weights_path(self.spec)
+        # need_weights=False: a plan only (`python -m e2e_test plan`), whose commands name the
+        # folder the weights will be in
+        self.model_path = (weights_path(self.spec) if need_weights
+                           else weights_path(self.spec, must_exist=False))
         self.launcher: Launcher = launcher or make_launcher()
         # `plan`: placed already by the caller (the pytest plugin's check at collection, with
         # the same model, backend, devices, engine and this launcher's nodes): not placed again.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -68,15 +69,44 @@ def worker_queues(cluster) -> dict[str, dict[str, float]]:
         return dict(zip([w.name for w in cluster.workers], ex.map(one, cluster.workers)))
 
 
+def _schedstat_s(pid: int) -> float | None:
+    """Seconds the process's threads ran or waited on a run queue (Linux
+    /proc/PID/task/*/schedstat: on-CPU plus run-queue wait, nanoseconds); None where the kernel
+    gives no schedstat or the process is gone. A thread that ends meanwhile is left out."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                run, wait = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue
+        total += int(run) + int(wait)
+    return total / 1e9
+
+
+SCHEDSTAT = _schedstat_s(os.getpid()) is not None
+
+
 def cpu_cores(workers, interval: float = 1.0) -> dict[str, float | None]:
-    """Cores each worker's processes used over `interval` seconds (user + system time of its
-    process tree); None where they cannot be read (another machine, gone). An engine's
-    gauges move once a step, so in a long step (a 2k-token prefill on one CPU core takes
-    tens of seconds) they show the step's start: about a core busy says it computes, about
-    none that it waits. A hint, not a verdict: a spinning wait is busy too."""
+    """Cores each worker's processes asked for over `interval` seconds: the time its process
+    tree ran or was ready to run (schedstat: on-CPU plus run-queue wait), so a computing
+    worker counts about a core per busy thread however loaded the machine is, and a waiting
+    one about none; where the kernel has no schedstat, the user + system time it got. None
+    where they cannot be read (another machine, gone). An engine's gauges move once a step,
+    so in a long step (a 2k-token prefill on one CPU core takes tens of seconds) they show
+    the step's start: about a core busy says it computes, about none that it waits. A hint,
+    not a verdict: a spinning wait is busy too."""
     def times(ps):
         out = 0.0
         for p in ps:
+            demand = _schedstat_s(p.pid) if SCHEDSTAT else None
+            if demand is not None:
+                out += demand
+                continue
             try:
                 t = p.cpu_times()
                 out += t.user + t.system

@@ -335,7 +335,7 @@ class Engine:
     # Python distributions whose installed versions a run records (results.versions).
     packages: tuple[str, ...] = ()
     # Its own variables, settings.Setting rows: settings.SETTINGS lists them after the
-    # harness's (the README table, `python -m e2e_test settings`, the start-up check).
+    # harness's (docs/settings.md, `python -m e2e_test settings`, the start-up check).
     settings_rows: tuple = ()
     # The pyproject extra that installs it (E2E_EXTRAS accepts it; scripts/main.sh); "": none
     # of its own.

@@ -19,6 +19,7 @@ import httpx
 
 from ..cluster.readiness import HttpGet
 from ..errors import ConfigError, HarnessError
+from ..specs.devices import rank_core_lists
 from ..specs.model_specs import ModelSpec
 from ..specs.plan import PlanEntry
 from ..specs.settings import Bool, Choice, Setting
@@ -34,7 +35,7 @@ from ..verdicts.proof import (
     sum_delta,
     verdict,
 )
-from . import Engine, EngineOptions, Ports, WorkerCommand, core_list, kv_corrupt
+from . import Engine, EngineOptions, Ports, WorkerCommand, kv_corrupt
 
 # vLLM's own options (EngineOptions.engine_opts), with their defaults:
 #   kv_connector      nixl | example | mooncake (PD)
@@ -283,7 +284,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
             env.update(FORK_ENGINE)
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(opt(options, "cpu_kv_cache_gib"))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = core_list(entry.cores)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = rank_core_lists(entry.cores, entry.tp)
     if options.enforce_eager:
         argv.append("--enforce-eager")
     env.update(compile_cache_env(options))

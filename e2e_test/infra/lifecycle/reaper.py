@@ -207,13 +207,35 @@ def _read_runs() -> dict[str, tuple[Marker, dict[int, float]]]:
     return out
 
 
+GUARDIAN_MODULE = "e2e_test.infra.lifecycle.reaper"
+
+
+def guarded_runs() -> set[str]:
+    """Run ids whose guardian (`python -m GUARDIAN_MODULE --run-id RUN`) is still running."""
+    out = set()
+    for p in psutil.process_iter():
+        try:
+            argv = p.cmdline()
+        except (psutil.Error, OSError):
+            continue
+        if GUARDIAN_MODULE in argv and "--run-id" in argv[:-1] and running(p):
+            out.add(argv[argv.index("--run-id") + 1])
+    return out
+
+
 def orphans() -> list[tuple[psutil.Process, Marker]]:
     """Processes of another run whose driver is gone: marked ones, and the members of the
-    sessions it registered in RUNS_DIR (see session_members)."""
+    sessions it registered in RUNS_DIR (see session_members). A run whose guardian still runs
+    is left to it: it is stopping them now and reports what it stopped (a preflight that took
+    them first would leave its report without them); what it leaves is an orphan once it
+    exits."""
     mine = run_id()
     alive: dict[tuple[int, float], bool] = {}
+    guarded = guarded_runs()
 
     def gone(m: Marker) -> bool:
+        if m.run_id in guarded:
+            return False
         key = (m.driver_pid, m.driver_create)
         if key not in alive:
             alive[key] = m.driver_alive()
@@ -520,7 +542,7 @@ class Guardian:
         env["PYTHONPATH"] = extend_pythonpath(_ROOT)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "e2e_test.infra.lifecycle.reaper", "--fd", str(r),
+                [sys.executable, "-m", GUARDIAN_MODULE, "--fd", str(r),
                  "--run-id", me["run_id"], "--driver-pid", str(me["pid"]),
                  "--driver-create", repr(me["create"]), "--report-dir", str(self.report_dir),
                  "--grace", str(self.grace)],

@@ -127,6 +127,24 @@ def core_list(cores: tuple[int, ...]) -> str:
     return ",".join(parts)
 
 
+def rank_core_lists(cores: tuple[int, ...], ranks: int) -> str:
+    """A worker's cores split into one list per rank, joined by `|`: the form
+    VLLM_CPU_OMP_THREADS_BIND takes for a tensor-parallel worker on CPU (rank r binds the r-th
+    list); the first ranks take one more core on a remainder. One rank: core_list."""
+    if ranks <= 1:
+        return core_list(cores)
+    if len(cores) < ranks:
+        raise ConfigError(f"{ranks} ranks need a core each; got {len(cores)} "
+                          f"({','.join(map(str, cores))})")
+    share, extra = divmod(len(cores), ranks)
+    out, pos = [], 0
+    for r in range(ranks):
+        take = share + (1 if r < extra else 0)
+        out.append(core_list(tuple(cores[pos:pos + take])))
+        pos += take
+    return "|".join(out)
+
+
 def xdist_share(devices: tuple[int, ...], environ: dict | None = None) -> tuple[int, ...]:
     """Under pytest-xdist (-n N) each worker leases its own slice of the ordered list:
     worker k of N gets every N-th device starting at k, so topologies tested in parallel

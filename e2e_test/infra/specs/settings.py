@@ -9,9 +9,9 @@ This module is only the table and its parsing; `startup.check()` / `startup.star
 (infra/startup.py: the checks across variables, against the machine's devices, the model
 registry, the engines and the weights) run at start-up (the CLI's `main`, the pytest plugin's configure, `run LANE`), so a
 wrong value is one line, exit 2, naming the variable, what it got and what it accepts, before
-any process starts. Adding a variable is one `_add(...)` line below; the README's table
-(between the `settings:begin`/`settings:end` markers) is generated from this list
-(`python -m e2e_test settings --write-readme`; tests/test_settings.py checks it is fresh).
+any process starts. Adding a variable is one `_add(...)` line below; docs/settings.md is
+generated from this list (`python -m e2e_test settings --markdown > docs/settings.md`;
+tests/test_settings.py checks it is up to date).
 
 An empty value counts as unset (the workflow passes `${{ vars.X }}` even when X is not set).
 """
@@ -95,6 +95,15 @@ def Choice(*choices: str) -> Kind:
             raise ValueError("unknown value")
         return raw.strip()
     return Kind("choice", " | ".join(choices), parse)
+
+
+def OneOf(among: Callable[[], tuple[str, ...]]) -> Kind:
+    """One of what `among()` returns when asked (a registry's names)."""
+    def parse(raw: str) -> str:
+        if raw.strip() not in among():
+            raise ValueError("unknown value")
+        return raw.strip()
+    return Kind("choice", lambda: " | ".join(among()), parse)
 
 
 def CsvOf(*choices: str, among: Callable[[], tuple[str, ...]] | None = None) -> Kind:
@@ -182,6 +191,9 @@ class Setting:
     kind: Kind
     initial: Any                        # the value when unset (None: see the doc); a callable:
     doc: str | Callable[[], str]        # asked each time (a registry's current names)
+    # the table's default column where the value when unset is not what happens (a folder
+    # made per run)
+    default_text: str | None = None
 
     @property
     def default(self) -> Any:
@@ -249,9 +261,9 @@ class _Table(dict):
 SETTINGS: dict[str, Setting] = _Table()
 
 
-def _add(name: str, kind: Kind, default: Any, doc: str) -> None:
+def _add(name: str, kind: Kind, default: Any, doc: str, default_text: str | None = None) -> None:
     assert not dict.__contains__(SETTINGS, name), name
-    dict.__setitem__(SETTINGS, name, Setting(name, kind, default, doc))
+    dict.__setitem__(SETTINGS, name, Setting(name, kind, default, doc, default_text))
 
 
 def __getattr__(name: str):
@@ -264,9 +276,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 def extras() -> tuple[str, ...]:
-    """The pyproject extras E2E_EXTRAS accepts: the CPU and GPU stacks, each registered
-    engine's own (Engine.extra), the unit tests'."""
-    return ("cpu", "gpu", *(e.extra for e in all_engines() if e.extra), "dev")
+    """The pyproject extras E2E_EXTRAS accepts, one of them (scripts/bootstrap.sh --extras):
+    the CPU and GPU stacks, each registered engine's own (Engine.extra)."""
+    return ("cpu", "gpu", *(e.extra for e in all_engines() if e.extra))
 
 # Selection (the pytest plugin; `run LANE` sets the first three from the lane table)
 _add("E2E_ENGINES", CsvOf(among=engine_names), engine_names, "engines to parametrize over (`--engine`)")
@@ -282,8 +294,8 @@ _add("E2E_CPU_CORES", DeviceList(), None, "CPU cores for CPU workers (subset of 
 _add("E2E_MODEL_PATH", PathKind(must_be_dir=True), None, "weights folder of the model under test (overrides the registry); its config.json is parsed before launch")
 _add("E2E_MODEL_ROOT", PathKind(must_be_dir=True), None, "folder holding hub-id sub-folders for `source: hf` registry entries")
 _add("E2E_CACHE_DIR", PathKind(), Path("~/.cache/e2e_test").expanduser(), "cache of prepared models and downloaded datasets")
-_add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: the cache")
-_add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go; unset: a folder of its own per run, results/<lane or run>-<date>-<time>-<pid>, with results/latest pointing at it")
+_add("E2E_DATASET_DIR", PathKind(must_be_dir=True), None, "folder with gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl; unset: ../shared/datasets beside the checkout where it holds them, else the cache")
+_add("E2E_RESULTS_DIR", PathKind(), Path("results"), "where result files, logs and cluster.json go; unset: a folder of its own per run, results/<lane or run>-<date>-<time>-<pid>, with results/latest pointing at it", default_text="a folder per run")
 # An offline GPU runner's recipe (scripts/gpu_lane.sh; docs/gpu.md)
 _add("E2E_STAGE_ENV", PathKind(), None, lambda: "scripts/gpu_lane.sh: the env file the engine's staging wrote (default " + ", ".join(f"{e.stage_env} for {e.name}" for e in all_engines() if e.stage_env) + ")")
 _add("E2E_SMG_WHEEL", PathKind(), None, "scripts/gpu_lane.sh: the smg wheel to install when the engine's site has no smg (default .whl/smg-*.whl)")
@@ -331,8 +343,8 @@ _add("E2E_GSM8K_N", Int(1), None, "GSM8K questions; unset: the model's registry 
 _add("E2E_MMLU_N", Int(1), None, "MMLU questions; unset: the model's registry n")
 _add("E2E_FAULT_STALL_WINDOW_S", Float(0), 20.0, "watchdog window of the SIGSTOP fault test")
 # Shell scripts (scripts/bootstrap.sh, scripts/main.sh)
-_add("E2E_VENV", PathKind(), Path(".venv"), "virtualenv scripts/bootstrap.sh creates and uses")
-_add("E2E_EXTRAS", CsvOf(among=extras), ("cpu",), "pyproject extras scripts/main.sh installs")
+_add("E2E_VENV", PathKind(), Path(".venv"), "virtualenv scripts/bootstrap.sh creates and scripts/main.sh and scripts/test.sh run in")
+_add("E2E_EXTRAS", OneOf(extras), "cpu", "the pyproject extra scripts/main.sh installs (scripts/bootstrap.sh --extras); one")
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -423,11 +435,7 @@ def collect(environ=None) -> tuple[dict[str, Any], list[str]]:
 
 
 
-# -- the README table -----------------------------------------------------------------------------
-
-BEGIN, END = "<!-- settings:begin (generated: python -m e2e_test settings --write-readme) -->", \
-    "<!-- settings:end -->"
-
+# -- the table in docs/settings.md ----------------------------------------------------------------
 
 def shown(v: Any, name: str | None = None) -> str:
     """A value as a user would type it (`vllm,tokenspeed`, `~/.cache/e2e_test`, `true`,
@@ -451,7 +459,7 @@ def shown(v: Any, name: str | None = None) -> str:
 
 
 def _default_text(s: Setting) -> str:
-    return shown(s.default, s.name)
+    return s.default_text or shown(s.default, s.name)
 
 
 def table() -> str:
@@ -462,20 +470,27 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def render_readme(text: str) -> str:
-    """`text` with the block between the markers replaced by the current table."""
-    if BEGIN not in text or END not in text:
-        raise ConfigError("README.md has no settings markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+INTRO = """\
+# Settings
+
+Every environment variable the harness reads is declared once, in
+`e2e_test/infra/specs/settings.py`, and all of them are parsed and checked at start-up (the CLI,
+the pytest plugin, `run LANE`): a wrong value is one line and exit 2, naming the variable, what
+it got and what it accepts, before any process starts, for example
+`E2E_BURST_N='abc': not an integer; accepts an integer >= 1`. Device ids are checked against
+NVML (cuda) or this process's CPU affinity (cpu); the weights folder's `config.json` is parsed
+before a worker is launched. An empty value counts as unset. `python -m e2e_test settings`
+checks the current environment and prints every value.
+
+This page is generated: `python -m e2e_test settings --markdown > docs/settings.md`
+(tests/test_settings.py checks it is up to date).
+"""
 
 
-def readme_path() -> Path:
-    return Path(__file__).resolve().parents[3] / "README.md"
+def markdown() -> str:
+    """docs/settings.md: the intro and the table of every variable."""
+    return f"{INTRO}\n{table()}\n"
 
 
-def write_readme(path: Path | None = None) -> Path:
-    p = path or readme_path()
-    p.write_text(render_readme(p.read_text()))
-    return p
+def docs_path() -> Path:
+    return Path(__file__).resolve().parents[3] / "docs" / "settings.md"

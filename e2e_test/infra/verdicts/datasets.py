@@ -1,8 +1,10 @@
 """GSM8K and MMLU loaders.
 
 Where the data comes from, in order:
-  1. E2E_DATASET_DIR (CI: ../shared/datasets): gsm8k/{train,test}.jsonl, mmlu/{dev,test}.jsonl
-  2. the cache (E2E_CACHE_DIR/datasets), filled by `python -m e2e_test datasets download` from
+  1. E2E_DATASET_DIR: gsm8k/{train,test}.jsonl, mmlu/{dev,test}.jsonl
+  2. ../shared/datasets beside the checkout (SHARED: where CI and the scripts keep the copies),
+     for a dataset whose files are all there
+  3. the cache (E2E_CACHE_DIR/datasets), filled by `python -m e2e_test datasets download` from
      the public sources when online
 Neither: a ConfigError naming both options.
 Rows: GSM8K {"question", "answer"} (reference after "#### "); MMLU {"subject", "question",
@@ -24,6 +26,8 @@ from ..specs import settings
 from ..specs.models import cache_dir
 
 ENV = "E2E_DATASET_DIR"
+# The offline copies beside the checkout (../shared/datasets), used when E2E_DATASET_DIR is unset.
+SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "datasets"
 FILES = {"gsm8k": ("train", "test"), "mmlu": ("dev", "test")}
 GSM8K_URL = ("https://raw.githubusercontent.com/openai/grade-school-math/master/"
              "grade_school_math/data/{split}.jsonl")
@@ -61,11 +65,13 @@ def dataset_dir(name: str) -> Path:
             if not os.access(d / f"{s}.jsonl", os.R_OK):
                 raise ConfigError(f"{ENV}={env}: {d / (s + '.jsonl')} is not readable")
         return d
+    if all((SHARED / name / f"{s}.jsonl").is_file() for s in FILES[name]):
+        return SHARED / name
     d = cache_dir() / "datasets" / name
     if all((d / f"{s}.jsonl").is_file() for s in FILES[name]):
         return d
-    raise ConfigError(f"no {name} data: set {ENV} to a folder with {name}/"
-                      f"{{{','.join(FILES[name])}}}.jsonl, or run `python -m e2e_test datasets "
+    raise ConfigError(f"no {name} data in {SHARED} nor the cache: set {ENV} to a folder with "
+                      f"{name}/{{{','.join(FILES[name])}}}.jsonl, or run `python -m e2e_test datasets "
                       f"download` while online to fill {d.parent}")
 
 
