@@ -73,10 +73,14 @@ def run_pass(base_url: str, reqs: list[load.Request], concurrency: int,
     for r in rep.results:
         # Steps against the answer's text (oracle.add_answer; TokenSpeed PD/EPD through smg
         # 1.13 leave the first token without a logprob, docs/accuracy.md).
-        if r.ok:
-            oracle.add_answer(out, r.tag, r.logprobs, r.text)
-        else:
+        if not r.ok:
             out[r.tag] = None
+            continue
+        try:
+            oracle.add_answer(out, r.tag, r.logprobs, r.text)
+        except oracle.BadLogprob as e:       # answered, with nothing comparable: an error
+            out[r.tag] = None
+            out.errors[r.tag] = str(e)
     return out
 
 

@@ -98,23 +98,38 @@ class Step:
         return self.top.get(token)
 
 
+class BadLogprob(ValueError):
+    """An answer's logprobs hold a value that is no number: JSON null, which is what an
+    engine writes for a non-finite logprob (NaN logits, e.g. from corrupted KV). The item is
+    an error, never a step to compare."""
+
+
+def _logprob(value, token: str) -> float:
+    if value is None:
+        raise BadLogprob(f"token {token!r}: logprob null (not a finite number)")
+    return float(value)
+
+
 def steps_from_openai(lp: dict | None) -> list[Step]:
     """Steps from an OpenAI-style `logprobs` object: completions ({tokens, token_logprobs,
-    top_logprobs}) or chat ({content: [{token, logprob, top_logprobs: [...]}]})."""
+    top_logprobs}) or chat ({content: [{token, logprob, top_logprobs: [...]}]}). A null
+    logprob is BadLogprob (a completions token's own null logprob stays "not given")."""
     if not lp:
         return []
     if "content" in lp:
         out = []
         for e in lp.get("content") or []:
-            top = {t["token"]: float(t["logprob"]) for t in e.get("top_logprobs") or []}
-            out.append(Step(e["token"], float(e["logprob"]), top))
+            top = {t["token"]: _logprob(t["logprob"], t["token"])
+                   for t in e.get("top_logprobs") or []}
+            out.append(Step(e["token"], _logprob(e["logprob"], e["token"]), top))
         return out
     toks = lp.get("tokens") or []
     lps = lp.get("token_logprobs") or []
     tops = lp.get("top_logprobs") or []
     out = []
     for i, t in enumerate(toks):
-        top = {k: float(v) for k, v in (tops[i] or {}).items()} if i < len(tops) else {}
+        top = ({k: _logprob(v, k) for k, v in (tops[i] or {}).items()} if i < len(tops)
+               else {})
         val = lps[i] if i < len(lps) else None
         out.append(Step(t, float(val) if val is not None else top.get(t, -math.inf), top))
     return out
@@ -512,6 +527,7 @@ class Pass(dict):
         self.shape: str | None = None
         self.lead: dict = {}
         self.empty_answers: set = set()    # answered with no text at all: nothing to carry
+        self.errors: dict = {}             # index -> why an answered item is None (BadLogprob)
 
     def subset(self, indices) -> Pass:
         """The same pass over `indices` only (a test that asks fewer items than the
@@ -520,6 +536,7 @@ class Pass(dict):
         out.shape = self.shape
         out.lead = {i: v for i, v in self.lead.items() if i in out}
         out.empty_answers = {i for i in self.empty_answers if i in out}
+        out.errors = {i: v for i, v in self.errors.items() if i in out}
         return out
 
 
