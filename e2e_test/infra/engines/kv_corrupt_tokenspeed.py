@@ -164,7 +164,15 @@ class DecodeState(kc._State):
         check_pages(kv_args, pages)
         self.pages[room] = pages
         if pages and self.current().name == "stale_last_block":
+            # Every stream idle before and after: the scheduler thread's current stream is not
+            # the one TokenSpeed's forward and transfer run on (without it, an index kernel
+            # asserted out of bounds; with CUDA_LAUNCH_BLOCKING=1 the case passed).
+            import torch
+            if self.device == "cuda":
+                torch.cuda.synchronize()
             self.stale[room] = (pages[-1:], self.page_corruptor(kv_args).snapshot(pages[-1:]))
+            if self.device == "cuda":
+                torch.cuda.synchronize()
 
     def arrived(self, kv_args, room: int) -> None:
         """`room`'s transfer succeeded: corrupt its pages as the current kind says."""
@@ -179,6 +187,8 @@ class DecodeState(kc._State):
         check_pages(kv_args, pages)
         import torch
         c = self.page_corruptor(kv_args)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
         with torch.inference_mode():
             if kind.name == "cross_request":
                 self._cross(c, room, pages)
