@@ -22,7 +22,7 @@ sys.modules["device_session"] = ds       # dataclasses look their module up
 _spec.loader.exec_module(ds)
 RUNS = ROOT / "scripts" / "gpu_runs.sh"
 MiB = 2**20
-RECORDED = ROOT / "docs" / "validation" / "h200-e2e-1gpu-pd-tokenspeed-together-c632ecc-e"
+RECORDED = ROOT / "docs" / "validation" / "h100-e2e-1gpu-pd-tokenspeed-pd-d9eef98"
 
 
 # A fresh HOME (as .ci/run's clone runs) has no git identity: every commit here names one.
@@ -215,7 +215,7 @@ def test_publish_indexes_a_run_keeps_its_folder_and_rewrites_the_table(tmp_path)
     f = _packed_run(tmp_path)
     [dest] = ds.publish([f], "nvidia-h200 (1x H200)", "One H200 machine.", repo=repo,
                         log=lambda s: None)
-    assert dest.name == "h200-e2e-1gpu-pd-tokenspeed-serial-c632ecc"
+    assert dest.name == "h200-e2e-1gpu-pd-tokenspeed-serial-d9eef98"
     assert (dest / "clusters.tar.xz").is_file() and not (dest / "clusters").exists()
     assert len(list((dest / "tests").glob("*.json"))) == 23
     note = json.loads((dest / "note.json").read_text())

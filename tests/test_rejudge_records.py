@@ -160,7 +160,16 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
          + [(shape, t) for shape in ("1p2d", "2p1d", "2p2d")
             for t in ["test_pd_answers_match_regular[tokenspeed-{shape}-gsm8k]",
                       "test_pd_answers_match_regular[tokenspeed-{shape}-mmlu]",
-                      "test_pd_kv_recall[tokenspeed-{shape}]"]]])
+                      "test_pd_kv_recall[tokenspeed-{shape}]"]]]
+      # one H100, both engines staged: the chat lanes, the PD lanes, and TokenSpeed's KV
+      # corruption lane three times (as it was, serialized, with the hook's stream waits)
+      + [(f"h100-e2e-1gpu-chat-{eng}-{name}-d9eef98", f"test_oracle_negative_control[{eng}-1]")
+         for eng, name in [("tokenspeed", "chat"), ("vllm", "vchat")]]
+      + [(f"h100-e2e-1gpu-kv-corrupt-tokenspeed-{run}",
+          "test_oracle_negative_control[tokenspeed-1]")
+         for run in ("kvc-d9eef98", "kvcb-6636b59", "kvcs-c51ef95")]
+      + [(f"h100-e2e-1gpu-pd-{eng}-{name}-d9eef98", t.format(eng=eng))
+         for eng, name in [("tokenspeed", "pd"), ("vllm", "vpd")] for t in PD_LANE])
     # what cannot be re-judged says why (recall: its control arm was recorded as a summary
     # only; TokenSpeed: records written before the oracle)
     for r in ALL:

@@ -80,12 +80,12 @@ def test_the_report_carries_the_runs_time_report_and_its_boot_phases(tmp_path):
 
     from e2e_test.infra.reports import report
     src = (Path(__file__).parent.parent
-           / "docs/validation/h200-e2e-1gpu-pd-tokenspeed-together-c632ecc-e")
+           / "docs/validation/h100-e2e-1gpu-pd-tokenspeed-pd-d9eef98")
     text = report.render([src])
-    assert ("- time: boots 35 % (waited on 36 %), traffic 57 %, teardown 7 %, idle 1 % of 64 s "
-            "(3 boots, 23 s; compile cache: 5 unknown); booted together") in text
-    assert ("- boot phases (median of 5 worker boots): starting 13.0 s, server imported, "
-            "starting engine 0.8 s") in text
+    assert ("- time: boots 30 %, traffic 60 %, teardown 8 %, idle 2 % of 44 s "
+            "(3 boots, 13 s; compile cache: 5 unknown); booted together") in text
+    assert ("- boot phases (median of 5 worker boots): starting 7.1 s, server imported, "
+            "starting engine 1.3 s") in text
     d = tmp_path / "run"
     shutil.copytree(src, d)
     rep = json.loads((d / "timing.json").read_text())
