@@ -104,7 +104,9 @@ def _held_shm_paths() -> set[str]:
             with open(f"/proc/{p.pid}/maps") as f:
                 for line in f:
                     if "/dev/shm/" in line:
-                        held.add(line.split("/dev/shm/", 1)[1].split()[0].strip())
+                        # The path is the rest of the line, spaces included.
+                        name = line.rstrip("\n").split("/dev/shm/", 1)[1]
+                        held.add(name.removesuffix(" (deleted)"))
             for fd in os.scandir(f"/proc/{p.pid}/fd"):
                 try:
                     target = os.readlink(fd.path)
