@@ -118,3 +118,68 @@ def test_wait_idle_waits_its_timeout_then_names_what_stayed_busy(monkeypatch):
         idle.wait_idle(c, gateway=False)
     assert clock[0] == pytest.approx(30.0)          # default timeout, polled every 0.25 s
     assert idle.DEFAULT_TIMEOUT_S == 30.0
+
+
+def test_each_scrape_is_bounded_by_3_s_by_default(monkeypatch):
+    seen = []
+    real = idle.metrics.scrape
+
+    def spy_scrape(url, timeout=5.0):
+        seen.append(timeout)
+        return real(url, timeout=timeout)
+    monkeypatch.setattr(idle.metrics, "scrape", spy_scrape)
+    with serve(_page(SMG_PAGE)) as srv:
+        c = types.SimpleNamespace(gateway_metrics_url=srv.url + "/metrics")
+        idle.gateway_load(c)
+        idle.gateway_load(c, timeout=0.5)
+    assert seen == [3.0, 0.5]
+    w = FakeWorker("worker-0", "worker", [_samples(0, 0, 0.0)])
+    asked = []
+    w.metrics = lambda timeout=99.0: asked.append(timeout) or _samples(0, 0, 0.0)
+    idle.worker_load(w, {"running": "vllm:num_requests_running"})
+    assert asked == [3.0]
+
+
+def test_missing_gauges_are_all_named():
+    w = FakeWorker("worker-0", "worker", [{}])
+    ld = idle.worker_load(w, {"running": "a_running", "waiting": "a_waiting"})
+    assert ld.error == "reports no a_running, a_waiting"
+
+
+def test_snapshot_errors_say_why_idleness_cannot_be_verified():
+    none = fake_cluster([], builder=types.SimpleNamespace(
+        ENGINE=types.SimpleNamespace(idle_gauges={}, idle_skip_roles=())))
+    with pytest.raises(IdleError) as e:
+        idle.snapshot(none)
+    assert str(e.value) == ("engine 'vllm' names no idle gauges (Engine.idle_gauges in its "
+                            "engine module): idleness cannot be verified")
+    with pytest.raises(IdleError) as e:
+        idle.snapshot(fake_cluster([]))
+    assert str(e.value) == ("topology 1p1d (vllm): no running worker to read (none started, or "
+                            "every role's idle check skipped): idleness cannot be verified")
+
+
+def test_wait_idle_applies_its_kv_bound_and_names_every_busy_role():
+    c = fake_cluster([FakeWorker("a", "prefill", [_samples(0, 0, 0.1)]),
+                      FakeWorker("b", "decode", [_samples(2, 0, 0.0)])])
+    with pytest.raises(IdleError) as e:
+        idle.wait_idle(c, timeout=0, gateway=False)
+    assert str(e.value).splitlines()[0] == (
+        "topology 1p1d (vllm): not idle 0 s after traffic: a (kv_cache_usage 0.1000 (> "
+        "0.0005)); b (running 2)")
+    c = fake_cluster([FakeWorker("a", "prefill", [_samples(0, 0, 0.1)])])
+    rep = idle.wait_idle(c, timeout=0, kv_max=0.2, gateway=False)
+    assert rep.polls == 1 and isinstance(rep.seconds, float) and 0 <= rep.seconds < 5
+    assert rep.to_dict()["seconds"] == round(rep.seconds, 3)
+
+
+def test_wait_idle_polls_every_quarter_second_by_default(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(idle.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(idle.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    w = FakeWorker("worker-0", "worker", [_samples(1, 0, 0.0)])
+    calls = []
+    w.metrics = lambda timeout=3.0: calls.append(clock[0]) or _samples(1, 0, 0.0)
+    with pytest.raises(IdleError):
+        idle.wait_idle(fake_cluster([w]), timeout=2, gateway=False)
+    assert calls == [i * 0.25 for i in range(9)]
