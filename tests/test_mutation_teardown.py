@@ -174,11 +174,12 @@ def _libc():
     return libc
 
 
-@pytest.mark.parametrize("name", ["e2e-mapped-{}", "e2e mapped {}"])
+@pytest.mark.parametrize("name", ["e2e-mapped-{}", "e2e mapped {}", "e2e mapped {}X",
+                                  "e2e mapped {} "])
 def test_a_segment_a_live_process_maps_is_never_removed(name):
     """As a POSIX shm user does (shm_open, mmap, close): no descriptor is left, only the
     mapping (/proc/<pid>/maps). A name with a space was read up to the space, and the
-    segment, still mapped, was removed."""
+    segment, still mapped, was removed; a name is read to its end, whatever it ends with."""
     if not td.SHM.is_dir() or not os.access(td.SHM, os.W_OK):
         pytest.skip("no writable /dev/shm")
     libc = _libc()
@@ -217,3 +218,68 @@ def test_a_segment_that_cannot_be_removed_is_reported(tmp_path, monkeypatch):
         return real_unlink(self, *a, **kw)
     monkeypatch.setattr(type(tmp_path), "unlink", unlink)
     assert td.clean_shm(before) == (["psm_c"], ["psm_a"])
+
+
+def test_a_descriptor_that_cannot_be_read_skips_only_itself(monkeypatch, tmp_path):
+    if not td.SHM.is_dir() or not os.access(td.SHM, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    path = td.SHM / f"e2e-held-{uuid.uuid4().hex[:12]}"
+    path.write_bytes(b"x")
+    real = os.readlink
+    failed = []
+
+    def readlink(p):
+        if not failed and p.startswith(f"/proc/{os.getpid()}/fd/"):
+            failed.append(p)
+            raise OSError("gone")
+        return real(p)
+    monkeypatch.setattr(td.os, "readlink", readlink)
+    try:
+        with open(path, "rb"), open(os.devnull, "rb"):
+            assert path.name in td._held_shm_paths()
+        assert failed
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_gpu_waits_20_s_by_default_and_rounds_what_it_reports(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(td.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(td.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    asked = []
+    monkeypatch.setattr(td, "gpu_memory_mib", _memory([{0: 600.04}]))
+    monkeypatch.setattr(td, "gpu_holders", lambda devices: asked.append(devices) or [])
+    rep = TeardownReport()
+    td.check_gpu(rep, {0: 500.0})
+    assert clock[0] == pytest.approx(20.25) and rep.gpu_wait_s == 20.0
+    assert rep.gpu_leaks == {0: 100.0} and asked == [[0]]
+    clock[0] = 0.0
+    monkeypatch.setattr(td, "nvml_processes", lambda devices: asked.append(devices) or {
+        0: [(100, 10.04), (101, None)]})
+    rep = TeardownReport()
+    td.check_gpu_own(rep, (0,), {100})
+    assert clock[0] == pytest.approx(20.25) and rep.gpu_leaks == {0: 10.0}
+    assert asked[-1] == (0,)
+
+
+def test_settle_time_is_kept_to_the_hundredth(monkeypatch):
+    ticks = iter([0.0, 1.23456, 1.23456])
+    monkeypatch.setattr(td.time, "monotonic", lambda: next(ticks))
+    monkeypatch.setattr(td, "gpu_memory_mib", _memory([{0: 500.0}]))
+    rep = TeardownReport()
+    td.check_gpu(rep, {0: 500.0}, timeout=5)
+    assert rep.gpu_settle_s == 1.23
+
+
+def test_nothing_read_at_the_stop_is_not_checked(monkeypatch):
+    monkeypatch.setattr(td, "gpu_memory_mib", lambda devices: {})
+    rep = TeardownReport()
+    td.check_gpu(rep, {0: 500.0}, timeout=0, poll=0)
+    assert rep.gpu_checked is False and not rep.ok
+
+
+def test_every_holder_of_a_device_is_named():
+    r = TeardownReport(gpu_leaks={0: 80.0}, gpu_wait_s=3.0,
+                       gpu_holders={0: ["pid 1 a", "pid 2 b"]})
+    assert r.verdict() == ("NOT clean: GPU memory above baseline (MiB): {0: 80.0} after 3 s, "
+                           "GPU 0 held by pid 1 a, pid 2 b")
