@@ -210,3 +210,130 @@ def test_legs_traffic_with_n_and_roles_given_and_without_roles():
         assert "PD legs (2 requests) failed" in str(e.value)
         with pytest.raises(HarnessError, match="^topology 1p1d has no prefill/decode roles$"):
             proof.legs_traffic(_legs_cluster(srv.url, [w], [], []), OWN, FOREIGN)
+
+
+# -- the small pieces the proofs are built from ------------------------------------------------
+
+@pytest.mark.parametrize("argv, want", [
+    ([], None), (["--dtype"], None), (["--foo", "bar"], None), (["--dtype", "half"], "half"),
+    (["--dtype=float16"], "float16"), (["--dtype=a=b"], "a=b"),
+    (["--dtype", "half", "--dtype=float32"], "float32"), (["--dtype-x=1"], None),
+])
+def test_argv_value_takes_the_last_value_as_argparse_does(argv, want):
+    assert proof._argv_value(argv, "--dtype") == want
+
+
+@pytest.mark.parametrize("cache, argv, config, want", [
+    ("fp8", ["--dtype", "half"], {}, "fp8"),
+    ("auto", ["--dtype", "half"], {}, "half"),
+    (None, ["--dtype", "auto"], {"torch_dtype": "float32"}, "float32"),
+    (None, [], {"text_config": {"torch_dtype": "torch.float16"}}, "float16"),
+    (None, [], {"torch_dtype": "bfloat16", "text_config": {"torch_dtype": "float16"}},
+     "bfloat16"),
+    (None, [], {"dtype": "float16"}, "float16"),
+    (None, [], {"text_config": {}}, "bfloat16"),
+])
+def test_kv_dtype_order(cache, argv, config, want):
+    assert proof.kv_dtype(cache, argv, config) == want
+
+
+def test_head_dim_from_a_hidden_size_that_heads_do_not_divide_is_whole():
+    per_token, layout = proof.kv_bytes_per_token(
+        {"num_hidden_layers": 1, "num_attention_heads": 3, "hidden_size": 100}, "fp8")
+    assert layout["head_dim"] == 33 and isinstance(per_token, int) and per_token == 2 * 3 * 33
+
+
+def test_labels_and_legs():
+    assert proof.leg("c") == ("c", {}) and proof.leg("c", {"a": 1}) == ("c", {"a": 1})
+    assert proof._label(("c", {})) == "c"
+    assert proof._label(("c", {"b": 2, "a": 1})) == "c{a=1,b=2}"
+
+
+def test_one_worker_read_as_both_roles_is_named_by_role_and_one_count_is_traffic():
+    own = {"prefill": [proof.leg(SRC, {"source": "local_compute"})],
+           "decode": [proof.leg(SRC, {"source": "external_kv_transfer"})]}
+    b = {(SRC, (("source", "local_compute"),)): 0.0,
+         (SRC, (("source", "external_kv_transfer"),)): 0.0}
+    a = {(SRC, (("source", "local_compute"),)): 1.0,
+         (SRC, (("source", "external_kv_transfer"),)): 1.0}
+    legs, problems = proof.legs_problems([("w", "prefill"), ("w", "decode")], [b, b], [a, a],
+                                         own, {})
+    assert problems == [] and sorted(legs) == ["w as decode", "w as prefill"]
+
+
+def test_long_unique_prompt():
+    a, b = proof.long_unique_prompt(seed=3), proof.long_unique_prompt(seed=3)
+    head, body = a.split("] ", 1)
+    assert head.startswith("[") and a != b and body == b.split("] ", 1)[1]
+    words = body.split("\n")[0].split(" ")
+    assert len(words) == 300 and set(words) <= set(proof.WORDS)
+    assert body.endswith("\nIn one sentence, what is this list about?")
+    assert proof.long_unique_prompt(5, seed=1) != proof.long_unique_prompt(5, seed=2)
+
+
+def test_image_chat_body():
+    assert proof.image_chat_body("m", "t", "data:x") == {
+        "model": "m", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "t"},
+            {"type": "image_url", "image_url": {"url": "data:x"}}]}]}
+
+
+def test_random_png_is_256_square_of_every_value():
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    uri = proof.random_png_data_uri(4)
+    assert uri == proof.random_png_data_uri(4) and uri.startswith("data:image/png;base64,")
+    img = np.asarray(Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))))
+    assert img.shape == (256, 256, 3) and img.min() == 0 and img.max() == 255
+
+
+def test_post_all_straight_to_a_url_with_the_clients_timeout(monkeypatch):
+    seen = []
+    real = httpx.post
+
+    def spy_post(url, **kw):
+        seen.append(kw["timeout"])
+        return real(url, **kw)
+    monkeypatch.setattr(proof.httpx, "post", spy_post)
+    with serve(_completions({1: (200, {"choices": [{"text": "x"}]}),
+                             2: (503, "b" * 300)})) as srv:
+        c = _cluster("http://127.0.0.1:9")           # the client's gateway is not there
+        assert proof.post_all(c, "PD", "/v1/completions", [{}, {}], url=srv.url) == [
+            {"prompt_tokens": 10}, {}]
+        with pytest.raises(HarnessError) as e:
+            proof.post_all(c, "PD", "/v1/completions", [{}], url=srv.url)
+    assert seen == [httpx.Timeout(7.0)] * 3
+    assert str(e.value) == "PD request 0: HTTP 503 " + "b" * 200
+    with serve(_completions({0: (200, {"choices": [], "x": "y" * 300})})) as srv:
+        with pytest.raises(HarnessError) as e:
+            proof.post_all(_cluster(srv.url), "PD", "/v1/completions", [{}])
+    assert len(str(e.value)) == len("PD request 0: no choices in ") + 200
+
+
+def test_legs_traffic_default_prompts_and_its_failure_names_pd_legs(monkeypatch):
+    monkeypatch.setattr(proof.time, "sleep", lambda s: None)
+    with serve(_completions({0: (500, "down")})) as srv:
+        c = _legs_cluster(srv.url, [CannedWorker("prefill-0", [_src(), _src(local=1)])],
+                          [CannedWorker("decode-0", [_src(), _src(external=1)])],
+                          [smg(), smg(prefill=4, decode=4)])
+        with pytest.raises(HarnessError, match="^PD legs request 0: HTTP 500 down$"):
+            proof.legs_traffic(c, OWN, FOREIGN)
+    (body,) = [b for _, _, b in srv.calls]
+    assert {k: v for k, v in body.items() if k != "prompt"} == {
+        "model": "m", "max_tokens": 4, "temperature": 0}
+    words = body["prompt"].split("] ", 1)[1]
+    assert words == proof.long_unique_prompt(120, seed=1000).split("] ", 1)[1]
+    with serve(_completions()) as srv:
+        c = _legs_cluster(srv.url, [CannedWorker("prefill-0", [_src(), _src(local=1)])],
+                          [CannedWorker("decode-0", [_src(), _src(external=1)])],
+                          [smg(prefill=1, decode=1), smg(prefill=5, decode=5)])
+        p = proof.legs_traffic(c, OWN, FOREIGN)
+    assert p.gateway["selection_series"]["before"] == {
+        "connection_mode=http,model=m,policy=round_robin,worker_type=prefill": 1.0,
+        "connection_mode=http,model=m,policy=round_robin,worker_type=decode": 1.0}
+    second = [b for _, _, b in srv.calls][1]["prompt"].split("] ", 1)[1]
+    assert second == proof.long_unique_prompt(120, seed=1001).split("] ", 1)[1]
