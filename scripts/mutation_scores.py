@@ -107,8 +107,12 @@ def main(argv: list[str]) -> int:
                   "scripts/mutation.sh first", file=sys.stderr)
             return 2
         new[f] = file_scores(json.loads(meta.read_text())["exit_code_by_key"], equivalent)
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout.strip()
+    # The commit the run started at (scripts/mutation.sh writes it before mutmut copies the
+    # tree), else HEAD.
+    started = ROOT / "mutants" / "SHA"
+    sha = (started.read_text().strip() if started.is_file() else
+           subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip())
     old = json.loads(OUT.read_text()) if OUT.is_file() else {}
     doc, problems = merge(old, new, sha, a.raise_floor)
     for f, s in new.items():
