@@ -255,10 +255,10 @@ def test_gpu_waits_20_s_by_default_and_rounds_what_it_reports(monkeypatch):
     assert rep.gpu_leaks == {0: 100.0} and asked == [[0]]
     clock[0] = 0.0
     monkeypatch.setattr(td, "nvml_processes", lambda devices: asked.append(devices) or {
-        0: [(100, 10.04), (101, None)]})
+        0: [(100, 10.54), (101, None)]})
     rep = TeardownReport()
     td.check_gpu_own(rep, (0,), {100})
-    assert clock[0] == pytest.approx(20.25) and rep.gpu_leaks == {0: 10.0}
+    assert clock[0] == pytest.approx(20.25) and rep.gpu_leaks == {0: 10.5}
     assert asked[-1] == (0,)
 
 
