@@ -34,13 +34,18 @@ for f in "${FILES[@]}"; do
   [[ " $ALL " == *" $f "* ]] || { echo "mutation: $f is not one of the mutated files: $ALL" >&2; exit 2; }
 done
 [ "$FRESH" = 0 ] || rm -rf mutants
+mkdir -p mutants
+# The commit the mutants are made from; "+dirty" where the package, tests or config differ
+# from it (mutation_scores.py writes it into docs/mutation.json).
+sha=$(git rev-parse HEAD)
+[ -z "$(git status --porcelain -- e2e_test tests pyproject.toml)" ] || sha="$sha+dirty"
+echo "$sha" > mutants/SHA
 MUTMUT="$(dirname "$(command -v "$PY")")/mutmut"
 [ -x "$MUTMUT" ] || MUTMUT=mutmut
 for f in "${FILES[@]}"; do
   mod=${f%.py}; mod=${mod//\//.}
   echo "mutation: $f" >&2
   # mutmut exits 0 whatever survives; its per-mutant results land in mutants/$f.meta
-  mkdir -p mutants
   "$MUTMUT" run --max-children "$CHILDREN" "$mod.*" > "mutants/run-$(basename "$f" .py).log" 2>&1 \
     || { echo "mutation: mutmut failed on $f (mutants/run-$(basename "$f" .py).log)" >&2; exit 1; }
 done

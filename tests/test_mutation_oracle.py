@@ -284,3 +284,22 @@ def test_a_control_record_round_trips():
     assert back.thresholds(32).first_step_max == pytest.approx(
         arm.thresholds(32).first_step_max, abs=1e-3)          # records keep 4 decimals
     assert arm.summary()["compared"] == 64 and arm.summary()["numerics"] == 0
+
+
+def test_rank_test_of_one_value_against_two():
+    """Spread below 1 (variance 2/3): still a p-value from the normal approximation."""
+    u, p = oracle.mann_whitney_greater([5.0], [1.0, 2.0])
+    assert u == 2.0 and p == pytest.approx(0.5 * math.erfc(0.5 / math.sqrt(2 / 3) / math.sqrt(2)))
+
+
+def test_a_path_rank_exactly_at_alpha_passes():
+    """The path arm decides below alpha, not at it."""
+    control = _control()
+    _, shifted = _healthy_and_shifted(control.thresholds(32))
+    deciding = _path(scale=0.1, shift=0.05)
+    deciding.decides = True
+    p = oracle.judge(shifted, control, path=deciding).path_rank_test["p"]
+    v = oracle.judge(shifted, control, alpha=p, path=deciding)
+    assert v.path_rank_test["p"] == p and v.path_rank_test["alpha"] == p
+    assert v.ok, v.message
+    assert not oracle.judge(shifted, control, alpha=p * 1.01, path=deciding).ok
