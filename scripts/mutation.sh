@@ -38,7 +38,7 @@ mkdir -p mutants
 # The commit the mutants are made from; "+dirty" where the package, tests or config differ
 # from it (mutation_scores.py writes it into docs/mutation.json).
 sha=$(git rev-parse HEAD)
-[ -z "$(git status --porcelain -- e2e_test tests pyproject.toml)" ] || sha="$sha+dirty"
+[ -z "$(git status --porcelain --untracked-files=no -- e2e_test tests pyproject.toml)" ] || sha="$sha+dirty"
 echo "$sha" > mutants/SHA
 MUTMUT="$(dirname "$(command -v "$PY")")/mutmut"
 [ -x "$MUTMUT" ] || MUTMUT=mutmut
