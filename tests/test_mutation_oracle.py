@@ -303,3 +303,258 @@ def test_a_path_rank_exactly_at_alpha_passes():
     assert v.path_rank_test["p"] == p and v.path_rank_test["alpha"] == p
     assert v.ok, v.message
     assert not oracle.judge(shifted, control, alpha=p * 1.01, path=deciding).ok
+
+
+# -- old records, control arm problems, evidence ------------------------------------------------
+
+def test_an_old_item_record_reads_its_defaults_and_a_mismatch_its_divergence():
+    it = oracle.ItemVerdict.from_dict({"index": 0, "verdict": "mismatch", "reason":
+                                       "token 1: 'a' vs 'b'; the other side's token is not in "
+                                       "the baseline's top-5"})
+    assert (it.compared, it.text_only, it.divergence) == (0, 0, "outside")
+    arm = oracle.PathArm.from_dict({"comparisons": []})
+    assert (arm.how, arm.decides, arm.why) == ("", False, "")
+
+
+def test_control_arm_problems_say_what_is_wrong():
+    assert oracle.ControlArm().problems() == ["no control arm ran"]
+    failed = oracle.Comparison("t", "v/1", "v/1 again", [
+        oracle.ItemVerdict(index=0, verdict="error", reason="request failed on both sides")])
+    assert oracle.ControlArm([failed]).problems() == [
+        ("no control arm compared anything in this session: the oracle's bounds cannot be "
+         "derived")]
+    with pytest.raises(NoEvidenceError, match="^no control arm compared anything in this "
+                                              "session: the oracle's bounds cannot be derived$"):
+        oracle.ControlArm([failed]).thresholds(4)
+    mixed = oracle.Comparison("t", "v/1", "v/1 serial", [
+        oracle.ItemVerdict(index=0, verdict="identical", first_step_delta=0.0),
+        oracle.ItemVerdict(index=1, verdict="error", reason="request failed on the candidate")])
+    assert oracle.ControlArm([mixed]).problems() == [
+        ("control arm t v/1 serial vs v/1: 1 identical, 0 numerics, 0 mismatch, 1 errors (not "
+         "compared): request failed on the candidate")]
+    assert oracle.ControlArm([_noisy()]).thresholds(8, alpha=0.01).alpha == 0.01
+
+
+def test_max_gap_is_over_numerics_only():
+    c = _cmp(["numerics", "mismatch", "identical"])
+    c.items[0].gap, c.items[1].gap = 0.2, 3.0
+    assert c.max_gap() == 0.2
+    assert _cmp(["identical"]).max_gap() is None
+
+
+@pytest.mark.parametrize("base, cand, side", [([], [], "either side"),
+                                              ([], seq("a"), "the baseline"),
+                                              (seq("a"), [], "the candidate")])
+def test_an_item_without_tokens_names_the_side(base, cand, side):
+    with pytest.raises(NoEvidenceError, match=f"^item 4: no tokens on {side}$"):
+        compare_item(4, base, cand)
+
+
+def _with_lead(base_steps, cand_steps, lead):
+    a, b = oracle.Pass({0: base_steps}), oracle.Pass({0: cand_steps})
+    b.lead[0] = lead
+    return a, b
+
+
+def test_positions_after_a_lead_count_the_leads_tokens():
+    """A divergence after tokens matched by text alone is at its answer position, its reason
+    rewritten to it, whatever the tokens hold (a ":" too)."""
+    base = seq("Hel", "lo", " a:b", top={2: {" c:d": -0.2}})
+    cand = seq(" c:d", top={0: {" a:b": -0.25}})
+    a, b = _with_lead(base, cand, "Hello")
+    (it,) = oracle.compare("t", "v/1", "v/1p1d", a, b).items
+    assert (it.position, it.compared, it.text_only) == (2, 3, 2)
+    assert it.reason == "token 2: near-tie ' a:b'/' c:d', gap 0.150 nats"
+    shifted = [Step(" x", -0.6, {" x": -0.6, "q": -3.0}), Step("y", -0.1, {"y": -0.1, "z": -0.2})]
+    base = seq("Hel", "lo", " x", "z", top={3: {"y": -0.3}})
+    a, b = _with_lead(base, shifted, "Hello")
+    (it,) = oracle.compare("t", "v/1", "v/1p1d", a, b, gap_max=1.0, first_step_max=0.1).items
+    assert it.verdict == "mismatch" and it.position == 3
+    assert it.reason.startswith("first-step distribution differs by 0.500 nats (> 0.100); "
+                                "token 3: near-tie 'z'/'y'")
+
+
+def test_small_pieces_of_the_item_comparison():
+    assert math.isfinite(oracle._logit_floor(0.0)) and oracle._logit_floor(0.0) > 27
+    # the chosen token counts among a step's reported ones even where top-k omits it
+    a, b = Step("a", -0.1, {"x": -2.0}), Step("a", -0.5, {"x": -2.0})
+    assert oracle.first_step_delta(a, b) == pytest.approx(0.4)
+    # no shared token, and only one side reported alternatives: unknown, not infinite
+    assert oracle.first_step_delta(Step("a", -0.1, {"a": -0.1, "x": -2.0}),
+                                   Step("b", -0.2, {"b": -0.2})) is None
+    inf = Step("a", -math.inf, {})
+    assert oracle.step_delta(inf, inf) is None
+    v = compare_item(0, [Step("a", -0.1, {"a": -0.1, "x": -1})] + seq("b"),
+                     [Step("q", -0.1, {"q": -0.1, "w": -1})] + seq("b"))
+    assert v.reason == ("first-step top-k sets share no token; token 0: 'a' vs 'q'; the other "
+                        "side's token is not in the baseline's top-2")
+    v = compare_item(0, [Step("a", -0.1, {"a": -0.1, "x": -1})],
+                     [Step("a", -0.1, {"a": -0.1, "w": -1})])
+    assert v.verdict == "identical"
+    v = compare_item(0, [Step("a", -0.1, {"x": -1})], [Step("b", -0.1, {"w": -1})])
+    assert v.reason == "first-step top-k sets share no token; token 0: 'a' vs 'b'; the other " \
+                       "side's token is not in the baseline's top-1"
+    only = compare_item(0, [Step("a", -0.1, {"a": -0.1, "x": -1})],
+                        [Step("q", -0.1, {"q": -0.1, "w": -1})], window=0)
+    assert only.reason == "first-step top-k sets share no token"
+
+
+def test_a_longer_answer_past_the_window_is_no_stop():
+    toks = [f"t{i}" for i in range(65)]
+    v = compare_item(0, seq(*toks), seq(*toks[:64]), window=64)
+    assert v.verdict == "identical" and v.compared == 64
+
+
+def test_classify_keeps_a_mismatchs_reason_and_adds_a_first_step_excess_to_a_tie():
+    wide = compare_item(0, seq("a", "b", top={1: {"c": -2.5}}), seq("a", "c", top={1: {"b": -2.5}}))
+    wide.first_step_delta = 0.9
+    assert oracle.classify(wide, 0.5, 0.1).reason == (
+        "token 1: 'b' vs 'c', gap 2.400 nats > 0.500 (not a tie)")
+    tie = compare_item(0, seq("a", "b", top={1: {"c": -0.2}}), seq("a", "c", top={1: {"b": -0.2}}))
+    tie.first_step_delta = 0.9
+    assert oracle.classify(tie, 0.5, 0.1).reason == (
+        "first-step distribution differs by 0.900 nats (> 0.100); token 1: near-tie 'b'/'c', "
+        "gap 0.100 nats <= 0.500")
+
+
+def _p(items: dict, texts: dict | None = None, other=True) -> oracle.Pass:
+    """A pass from {index: steps}, read against `texts` like add_answer."""
+    p = oracle.Pass()
+    for i, st in items.items():
+        oracle.add_answer(p, i, None, None)
+        p[i] = st
+        if texts and i in texts:
+            p[i] = oracle.trim_stop_entry(st, texts[i])
+            lead = oracle.text_lead(st, texts[i])
+            if lead:
+                p.lead[i] = lead
+            if texts[i] == "" and not st:
+                p.empty_answers.add(i)
+    if other:
+        p[99] = seq("z")
+    return p
+
+
+def test_compare_alignment_edges():
+    # both sides spelled by text alone: identical, its tokens counted
+    (it, _) = oracle.compare("t", "a", "b", _p({0: seq("Hi")}, {0: "Hi"}),
+                             _p({0: []}, {0: "Hi"})).items
+    assert (it.index, it.verdict, it.compared, it.text_only) == (0, "identical", 1, 1)
+    # the same lead on both sides, the baseline without tokens after it: no evidence there
+    with pytest.raises(NoEvidenceError, match="^item 0: no tokens on the baseline$"):
+        oracle.compare("t", "a", "b", _p({0: []}, {0: "Hi"}),
+                       _p({0: seq(" there")}, {0: "Hi there"}))
+    # one token matched by text, the candidate had nothing more: it stopped
+    (it, _) = oracle.compare("t", "a", "b", _p({0: seq("Hel", "lo")}, {0: "Hello"}),
+                             _p({0: []}, {0: "Hel"})).items
+    assert it.verdict == "mismatch" and it.reason == "token 1: the candidate stopped, the " \
+                                                     "baseline went on"
+    # an empty answer on the candidate's side
+    (it, _) = oracle.compare("t", "a", "b", _p({0: seq("a")}, {0: "a"}),
+                             _p({0: []}, {0: ""})).items
+    assert it.reason == "token 0: the candidate stopped, the baseline went on"
+    # text that the candidate's first steps do not spell
+    (it, _) = oracle.compare("t", "a", "b", _p({0: seq(" there")}, {0: "Hello there"}),
+                             _p({0: seq("Help", " there")}, {0: "Hello there"})).items
+    assert it.reason == "token 0: 'Hello' (text, no logprob reported) vs the candidate's " \
+                        "'Help there'"
+    # leads that differ, top-k 0 after them: a mismatch of text, no near-tie
+    (it, _) = oracle.compare("t", "a", "b", _p({0: [Step(" c", -0.1, {" c": -0.1})]},
+                                               {0: "Ab c"}),
+                             _p({0: [Step(" c", -0.1, {" c": -0.1})]}, {0: "Xyz c"})).items
+    assert it.verdict == "mismatch" and it.reason == "answer starts 'Ab' vs 'Xyz' (text)"
+
+
+def test_items_of_mixed_index_types_are_compared_in_a_stable_order():
+    a = oracle.Pass({1: seq("a"), "q": seq("b"), 0: seq("c")})
+    c = oracle.compare("t", "a", "b", a, a)
+    assert [it.index for it in c.items] == [0, 1, "q"]
+
+
+def test_evidence_names_items_in_text_order():
+    base = oracle.Pass({2: [], 10: [], 0: seq("a")})
+    with pytest.raises(NoEvidenceError, match=r"\(none on items 10, 2\)"):
+        oracle.compare("t", "a", "b", base, base)
+
+
+def test_steps_take_the_sampled_logprob_before_the_top_ks():
+    (st,) = oracle.steps_from_openai({"tokens": ["a"], "token_logprobs": [-0.1],
+                                      "top_logprobs": [{"a": -0.3}]})
+    assert st.logprob == -0.1
+    (st,) = oracle.steps_from_openai({"tokens": ["a"], "top_logprobs": [{"a": -0.3}]})
+    assert st.logprob == -0.3
+
+
+def test_verdict_records_without_parts():
+    assert oracle.verdict_line({"ok": True, "message": "m"}) == "ok: m"
+    assert oracle.verdict_line({"ok": False, "message": "m", "comparison": {}}) == "FAILED: m"
+    v = oracle.Verdict(True, "m", 0, _cmp(["identical"]), _control())
+    assert v.to_dict()["thresholds"] == {"top_k": 5, "window": 64}
+    assert oracle.ControlArm().budget(5) == 0
+    p = oracle.Pass({0: []}, q=seq("a"))
+    assert set(p) == {0, "q"} and p.shape is None
+
+
+def test_judge_at_another_alpha_uses_it_everywhere():
+    control = _control()
+    v = oracle.judge(_noisy(seed=9), control, alpha=0.2)
+    assert v.thresholds.alpha == 0.2 and v.rank_test["alpha"] == 0.2
+    assert v.thresholds == oracle.Thresholds.from_control(control.first_step_deltas(), 32, 0.2,
+                                                          step_deltas=control.step_deltas())
+    th = oracle.Thresholds.from_control([0.0, 0.1, 0.3], 10, 0.01)
+    assert th.first_step_tail == pytest.approx(oracle.tail_bound([0.0, 0.1, 0.3], 10, 0.01))
+    with pytest.raises(NoEvidenceError, match="^the control arm has no first-step delta: no "
+                                              "noise to derive the oracle's bounds from$"):
+        oracle.Thresholds.from_control([], 4)
+
+
+def test_judge_control_classified_at_the_judges_alpha():
+    """The control arm's own near-ties are counted under the bounds at the judge's alpha: a
+    tie of the control wide enough to be a mismatch at a large alpha leaves the budget."""
+    control = _control()
+    tie = control.comparisons[0].items[0]
+    tie.verdict, tie.divergence, tie.position, tie.tokens = "numerics", "top-k", 1, ("a", "b")
+    loose, tight = control.thresholds(32, 0.001), control.thresholds(32, 0.45)
+    tie.gap = (loose.gap_max + tight.gap_max) / 2
+    cand = _noisy(seed=9)
+    assert oracle.judge(cand, control, alpha=0.45).budget == \
+        control.classified(tight).budget(32, 0.45, set(range(32)))
+    assert control.classified(tight).numerics()[0] == 0
+    assert control.classified(loose).numerics()[0] == 1
+
+
+def test_judge_without_first_steps_records_no_rank_and_over_nothing_says_so():
+    control = _control()
+    flat = _cmp(["identical"] * 4)
+    for it in flat.items:
+        it.first_step_delta = None
+    v = oracle.judge(flat, control)
+    assert v.rank_test is None and v.ok and v.message.endswith(" nats)")
+    with pytest.raises(NoEvidenceError) as e:
+        oracle.judge(oracle.Comparison("t", "a", "b", [
+            oracle.ItemVerdict(index=0, verdict="error", reason="x")]), control)
+    assert str(e.value) == "t b vs a: no item compared (1 items, all failed or missing)"
+    lone = oracle.Comparison("t", "a", "b", [
+        oracle.ItemVerdict(index=50, verdict="identical", first_step_delta=0.0),
+        oracle.ItemVerdict(index=0, verdict="error", reason="x")])
+    with pytest.raises(NoEvidenceError) as e:
+        oracle.judge(lone, control)
+    assert str(e.value) == ("t b vs a: the control arm compared none of the 1 items compared "
+                            "here: no noise measured for them")
+    with pytest.raises(NoEvidenceError) as e:
+        oracle.judge(_noisy(seed=9), control, path=oracle.PathArm([]))
+    assert str(e.value) == ("t x/1 again vs x/1: the path arm has no first-step delta: nothing "
+                            "to hold the disaggregated first step against")
+
+
+def test_a_path_arm_median_of_first_steps_sharing_nothing():
+    control = _control()
+    cand = _noisy(seed=9)
+    for it in cand.items:
+        it.first_step_delta = math.inf
+    v = oracle.judge(cand, control, path=_path())
+    assert v.path_rank_test["median"] == 1e9 and not v.ok
+
+
+def test_rank_record_keeps_half_ranks():
+    assert oracle._rank_test([1.0, 2.0], [1.0, 3.0], 0.1, "ref")["u"] == 1.5

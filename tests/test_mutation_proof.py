@@ -122,13 +122,13 @@ def test_post_all_returns_each_usage_and_fails_on_a_bad_answer():
         assert proof.post_all(c, "PD", "/v1/completions", [{"a": 3}], url=srv.url) == [
             {"prompt_tokens": 12}]
     assert [b for _, _, b in srv.calls] == [{"a": 1}, {"a": 2}, {"a": 3}]
-    with serve(_completions({1: (500, "engine died")})) as srv:
-        with pytest.raises(HarnessError, match=r"^PD request 1: HTTP 500 engine died$"):
-            proof.post_all(_cluster(srv.url), "PD", "/v1/completions", [{}, {}])
-    with serve(_completions({0: (200, {"choices": []})})) as srv:
-        with pytest.raises(HarnessError, match=r"^EPD request 0: no choices in "
-                                               r'\{"choices": \[\]\}$'):
-            proof.post_all(_cluster(srv.url), "EPD", "/v1/completions", [{}])
+    with serve(_completions({1: (500, "engine died")})) as srv, \
+            pytest.raises(HarnessError, match=r"^PD request 1: HTTP 500 engine died$"):
+        proof.post_all(_cluster(srv.url), "PD", "/v1/completions", [{}, {}])
+    with serve(_completions({0: (200, {"choices": []})})) as srv, \
+            pytest.raises(HarnessError, match=r"^EPD request 0: no choices in "
+                                              r'\{"choices": \[\]\}$'):
+        proof.post_all(_cluster(srv.url), "EPD", "/v1/completions", [{}])
 
 
 class CannedWorker:
@@ -308,9 +308,9 @@ def test_post_all_straight_to_a_url_with_the_clients_timeout(monkeypatch):
             proof.post_all(c, "PD", "/v1/completions", [{}], url=srv.url)
     assert seen == [httpx.Timeout(7.0)] * 3
     assert str(e.value) == "PD request 0: HTTP 503 " + "b" * 200
-    with serve(_completions({0: (200, {"choices": [], "x": "y" * 300})})) as srv:
-        with pytest.raises(HarnessError) as e:
-            proof.post_all(_cluster(srv.url), "PD", "/v1/completions", [{}])
+    with serve(_completions({0: (200, {"choices": [], "x": "y" * 300})})) as srv, \
+            pytest.raises(HarnessError) as e:
+        proof.post_all(_cluster(srv.url), "PD", "/v1/completions", [{}])
     assert len(str(e.value)) == len("PD request 0: no choices in ") + 200
 
 

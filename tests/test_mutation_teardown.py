@@ -86,8 +86,8 @@ def test_a_device_nvml_stopped_reading_is_not_verified_the_others_are(monkeypatc
     rep = TeardownReport()
     td.check_gpu(rep, {0: 500.0, 1: 500.0}, timeout=0, poll=0)
     assert rep.gpu_checked and rep.gpu_leaks == {} and not rep.ok
-    assert rep.unverified == ["GPU memory of GPU(s) [1]: NVML read nothing at the stop, so it "
-                              "was not compared with the baseline"]
+    assert rep.unverified == [("GPU memory of GPU(s) [1]: NVML read nothing at the stop, so "
+                               "it was not compared with the baseline")]
     rep = TeardownReport()
     td.check_gpu(rep, {}, timeout=0)                # no baseline: nothing asked, nothing said
     assert rep.ok and not rep.gpu_checked and rep.gpu_wait_s is None
