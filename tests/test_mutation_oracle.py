@@ -558,3 +558,32 @@ def test_a_path_arm_median_of_first_steps_sharing_nothing():
 
 def test_rank_record_keeps_half_ranks():
     assert oracle._rank_test([1.0, 2.0], [1.0, 3.0], 0.1, "ref")["u"] == 1.5
+
+
+def test_only_the_reasons_own_position_is_rewritten_after_a_lead():
+    base = seq("Hel", "lo", " token 7:", top={2: {" x": -0.2}})
+    cand = seq(" x", top={0: {" token 7:": -0.25}})
+    a, b = _with_lead(base, cand, "Hello")
+    (it,) = oracle.compare("t", "v/1", "v/1p1d", a, b).items
+    assert it.reason == "token 2: near-tie ' token 7:'/' x', gap 0.150 nats"
+
+
+def test_a_first_step_bound_alone_leaves_the_gap_unbounded():
+    tie = (seq("a", "b", top={1: {"c": -5.0}}), seq("a", "c", top={1: {"b": -5.0}}))
+    v = compare_item(0, *tie, first_step_max=1.0)
+    assert v.verdict == "numerics" and v.reason.endswith("gap 4.900 nats <= inf")
+
+
+def test_judge_classifies_the_control_arm_over_all_its_items():
+    """The control arm's own ties are judged under the bound of all the items it compared
+    (m = its largest comparison), not of one item."""
+    control = _control()
+    tie = control.comparisons[0].items[0]
+    tie.verdict, tie.divergence, tie.position, tie.tokens = "numerics", "top-k", 1, ("a", "b")
+    over_all, one = control.thresholds(32), control.thresholds(1)
+    tie.gap = (over_all.gap_max + one.gap_max) / 2
+    assert control.classified(over_all).numerics()[0] == 1
+    assert control.classified(one).numerics()[0] == 0
+    v = oracle.judge(_noisy(seed=9), control)
+    assert v.budget == control.classified(over_all).budget(32, oracle.ALPHA, set(range(32)))
+    assert v.budget != control.classified(one).budget(32, oracle.ALPHA, set(range(32)))
