@@ -62,6 +62,7 @@ verdict, not an item left out). No tolerance is set by hand.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import HarnessError
@@ -684,8 +685,9 @@ def _shifted(v: ItemVerdict, k: int) -> ItemVerdict:
     tokens (the first k were matched by text)."""
     v = replace(v, compared=v.compared + k,
                 position=None if v.position is None else v.position + k)
-    if v.reason.startswith("token ") and v.position is not None:
-        v.reason = f"token {v.position}:" + v.reason.split(":", 1)[1]
+    if v.position is not None:
+        # the reason's first "token N:" names the divergence (after a first-step part, if any)
+        v.reason = re.sub(r"\btoken \d+:", f"token {v.position}:", v.reason, count=1)
     return v
 
 
