@@ -10,7 +10,7 @@
 #     --fresh      remove mutmut's previous results (mutants/) first
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { echo "usage: bash scripts/mutation.sh [--children N] [--raise-floor] [--fresh] [FILE ...]"; sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 CHILDREN=1
 FLOOR=()
 FILES=()
