@@ -453,13 +453,17 @@ def test_the_path_arm_cuts_a_prompt_to_whole_blocks_and_one_token():
 
 
 def test_the_path_arm_decides_where_it_was_measured():
-    """The rank test against the path arm decides on a CPU, where a healthy 1p1d was ranked
-    against it in four runs and a KV scaled under the per-item bound was caught; on a GPU,
-    unmeasured, it is recorded, and says why."""
+    """The rank test against the path arm decides on a CPU computing in float32, where a
+    healthy 1p1d was ranked against it in four runs and a KV scaled under the per-item bound
+    was caught; on a CPU computing in bf16 (the arm's own first steps differ by bf16 steps)
+    and on a GPU it is recorded, and says why."""
     from e2e_test.infra.engines.vllm import path_arm_decides
-    decides, why = path_arm_decides("cpu")
+    decides, why = path_arm_decides("cpu", "float32")
     assert decides and "p >= 0.13" in why and "1.005" in why
-    decides, why = path_arm_decides("cuda")
+    for dtype in ("bfloat16", "model", None):
+        decides, why = path_arm_decides("cpu", dtype)
+        assert not decides and f"recorded only on a CPU computing in {dtype}" in why
+    decides, why = path_arm_decides("cuda", "float32")
     assert not decides and "recorded only on cuda" in why
 
 
