@@ -323,12 +323,11 @@ def test_without_pidfds_the_watch_polls_proc_as_before():
         _end_tree(p)
 
 
-def _hold_the_gil(seconds: float, dumps) -> None:
-    """Spin without letting go of the GIL for `seconds`, and on until faulthandler's watchdog
-    (late on a busy machine) has written a dump (10 s at most)."""
+def _hold_the_gil(seconds: float, watch) -> None:
+    """Spin for `seconds`, and on until the watch (late on a busy machine) has kept the stacks
+    around its stall (10 s at most)."""
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 10 and (time.monotonic() - t0 < seconds
-                                          or os.fstat(dumps.fileno()).st_size == 0):
+    while time.monotonic() - t0 < 10 and (time.monotonic() - t0 < seconds or not watch.stacks):
         pass
 
 
@@ -337,10 +336,11 @@ def test_a_stall_says_where_the_main_thread_stood_and_what_the_host_went_through
     old = sys.getswitchinterval()
     try:
         w = sf.KillWatch([psutil.Process(p.pid)])
-        sys.setswitchinterval(5.0)      # the main thread keeps the GIL: the watch cannot run
+        # the main thread keeps the GIL 1.5 s at a time: the watch polls only between
+        sys.setswitchinterval(1.5)
         try:
             w.start()
-            _hold_the_gil(1.3, w._dumps)
+            _hold_the_gil(1.6, w)
         finally:
             sys.setswitchinterval(old)
         w.stop()

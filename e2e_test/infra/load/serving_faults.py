@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
 import json
 import os
 import re
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -643,9 +641,26 @@ def pressure_delta(before: dict, after: dict) -> dict:
             for res, kinds in before.items() if res in after}
 
 
+# A gap between two polls of a KillWatch this long keeps the stacks around it.
+STACK_STALL_S = 1.0
+
+
+def _thread_stacks() -> str:
+    """Every thread's stack now, innermost first, in faulthandler's text form."""
+    out = []
+    for ident, frame in sys._current_frames().items():
+        out.append(f"Thread 0x{ident:016x} (most recent call first):")
+        f, depth = frame, 0
+        while f is not None and depth < 8:
+            out.append(f'  File "{f.f_code.co_filename}", line {f.f_lineno} in {f.f_code.co_name}')
+            f, depth = f.f_back, depth + 1
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
 def stack_summary(text: str, main_ident: int | None = None, limit: int = 900) -> str:
-    """faulthandler dumps in a line: per thread ("main" for `main_ident`), its innermost
-    frames and in how many dumps each was seen (one dump a second: about the seconds)."""
+    """Thread stacks (faulthandler's text form) in a line: per thread ("main" for
+    `main_ident`), its innermost frames and in how many of the stacks each was seen."""
     main = f"0x{main_ident:016x}" if main_ident else None
     counts: dict[str, dict[str, int]] = {}
     thread, first = None, False
@@ -684,10 +699,13 @@ class KillWatch:
     sees them end through their pidfds. After the signal nothing reads a dying process's
     /proc entry: on a loaded CI host a walk of the process table after the SIGKILL can hold
     the harness for more than a minute, cause unknown (docs/lifecycle.md, table "Lifecycle
-    figures"). Where no pidfd can be had, psutil polls that process. While the watch is armed,
-    a faulthandler dump of every thread's stack is taken each second (`stacks`, kept when a
-    stall of a second or more was seen), and the host's pressure-stall totals are read at
-    the kill and at stop (`pressure_s`)."""
+    figures"). Where no pidfd can be had, psutil polls that process. Each poll takes every
+    thread's stack (sys._current_frames, under the GIL); around a stall of a second or more,
+    the last stacks before it and the first after it are kept (`stacks`, in faulthandler's
+    text form). faulthandler's own watchdog is not used: it reads other threads' frames
+    without the GIL and can crash the process when a thread ends meanwhile (CPython issue
+    116008; it killed a CI session with SIGSEGV). The host's pressure-stall totals are read
+    at the kill and at stop (`pressure_s`)."""
 
     def __init__(self, procs: list, t_kill: float | None = None, every: float = 0.01,
                  stall_s: float = 0.25):
@@ -702,7 +720,8 @@ class KillWatch:
         self.stacks = ""
         self.where = ""
         self._psi0: dict = {}
-        self._dumps = None
+        self._armed = False
+        self._last_stacks = ""
         self.signals_s: float | None = None
         self._stop = threading.Event()
         self._go = threading.Event()
@@ -716,12 +735,11 @@ class KillWatch:
             return str(p.pid)
 
     def arm(self) -> KillWatch:
-        """All but the kill, ahead of it: the thread (waiting for the kill), faulthandler's
-        dumps, the pressure baseline. Once."""
-        if self._dumps is None and self._th.ident is None:
+        """All but the kill, ahead of it: the thread (waiting for the kill) and the pressure
+        baseline. Once."""
+        if not self._armed and self._th.ident is None:
+            self._armed = True
             self._psi0 = host_pressure()
-            self._dumps = tempfile.TemporaryFile()     # noqa: SIM115 (closed in stop)
-            faulthandler.dump_traceback_later(1.0, repeat=True, file=self._dumps)
             self._th.start()
         return self
 
@@ -762,14 +780,11 @@ class KillWatch:
         self._go.set()
         if self._th.ident is not None:
             self._th.join(5)
-        if self._dumps is not None:
-            faulthandler.cancel_dump_traceback_later()
-            if any(g >= 1.0 for _, g in self.stalls):
-                self._dumps.seek(0)
-                self.stacks = self._dumps.read()[-20_000:].decode(errors="replace")
+        if self._armed:
+            self._armed = False
+            self.stacks = self.stacks[-20_000:]
+            if self.stacks:
                 self.where = stack_summary(self.stacks, threading.main_thread().ident)
-            self._dumps.close()
-            self._dumps = None
             self.pressure_s = pressure_delta(self._psi0, host_pressure())
         for i, fd in enumerate(self.fds):
             if fd is not None:
@@ -785,6 +800,10 @@ class KillWatch:
         now = time.monotonic()
         if now - prev > self.stall_s:
             self.stalls.append([round(prev - self.t_kill, 3), round(now - prev, 3)])
+        stacks = _thread_stacks()
+        if now - prev >= STACK_STALL_S:
+            self.stacks += self._last_stacks + stacks
+        self._last_stacks = stacks
         return now
 
     def _run(self) -> None:
