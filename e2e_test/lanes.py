@@ -761,6 +761,11 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
             # leaves its record, with the code of an interrupt
             _write_run_record(lane, argv, env, 130, t0, interrupted=True)
             raise
+        if code < 0:      # killed by a signal: said, and exited as a shell would (128 + n)
+            import signal
+            print(f"lane {lane.name}: pytest died of {signal.Signals(-code).name} "
+                  f"(signal {-code}); its output above ends where it died", flush=True)
+            code = 128 - code
         _write_run_record(lane, argv, env, code, t0)
         rc = rc or code
     return rc

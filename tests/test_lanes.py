@@ -517,6 +517,17 @@ def test_a_results_folder_that_holds_a_run_is_refused(tmp_path):
                           runner=lambda argv, env: 0) == 0
 
 
+def test_a_part_killed_by_a_signal_is_named_and_exits_as_a_shell_would(tmp_path, capsys):
+    # a pytest that died of SIGSEGV (Popen's returncode -11): 139 and a line naming it, not
+    # sys.exit(-11)'s 245; negative control: a plain failure's code passes through unchanged
+    environ = {"E2E_RESULTS_DIR": str(tmp_path / "a")}
+    assert lanes.run_lane("e2e-cpu", [], environ=environ, runner=lambda argv, env: -11) == 139
+    assert "pytest died of SIGSEGV (signal 11)" in capsys.readouterr().out
+    environ = {"E2E_RESULTS_DIR": str(tmp_path / "b")}
+    assert lanes.run_lane("e2e-cpu", [], environ=environ, runner=lambda argv, env: 1) == 1
+    assert "died of" not in capsys.readouterr().out
+
+
 def test_run_lane_command_and_env(tmp_path):
     seen = {}
 
