@@ -510,8 +510,9 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
     dec = tokenspeed.build(SPEC, t, e["decode"], ports, "/m", opts)
     ns, rest, _ = e2e_warm_spawn.parse(dec.argv[3:])
     assert ns.preload == ["tokenspeed.runtime.engine.event_loop", kt.MODULE]
-    # it caches nothing it receives (TokenSpeed cannot be asked to flush); the prefill does
-    assert "--enable-prefix-caching" not in rest
+    # it caches nothing it receives (TokenSpeed cannot be asked to flush): prefix caching is on
+    # by default in TokenSpeed's ServerArgs, so it is turned off by name; the prefill caches
+    assert "--enable-prefix-caching" not in rest and tokenspeed.NO_PREFIX_CACHE in rest
     assert dec.env[kt.ENV_SETTING] == "runtime"
     assert dec.env[kt.ENV_DIR] == "/s/kv-corrupt/decode-0"
     pre = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", opts)
@@ -531,6 +532,10 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
     tokenspeed.ENGINE.forget_received_kv(cluster(dec))
     with pytest.raises(HarnessError, match="decode-0 caches the KV it receives"):
         tokenspeed.ENGINE.forget_received_kv(cluster(plain))
+    # a decode that only leaves --enable-prefix-caching out still caches (TokenSpeed's default)
+    silent = SimpleNamespace(argv=[a for a in plain.argv if a != "--enable-prefix-caching"])
+    with pytest.raises(HarnessError, match="decode-0 caches the KV it receives"):
+        tokenspeed.ENGINE.forget_received_kv(cluster(silent))
     for bad, why in (({"kv_corrupt": "runtime", "warm_spawn": False}, "needs the warm spawn"),
                      ({"kv_corrupt": "zero"}, "unknown KV corruption kind")):
         with pytest.raises(ConfigError, match=why):

@@ -71,6 +71,8 @@ from . import (
 )
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
+# TokenSpeed's ServerArgs flag that turns its default-on prefix caching off
+NO_PREFIX_CACHE = "--no-enable-prefix-caching"
 # Warm spawn (launchers/e2e_warm_spawn.py): the servicer's process imports TokenSpeed's runtime,
 # then starts the scheduler in a spawn child (0.1.0 runtime/entrypoints/engine.py
 # _set_envs_and_config: mp.set_start_method("spawn", force=True); _launch_subprocesses:
@@ -269,7 +271,9 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     # A decode of the kv_corrupt profile caches nothing it receives: TokenSpeed 0.1.0's
     # FlushCache acknowledges without flushing (runtime/engine/request_handler.py: "acknowledge
     # the control request here"), so a page corrupted in one case would be reused, unreceived
-    # and uncounted, by the next case's identical prompts (forget_received_kv).
+    # and uncounted, by the next case's identical prompts (forget_received_kv). Prefix caching
+    # is on by default (runtime/utils/server_args.py: enable_prefix_caching = True), so it is
+    # turned off by name; leaving out --enable-prefix-caching leaves it on.
     corrupt = options.opt("kv_corrupt", "")
     corrupting = bool(corrupt) and entry.role == "decode"
     if disagg:
@@ -281,6 +285,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                  "--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
         if entry.role == "prefill" or (entry.role == "decode" and not corrupting):
             argv.append("--enable-prefix-caching")
+        elif corrupting:
+            argv.append(NO_PREFIX_CACHE)
         if entry.role == "prefill":
             argv.append("--enforce-eager")
             eager = True
@@ -895,7 +901,7 @@ class TokenSpeedEngine(Engine):
         runtime/engine/request_handler.py). Checked here from each decode's command; a prefill
         caches only what it computed itself."""
         cached = [w.name for w in cluster.workers if w.entry.role == "decode"
-                  and "--enable-prefix-caching" in w.command.argv]
+                  and NO_PREFIX_CACHE not in w.command.argv]
         if cached:
             raise HarnessError(f"{cluster.name}: {', '.join(cached)} caches the KV it receives "
                                "and TokenSpeed 0.1.0 cannot flush it (FlushCache is a no-op): "
