@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from e2e_test.infra.cluster.diagnostics import nested_failure
 from e2e_test.infra.lifecycle.process import extend_pythonpath
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines("vllm"), pytest.mark.backends("cpu")]
@@ -46,7 +47,7 @@ def test_topologies_booted_together_serve_and_tear_down_apart(engine_name, e2e_b
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
                        check=False)
     out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
+    assert r.returncode == 0, nested_failure(out, res, r.returncode)
     timing = json.loads((res / "timing.json").read_text())
     sched = timing.get("boot_schedule")
     record["coboot"] = {"schedule": sched, "wall_s": timing["wall_s"],
