@@ -180,7 +180,7 @@ class ManagedProcess:
         self.held = held
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
-        self.known: dict[int, float] = {}   # pid -> create_time, descendants seen alive
+        self.known: dict[int, float] = {}   # pid -> reaper.started, descendants seen alive
         self.tag = ""                       # reaper.PROC_TAG_ENV in its environment (start())
         self.escaped: list[str] = []        # descendants found outside its session (stop())
         self._log = None
@@ -249,7 +249,7 @@ class ManagedProcess:
             return
         for p in procs:
             try:
-                self.known[p.pid] = p.create_time()
+                self.known[p.pid] = reaper.started(p)
             except psutil.Error:
                 pass
 
@@ -259,7 +259,7 @@ class ManagedProcess:
         sid = self.pid
         for p in psutil.process_iter(["pid"]):
             try:
-                if p.pid in self.known and p.create_time() == self.known[p.pid]:
+                if p.pid in self.known and reaper.started(p) == self.known[p.pid]:
                     found[p.pid] = p
                 elif sid > 0 and os.getsid(p.pid) == sid:
                     found[p.pid] = p
@@ -301,7 +301,7 @@ class ManagedProcess:
             if p.pid in tree or p.pid in self.known:
                 continue
             try:
-                self.known[p.pid] = p.create_time()
+                self.known[p.pid] = reaper.started(p)
                 self.escaped.append(_describe(p))
             except psutil.Error:
                 pass

@@ -333,7 +333,7 @@ _add("E2E_TRAFFIC_AHEAD", Choice("auto", "off"), "auto", "booted together, the r
 _add("E2E_PREFLIGHT", Choice("clear", "fail", "off"), "clear", "before a topology starts: clear what a dead earlier run left (clear), name it and fail (fail), or skip the checks (off)")
 _add("E2E_RUN_ID", Text(), None, "set by the harness on every process it starts: the ownership marker sweeps look for (never set it yourself)")
 _add("E2E_DRIVER_PID", Text(), None, "set by the harness beside E2E_RUN_ID: the pid of the driver that owns the process")
-_add("E2E_DRIVER_CREATE", Text(), None, "set by the harness beside E2E_RUN_ID: the driver's start time (a reused pid is not the driver)")
+_add("E2E_DRIVER_START", Text(), None, "set by the harness beside E2E_RUN_ID: the driver's start, in seconds since boot (a reused pid is not the driver)")
 _add("E2E_PROC_TAG", Text(), None, "set by the harness on every process it starts, one tag each: a descendant that left its worker's session (a daemon) is found by it at the stop (never set it yourself)")
 _add("E2E_GUARDIAN_OF", Text(), None, "set by the harness on the reaper's guardian process: the run it guards")
 _add("E2E_BURST_WINDOW", Int(1), 2, "running window (--max-num-seqs) of the small-window burst topology")
