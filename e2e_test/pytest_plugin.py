@@ -67,6 +67,11 @@ def pytest_addoption(parser):
                 help="local (processes on this host) or ray (roles as Ray actors on the nodes "
                      "of the Ray cluster at E2E_RAY_ADDRESS; docs/multinode.md); env "
                      "E2E_LAUNCHER")
+    g.addoption("--e2e-boot-schedule", choices=("serial", "together"), default=None,
+                help="boot the session's shared topologies one after another (serial: the "
+                     "baseline an A/B measures booting together against) or all at once "
+                     "(together: the CPU lane's test of the machinery), instead of as the "
+                     "machine allows (coboot.py, docs/lanes.md)")
 
 
 def _csv(v: str) -> list[str]:
@@ -277,9 +282,7 @@ def pytest_collection_modifyitems(session, config, items):
         ck, m = _shared_key(item), item.get_closest_marker("ahead")
         if ck and m:
             steps.setdefault(ck, []).append((item.nodeid, m.args[0], _test_params(item)))
-    ahead = ()
-    if settings.get("E2E_TRAFFIC_AHEAD") == "auto":
-        ahead = coboot.ahead_keys(sched, {k: k[1].kind for k in steps})
+    ahead = coboot.ahead_keys(sched, {k: k[1].kind for k in steps})
     if ahead:
         early = {_shared_key(i) for i in items if i.get_closest_marker("restarting")}
 
@@ -319,10 +322,8 @@ def _shared_key(item):
 
 def decide_held(config, sched: coboot.BootSchedule) -> tuple[tuple, str]:
     """Which shared topologies start their workers' restarts ahead, held (coboot.
-    held_restarts; Cluster.hold_restarts), and why; E2E_HOLD_RESTARTS=0 says none."""
+    held_restarts; Cluster.hold_restarts), and why."""
     st = state(config)
-    if not settings.get("E2E_HOLD_RESTARTS"):
-        return (), "E2E_HOLD_RESTARTS=0"
     if settings.get("E2E_LAUNCHER") != "local":
         return (), "a held interpreter starts on this host only (E2E_LAUNCHER=local)"
     backend = startup.resolve_backend(config.getoption("--backend"))
@@ -339,12 +340,12 @@ def decide_held(config, sched: coboot.BootSchedule) -> tuple[tuple, str]:
 def decide_schedule(config) -> coboot.BootSchedule:
     """The lane-level placement of the session's shared topologies (coboot.py), from the keys
     collected, their plans, the backend, the GPUs' free memory and the cores;
-    E2E_BOOT_SCHEDULE overrides. Decided at collection: the order of the tests follows it."""
+    --e2e-boot-schedule overrides. Decided at collection: the order of the tests follows it."""
     keys = list(state(config).cluster_keys)
     backend = startup.resolve_backend(config.getoption("--backend"))
-    how = settings.get("E2E_BOOT_SCHEDULE")
+    how = config.getoption("--e2e-boot-schedule")
     if how == "serial":
-        return coboot.serial(keys, "E2E_BOOT_SCHEDULE=serial")
+        return coboot.serial(keys, "--e2e-boot-schedule=serial")
     keyed = []
     for k in keys:
         engine, topo, *_ = k
@@ -358,7 +359,7 @@ def decide_schedule(config) -> coboot.BootSchedule:
     cores = len(devices.affinity())
     if how == "together":
         return coboot.BootSchedule("together", (tuple(keys),) if keys else (),
-                                   "E2E_BOOT_SCHEDULE=together")
+                                   "--e2e-boot-schedule=together")
     gpus = sorted({g for _, p in keyed for g in p.devices}) if backend == "cuda" else []
     free = devices.gpu_free_share(gpus) if backend == "cuda" else None
     spec = get_spec(config.getoption("--model"))
@@ -411,7 +412,7 @@ class ClusterPool:
 
     How they boot is the lane-level placement's (coboot.py, decided at the first request from
     every key the session collected, their plans, the backend, the GPUs' free memory and the
-    cores; E2E_BOOT_SCHEDULE overrides): serial keeps one topology alive at a time (memory and
+    cores; --e2e-boot-schedule overrides): serial keeps one topology alive at a time (memory and
     cores are scarce, the CPU lane); together or in waves, the first request of a wave starts
     every topology of that wave at once, each in its own thread, and each test waits only for
     its own topology, which fails alone with its own error. A topology is stopped when the

@@ -276,5 +276,5 @@ def test_the_window_topology_holds_its_restarts_where_the_cores_allow():
     assert coboot.held_restarts(s, keyed, set(), "cuda", cores=16) == (
         (), "no test restarts a worker")
     # Serial on a GPU: the window's wave is itself alone (2 workers + 2 held).
-    ser = coboot.serial([k for k, _ in keyed], "E2E_BOOT_SCHEDULE=serial")
+    ser = coboot.serial([k for k, _ in keyed], "--e2e-boot-schedule=serial")
     assert coboot.held_restarts(ser, keyed, {WINDOW}, "cuda", cores=8)[0] == (WINDOW,)

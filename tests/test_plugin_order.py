@@ -41,14 +41,14 @@ def test_g_no_cluster():
 '''
 
 
-def _collected(pytester, monkeypatch, tests):
+def _collected(pytester, monkeypatch, tests, *args):
     monkeypatch.setenv("E2E_RESULTS_DIR", str(pytester.path / "res"))
     monkeypatch.setenv("E2E_BACKEND", "cpu")
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_x=tests)
     return pytester.runpytest("-p", "no:cacheprovider", "--collect-only", "-q",
                               "-W", "ignore::pytest.PytestUnknownMarkWarning",
-                              "--engine", "vllm", "--topology", "1,1p1d")
+                              "--engine", "vllm", "--topology", "1,1p1d", *args)
 
 
 def test_breaking_tests_last_in_their_group_and_profiles_apart(pytester, monkeypatch):
@@ -125,10 +125,10 @@ def test_g_window(cluster):
 '''
 
 
-def _order(pytester, monkeypatch, tests, **env):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    result = _collected(pytester, monkeypatch, tests)
+def _order(pytester, monkeypatch, tests, schedule=None):
+    """The collected order; `schedule`: --e2e-boot-schedule."""
+    result = _collected(pytester, monkeypatch, tests,
+                        *(("--e2e-boot-schedule", schedule) if schedule else ()))
     return [line.split("::")[1] for line in result.outlines if line.startswith("test_x.py::")]
 
 
@@ -139,7 +139,7 @@ TODAY = ["test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",
 
 
 def test_booted_together_the_regular_passes_run_ahead_of_its_tests(pytester, monkeypatch):
-    ids = _order(pytester, monkeypatch, AHEAD_TESTS, E2E_BOOT_SCHEDULE="together")
+    ids = _order(pytester, monkeypatch, AHEAD_TESTS, schedule="together")
     assert ids == ["test_e_pd_plain[vllm-1p1d]", "test_g_window[vllm-1p1d]",   # beside the passes
                    "test_c_pd_judged[vllm-1p1d]",     # its own traffic beside them, then judged
                    "test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",  # `1`, after them
@@ -151,17 +151,15 @@ def test_booted_together_the_regular_passes_run_ahead_of_its_tests(pytester, mon
         assert mine[-1] == "test_d_pd_breaks[vllm-1p1d]", mine
 
 
-def test_serial_or_ahead_off_keeps_todays_order(pytester, monkeypatch):
-    # The negative controls: the same tests, booted serially or with the passes ahead turned
-    # off, run in today's order (grouped by topology, `1` first, breaking tests last).
-    assert _order(pytester, monkeypatch, AHEAD_TESTS, E2E_BOOT_SCHEDULE="serial") == TODAY
-    assert _order(pytester, monkeypatch, AHEAD_TESTS, E2E_BOOT_SCHEDULE="together",
-                  E2E_TRAFFIC_AHEAD="off") == TODAY
+def test_serial_keeps_todays_order(pytester, monkeypatch):
+    # The negative control: the same tests, booted serially, run in today's order (grouped by
+    # topology, `1` first, breaking tests last).
+    assert _order(pytester, monkeypatch, AHEAD_TESTS, schedule="serial") == TODAY
 
 
 def test_nothing_ahead_without_passes_marked_ahead(pytester, monkeypatch):
     ids = _order(pytester, monkeypatch, AHEAD_TESTS.replace("@pytest.mark.ahead.with_args(_pass)\n", ""),
-                 E2E_BOOT_SCHEDULE="together")
+                 schedule="together")
     assert ids == TODAY, ids
 
 
@@ -179,7 +177,7 @@ def test_booted_together_a_restarting_test_runs_first_and_its_breaking_test_last
     """The window's lost leg restarts in the background (marker `restarting`): its topology's
     tests up to it run first, so the restart boots beside the other tests; the window's
     breaking test (the rejoin) stays last."""
-    ids = _order(pytester, monkeypatch, RESTARTING, E2E_BOOT_SCHEDULE="together")
+    ids = _order(pytester, monkeypatch, RESTARTING, schedule="together")
     assert ids == ["test_g_window[vllm-1p1d]", "test_h_window_restarting[vllm-1p1d]",
                    "test_e_pd_plain[vllm-1p1d]", "test_c_pd_judged[vllm-1p1d]",
                    "test_a_regular_pass[vllm-1]", "test_b_regular_plain[vllm-1]",
@@ -187,12 +185,12 @@ def test_booted_together_a_restarting_test_runs_first_and_its_breaking_test_last
                    "test_d_pd_breaks[vllm-1p1d]", "test_f_window_breaks[vllm-1p1d]"], ids
     # serially: today's order, the restarting test after its group's others, before the
     # breaking one
-    serial = _order(pytester, monkeypatch, RESTARTING, E2E_BOOT_SCHEDULE="serial")
+    serial = _order(pytester, monkeypatch, RESTARTING, schedule="serial")
     assert serial == TODAY[:-1] + ["test_h_window_restarting[vllm-1p1d]", TODAY[-1]], serial
     # the negative control: without the marker it is a plain test, after the pd tests, so a
     # restart it started would boot after them
     plain = _order(pytester, monkeypatch, RESTARTING.replace("@pytest.mark.restarting\n", ""),
-                   E2E_BOOT_SCHEDULE="together")
+                   schedule="together")
     assert plain.index("test_h_window_restarting[vllm-1p1d]") > plain.index(
         "test_e_pd_plain[vllm-1p1d]"), plain
 
@@ -200,3 +198,9 @@ def test_booted_together_a_restarting_test_runs_first_and_its_breaking_test_last
 def test_the_cpu_lane_decides_serial_and_keeps_todays_order(pytester, monkeypatch):
     # auto on a CPU backend: serial (coboot.py), so no pass runs ahead
     assert _order(pytester, monkeypatch, AHEAD_TESTS) == TODAY
+
+
+def test_an_unknown_boot_schedule_is_a_usage_error(pytester, monkeypatch):
+    result = _collected(pytester, monkeypatch, AHEAD_TESTS, "--e2e-boot-schedule", "waves")
+    assert result.ret == 4, result.outlines     # pytest's usage error, before any collection
+    assert "invalid choice: 'waves'" in "\n".join(result.errlines), result.errlines

@@ -1,6 +1,6 @@
 """Booting a lane's topologies together, on real engines (infra/specs/coboot.py, the pytest plugin's
 ClusterPool): a nested pytest session told to boot `1` and `dp2` together
-(E2E_BOOT_SCHEDULE=together) serves a chat on each, records the decision and its reason in its
+(--e2e-boot-schedule together) serves a chat on each, records the decision and its reason in its
 time report, boots them overlapping, and tears each down clean: each topology's own
 processes first, the devices and /dev/shm once the wave's last has stopped. `1`'s passes
 (scored evals, control arms, negative control; n=2) run ahead in a thread while dp2's tests
@@ -36,12 +36,13 @@ def _overlap(a: dict, b: dict) -> float:
 def test_topologies_booted_together_serve_and_tear_down_apart(engine_name, e2e_backend,
                                                               tmp_path, record):
     res = tmp_path / "results"
-    env = {**os.environ, "E2E_BOOT_SCHEDULE": "together", "E2E_TOPOLOGIES": "1,dp2",
+    env = {**os.environ, "E2E_TOPOLOGIES": "1,dp2",
            "E2E_ENGINES": engine_name, "E2E_BACKEND": e2e_backend, "E2E_ENFORCE_EAGER": "1",
            "E2E_RESULTS_DIR": str(res), "PYTHONPATH": extend_pythonpath(ROOT),
            "E2E_GSM8K_N": "2", "E2E_MMLU_N": "2"}
     r = subprocess.run([sys.executable, "-m", "pytest", "e2e_test/router/test_chat.py",
                         "e2e_test/router/test_evals.py", "e2e_test/router/test_oracle.py", "-v",
+                        "--e2e-boot-schedule", "together",
                         "-p", "no:cacheprovider", "-k", "(non_streaming or test_eval or "
                         "control_arm or negative_control or dp_workers_agree) and not recall"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
@@ -54,7 +55,7 @@ def test_topologies_booted_together_serve_and_tear_down_apart(engine_name, e2e_b
                         "boot_s": timing["boot_s"], "clusters": timing["clusters"]}
     assert sched and sched["mode"] == "together", sched
     assert sched["waves"] == [[f"{engine_name}/1", f"{engine_name}/dp2"]], sched
-    assert "; booted together" in out and "boot schedule: E2E_BOOT_SCHEDULE=together" in out, \
+    assert "; booted together" in out and "boot schedule: --e2e-boot-schedule=together" in out, \
         out[-2000:]
     summary = json.loads((res / "summary.json").read_text())
     names = {c["name"]: c["topology"] for c in timing["clusters"]}

@@ -314,7 +314,6 @@ _add("E2E_REQUIRE_MULTINODE", Bool(), False, "the simulated multi-node test (tes
 # Workers
 _add("E2E_ENFORCE_EAGER", Bool(), False, "start the workers eager: no compile, no graph capture (their `--enforce-eager`)")
 _add("E2E_ENGINE_ARGS", ShellWords(), (), "extra flags for every worker, shell-quoted")
-_add("E2E_IMPORT_COLLECTOR", Choice("off", "on"), "off", "Python's cyclic garbage collector during the imports a worker's launcher runs ahead (launchers/e2e_warm_spawn.py: a TokenSpeed servicer and its scheduler's waiting interpreter, a held restart): off, then what they made frozen (gc.freeze); on: the control")
 _add("E2E_COMPILE_CACHE", Choice("shared", "engine"), "shared", "compile cache of the workers: one shared under E2E_CACHE_DIR/compile, reused across topologies and runs (shared), or each engine's own default (engine)")
 # Suites
 _add("E2E_WATCHDOG_S", Float(0), 60.0, "no-progress window after which a suite fails as stuck")
@@ -327,9 +326,6 @@ _add("E2E_IDLE_TIMEOUT_S", Float(0), 30.0, "how long a cluster may take to be id
 _add("E2E_CANCEL_IDLE_S", Float(0), 30.0, "bound for every role to be idle after a client abandoned its request (test_serving_faults.py)")
 _add("E2E_LEG_LOSS_S", Float(0), 20.0, "bound for every in-flight request to end with an error after a whole leg is lost")
 _add("E2E_IDLE_AFTER_TEST", Bool(), True, "after each test on a shared topology, wait for every role to be idle again (a leak fails the test that caused it)")
-_add("E2E_BOOT_SCHEDULE", Choice("auto", "serial", "together"), "auto", "how a session's shared topologies boot: decided by the machine (auto: together where GPU memory and cores allow, else in waves or one after another; coboot.py, the reason in the time report), one after another (serial: what `together` is measured against), or all at once (together)")
-_add("E2E_HOLD_RESTARTS", Bool(), True, "a topology whose tests restart a worker starts each worker's restart ahead, with the boot, its imports done and held until the restart (where the cores allow, on a GPU, on this host; coboot.held_restarts, the reason in the time report), or launches it at the restart (0)")
-_add("E2E_TRAFFIC_AHEAD", Choice("auto", "off"), "auto", "booted together, the regular topology's passes (scored evals, control arms, negative control, recall baseline) run ahead in a thread while the other topologies' tests run (auto; coboot.py), or its tests run first as when serial (off)")
 _add("E2E_PREFLIGHT", Choice("clear", "fail", "off"), "clear", "before a topology starts: clear what a dead earlier run left (clear), name it and fail (fail), or skip the checks (off)")
 _add("E2E_RUN_ID", Text(), None, "set by the harness on every process it starts: the ownership marker sweeps look for (never set it yourself)")
 _add("E2E_DRIVER_PID", Text(), None, "set by the harness beside E2E_RUN_ID: the pid of the driver that owns the process")
@@ -373,8 +369,7 @@ def options_from_env(environ=None, engine_opts: dict | None = None,
     flags, shell-quoted; and each engine's own options it reads from a variable, its
     `Engine.env_options`), with explicit overrides on top (`engine_opts`: engine options)."""
     base = {"enforce_eager": get("E2E_ENFORCE_EAGER", environ),
-            "extra_args": get("E2E_ENGINE_ARGS", environ),
-            "import_collector_on": get("E2E_IMPORT_COLLECTOR", environ) == "on"}
+            "extra_args": get("E2E_ENGINE_ARGS", environ)}
     own = {name: get(var, environ) for e in all_engines() for name, var in e.env_options.items()}
     return EngineOptions(**{**base, **overrides}, engine_opts={**own, **(engine_opts or {})})
 
