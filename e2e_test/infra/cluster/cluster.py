@@ -40,14 +40,28 @@ from ..engines import (
     EngineOptions,
     KnownCrash,
     Ports,
-    WorkerCommand,
-    held_command,
 )
 from ..errors import ConfigError, HarnessError, StartupError, UpstreamBug, WorkerDied
 from ..lifecycle import ports, reaper, teardown
-from ..lifecycle.launcher import Baseline, Handle, Launcher, LocalLauncher
+from ..lifecycle.launcher import (
+    Baseline,
+    Handle,
+    Launcher,
+    LocalLauncher,
+    WorkerCommand,
+    held_command,
+)
 from ..lifecycle.process import StopReport, classify_log
 from ..lifecycle.ray_launcher import RayLauncher
+from ..lifecycle.readiness import (
+    GATEWAY_READY_S,
+    POLL_S,
+    AllOf,
+    HttpGet,
+    ModelServed,
+    Step,
+    legs_to_warm,
+)
 from ..load.load import Watchdog
 from ..specs import plan as planner
 from ..specs import settings
@@ -59,7 +73,6 @@ from ..specs.topology import Topology
 from . import gateway as gw
 from . import idle, metrics, progress
 from .diagnostics import diagnose_stall, stack_dumps
-from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step, legs_to_warm
 
 PORT_RETRIES = 2
 STOP_GRACE_S = 15.0
@@ -252,7 +265,7 @@ class Cluster:
         # still hold (launcher.Baseline).
         self.shared_devices = shared_devices
         # Each worker's next restart started ahead, with the boot, and held until restart()
-        # releases it (engines.held_command: its imports done beside the boot, not after the
+        # releases it (launcher.held_command: its imports done beside the boot, not after the
         # loss). Chosen by the caller where restarts will come and cores are to spare
         # (pytest_plugin.decide_held, coboot.held_restarts: a topology with `restarting` tests,
         # on a GPU, its wave within the cores' limit); on this host only.
@@ -370,7 +383,7 @@ class Cluster:
         """Start `w`'s next restart ahead, held (hold_restarts)."""
         cmd = held_command(w.command)
         if cmd is None:
-            self.timing.held[w.name] = "not held: its command cannot be (engines.held_command)"
+            self.timing.held[w.name] = "not held: its command cannot be (launcher.held_command)"
             return
         w.held_at = time.time()
         w.held = self.launcher.start(w.name, cmd, self._log_path(w, w.restarts + 1),
