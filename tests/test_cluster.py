@@ -132,6 +132,9 @@ def test_a_gateway_pinned_to_one_worker_reaches_it_alone(fake, weights, tmp_path
             assert g.argv[g.argv.index("--worker-urls") + 1:][:2] == [w0.url, "--policy"]
             pinned = reach.work_moved(c, g.url, 4, expect=[w0.name])
         assert not g.process.alive()
+        [(name, ready_s)] = c.timing.extra_gateways
+        assert name == "gateway-worker-0" and 0 < ready_s < 30
+        print(f"pinned gateway ready in {ready_s} s")
         unpinned = reach.work_moved(c, c.gateway_url, 4, expect=[w0.name, w1.name])
         assert pinned == {"worker-0": 12.0, "worker-1": 0.0}, pinned      # 3 per request
         assert unpinned == {"worker-0": 6.0, "worker-1": 6.0}, unpinned   # round robin

@@ -140,6 +140,9 @@ class Timing:
     # The gateway's readiness probes that failed once it listed the model, each {"after_s",
     # "error"} (readiness.ModelServed.failures): why a gateway took long to be ready.
     gateway_probe_failures: list = field(default_factory=list)
+    # [name, seconds from launch to ready] of every second gateway (extra_gateway; pinned ones
+    # included): what a pass through one of them paid before its first request.
+    extra_gateways: list = field(default_factory=list)
     total_ready_s: float | None = None
     teardown_s: float | None = None
     # Epoch seconds, for the lane's time report (time_report.py): when the boot and the
@@ -534,7 +537,9 @@ class Cluster:
         argv, handle, dynamic = self._spawn_gateway(port, prom, admission, name, one)
         self._extra_gateways.append(handle)          # stop() stops it if we never get back
         try:
+            t0 = time.monotonic()
             self._await_gateway(port, handle, name, dynamic, pinned=one is not None)
+            self.timing.extra_gateways.append([name, round(time.monotonic() - t0, 2)])
             yield ExtraGateway(name, f"http://127.0.0.1:{port}",
                                f"http://127.0.0.1:{prom}/metrics", argv, handle)
         finally:
