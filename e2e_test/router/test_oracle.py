@@ -6,7 +6,8 @@ the noise floor of every comparison in the session (oracle.py says how a budget 
 It must hold no `mismatch` itself, or the engine is noisier than the oracle's thresholds.
 Then the negative control: GSM8K asked with other few-shot exemplars must be a `mismatch`.
 On DP topologies: the same prompts sent to each worker alone, through a gateway pinned to it
-(Cluster.pinned), compared with worker 0; and the pin's negative control.
+(Cluster.pinned), compared with worker 0, a same-path comparison (its first steps ranked
+against the control arm's, deciding); and the pin's negative control.
 """
 
 import pytest
@@ -122,7 +123,9 @@ def test_dp_workers_agree(cluster, record, oracle_store, name):
     """Each DP worker, asked alone through a gateway pinned to it (its own endpoint, which
     every worker has, whatever protocol it serves), against worker 0; a single engine with
     internal DP ranks (`dpN-engine`) has one endpoint, so its gateway pass is held against `1`
-    instead."""
+    instead.
+    Both sides compute every step as `1`'s control passes do: the rank test against the
+    control arm decides (oracle.judge same_path)."""
     oracle_store.settled(cluster.engine)
     control = oracle_store.control.get((cluster.engine, name))
     if control is None:
@@ -149,7 +152,8 @@ def test_dp_workers_agree(cluster, record, oracle_store, name):
         if base is None:
             pytest.skip("needs the eval pass of `1` in this session")
         others = [(_label(cluster), run(cluster.gateway_url, "the gateway"))]
-    verdicts = [oracle.judge(oracle.compare(name, base_label, label, base, p), control)
+    verdicts = [oracle.judge(oracle.compare(name, base_label, label, base, p), control,
+                             same_path=True)
                 for label, p in others]
     record["oracle_dp"] = {name: [v.to_dict() for v in verdicts]}
     for v in verdicts:
