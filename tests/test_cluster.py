@@ -99,6 +99,25 @@ def test_a_registered_fake_engine_runs_a_whole_cluster(fake, weights, tmp_path):
     assert (tmp_path / "cluster" / "logs" / "worker-0.log").is_file()
 
 
+def test_a_model_path_replaces_the_registrys_folder_checked_before_anything_starts(
+        fake, weights, tmp_path):
+    """Cluster(model_path=...): the engine is built over that folder (a perturbed copy of the
+    weights, test_perturbed.py) under the model's own name; one without a config.json is a
+    one-line error before any process starts."""
+    other = tmp_path / "perturbed"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    built = []
+    real = fake.build
+    fake.build = lambda spec, topo, entry, ports, model_path, options: (
+        built.append(model_path) or real(spec, topo, entry, ports, model_path, options))
+    c = make(weights, tmp_path, model_path=other)
+    assert c.model_path == other and built == [str(other)] and c.model_name == c.spec.id
+    assert make(weights, tmp_path / "b").model_path == weights
+    with pytest.raises(HarnessError, match=r"no config.json in model_path=.*missing$"):
+        make(weights, tmp_path / "c", model_path=tmp_path / "missing")
+
+
 def test_unregistered_engine_is_a_one_line_error(weights, tmp_path):
     with pytest.raises(ConfigError, match="cannot run on engine 'nope'"):
         Cluster(model="SmolLM2-135M-Instruct", engine="nope", topology="1", backend="cpu")

@@ -67,7 +67,7 @@ from ..specs import plan as planner
 from ..specs import settings
 from ..specs import topology as topologies
 from ..specs.model_specs import DEFAULT_MODEL, ModelSpec, get_spec
-from ..specs.models import cache_dir, weights_path
+from ..specs.models import cache_dir, check_config_json, weights_path
 from ..specs.plan import Plan, PlanEntry
 from ..specs.topology import Topology
 from . import gateway as gw
@@ -209,7 +209,7 @@ class Cluster:
                  name: str | None = None, gateway_args: tuple[str, ...] = (),
                  launcher: Launcher | None = None, plan: Plan | None = None,
                  shared_devices: bool = False, hold_restarts: bool = False,
-                 need_weights: bool = True):
+                 need_weights: bool = True, model_path: Path | str | None = None):
         self.spec: ModelSpec = model if isinstance(model, ModelSpec) else get_spec(model)
         self.engine = engine
         self.topology = topologies.parse(topology)     # a Topology is taken as it is
@@ -226,8 +226,14 @@ class Cluster:
             startup.check_devices(devices, self.backend, "devices")
         # need_weights=False: a plan only (`python -m e2e_test plan`), whose commands name the
         # folder the weights will be in
-        self.model_path = (weights_path(self.spec) if need_weights
-                           else weights_path(self.spec, must_exist=False))
+        # `model_path`: a folder to load instead of the registry's, served under the model's
+        # name (a perturbed copy of its weights: test_perturbed.py)
+        if model_path is not None:
+            self.model_path = Path(model_path)
+            check_config_json(self.spec, self.model_path, f"model_path={model_path}")
+        else:
+            self.model_path = (weights_path(self.spec) if need_weights
+                               else weights_path(self.spec, must_exist=False))
         self.launcher: Launcher = launcher or make_launcher()
         # `plan`: placed already by the caller (the pytest plugin's check at collection, with
         # the same model, backend, devices, engine and this launcher's nodes): not placed again.
