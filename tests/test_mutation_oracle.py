@@ -357,6 +357,12 @@ def test_the_same_path_verdicts_lines():
         f"; first steps shifted against the control arm (same path): p = {s['p']:.2g} < 0.001 "
         f"(median {s['median']} against the control's {s['control_median']} nats; its quieter "
         f"pass x/1 second pass left out)")
+    again = oracle.Comparison("t", "x/1", "x/1 third pass", exact.items)
+    three = oracle.ControlArm([exact, serial, again])
+    v = oracle.judge(_tripled(three.thresholds(32)), three, same_path=True)
+    assert not v.ok and v.message.endswith(
+        " nats; its quieter pass x/1 second pass left out; its quieter pass x/1 third pass "
+        "left out)")
 
 
 def test_same_path_and_a_path_arm_is_a_one_line_error():
