@@ -37,7 +37,7 @@ KIND = {
     "python -m e2e_test datasets check": RUN,
     "python -m e2e_test settings": RUN,
     "python -m e2e_test lanes": RUN,
-    "python -m e2e_test report docs/validation/h100-e2e-1gpu-pd-vllm-vpd-d9eef98": RUN,
+    "python -m e2e_test report docs/validation/h100-e2e-1gpu-pd-vllm-vpd-633b31c": RUN,
     "pytest -m tokenspeed --collect-only": COLLECT,
     'pytest e2e_test/router -m "pd and vllm" --topology 1,1p1d --backend cpu': COLLECT,
     "python -m e2e_test run e2e-cpu -- -x": EXISTS,

@@ -169,7 +169,24 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
           "test_oracle_negative_control[tokenspeed-1]")
          for run in ("kvc-d9eef98", "kvcb-6636b59", "kvcs-c51ef95")]
       + [(f"h100-e2e-1gpu-pd-{eng}-{name}-d9eef98", t.format(eng=eng))
-         for eng, name in [("tokenspeed", "pd"), ("vllm", "vpd")] for t in PD_LANE])
+         for eng, name in [("tokenspeed", "pd"), ("vllm", "vpd")] for t in PD_LANE]
+      # one H100, both engines staged, at 633b31c: the chat, PD, sweep and KV corruption
+      # lanes, and TokenSpeed's default topologies (run tsrouter)
+      + [(f"h100-e2e-1gpu-chat-{eng}-{name}-633b31c", f"test_oracle_negative_control[{eng}-1]")
+         for eng, name in [("tokenspeed", "chat"), ("vllm", "vchat")]]
+      + [("h100-e2e-1gpu-kv-corrupt-tokenspeed-kv-633b31c",
+          "test_oracle_negative_control[tokenspeed-1]")]
+      + [(f"h100-e2e-1gpu-pd-{eng}-{name}-633b31c", t.format(eng=eng))
+         for eng, name in [("tokenspeed", "pd"), ("vllm", "vpd")] for t in PD_LANE]
+      + [("h100-e2e-1gpu-chat-tokenspeed-tsrouter-633b31c", t)
+         for t in pd_lane("tokenspeed") + ["test_dp_workers_agree[tokenspeed-dp2-gsm8k]",
+                                         "test_dp_workers_agree[tokenspeed-dp2-mmlu]"]]
+      + [("h100-e2e-1gpu-pd-sweep-vllm-vsweep-633b31c", "test_oracle_negative_control[vllm-1]")]
+      + [("h100-e2e-1gpu-pd-sweep-vllm-vsweep-633b31c", t.format(shape=shape))
+         for shape in ("1p2d", "2p1d", "2p2d")
+         for t in ["test_pd_answers_match_regular[vllm-{shape}-gsm8k]",
+                   "test_pd_answers_match_regular[vllm-{shape}-mmlu]",
+                   "test_pd_kv_recall[vllm-{shape}]"]])
     # what cannot be re-judged says why (recall: its control arm was recorded as a summary
     # only; TokenSpeed: records written before the oracle)
     for r in ALL:
