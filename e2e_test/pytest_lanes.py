@@ -125,6 +125,11 @@ def _runner_deselection(item, config, backend: str | None) -> str | None:
     if ("cluster_key" in params and params["cluster_key"] is None) or \
             ("engine_name" in params and params["engine_name"] is None):
         return "no selected engine/topology fits the test"
+    model = config.getoption("--model")
+    lacks = [f for f in getattr(item.module, "NEEDS_FEATURES", ())
+             if f not in get_spec(model).features]
+    if lacks:
+        return f"the session's model ({model}) is not {', '.join(lacks)}"
     only = item.get_closest_marker("backends")
     if only is not None and backend is not None and backend not in only.args:
         return f"runs on backend {' or '.join(only.args)} only (measured there)"

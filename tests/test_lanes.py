@@ -896,6 +896,23 @@ def test_a_backend_only_test_is_deselected_elsewhere_at_collection(tmp_path):
     assert ids and all("test_pd_multinode.py::" in i for i in ids), ids
 
 
+def test_image_tests_are_deselected_for_a_text_model(tmp_path):
+    """`pytest -m tokenspeed e2e_test/router` on the default text model selected the EPD tests
+    on `1`, which then skipped (a lane's failure under --e2e-no-skips): a model without the
+    features a module needs (NEEDS_FEATURES) deselects its tests with the reason; the tiny VLM
+    keeps them (the control)."""
+    path = "e2e_test/router/test_epd.py"
+    r, ids = collect(tmp_path, path, "--engine", "tokenspeed", "--topology", "1",
+                     "--backend", "cuda")
+    assert r.returncode in (0, 5), r.stdout + r.stderr
+    assert ids == [] and "is not multimodal" in r.stdout, r.stdout
+    r, ids = collect(tmp_path, path, "--engine", "tokenspeed", "--topology", "1",
+                     "--backend", "cuda", "--model", "tiny-random/Qwen3.5-VL")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "e2e_test/router/test_epd.py::test_epd_proof_fails_where_nothing_moved[tokenspeed-1]" \
+        in ids, ids
+
+
 def test_kv_corruption_is_its_own_gpu_lane(tmp_path):
     """The KV corruption cases run on GPUs as e2e-1gpu-kv-corrupt (with `1`'s control arm and
     recall baseline that they are judged against), never inside e2e-1gpu-pd (no room for a

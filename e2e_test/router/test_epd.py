@@ -10,11 +10,12 @@ from e2e_test.infra.load import load
 from e2e_test.infra.verdicts import comparisons, oracle, proof
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("epd")]
+# Every test here sends images: a session whose model lacks a feature named here deselects
+# them at collection (pytest_lanes._runner_deselection), never a skip at run time.
+NEEDS_FEATURES = ("multimodal",)
 
 
 def test_epd_encoder_proof(cluster, record):
-    if "multimodal" not in cluster.spec.features:
-        pytest.skip(f"{cluster.model_name} is not multimodal")
     p = cluster.driver.epd_proof(cluster)          # engines/tokenspeed.epd_encoder_ran
     record["epd_proof"] = p.to_dict()
     print(f"EPD proof: {p.to_dict()}")
@@ -27,8 +28,6 @@ def test_epd_proof_fails_where_nothing_moved(cluster, record):
     """The engine's EPD proof read on the regular `1` (its one worker read as encode, prefill
     and decode): the image requests are answered, but no encoder output moves between
     workers, so the proof must fail for the reason the engine names (Engine.proof_misses)."""
-    if "multimodal" not in cluster.spec.features:
-        pytest.skip(f"{cluster.model_name} is not multimodal")
     reason = cluster.driver.proof_misses.get("epd")
     assert reason, f"engine {cluster.engine} declares no proof_misses['epd']"
     roles = {r: cluster.workers for r in ("encode", "prefill", "decode")}
@@ -41,8 +40,6 @@ def test_epd_proof_fails_where_nothing_moved(cluster, record):
 
 
 def test_epd_image_chat_streams(cluster, record):
-    if "multimodal" not in cluster.spec.features:
-        pytest.skip(f"{cluster.model_name} is not multimodal")
     body = proof.image_chat_body(cluster.model_name, "What is in this picture?",
                                  proof.random_png_data_uri(7), max_tokens=16)
     rep = load.run(cluster.gateway_url, [load.Request("/v1/chat/completions", body)],
@@ -75,8 +72,6 @@ def test_epd_image_outputs_match_aggregated(cluster, record, oracle_store):
     judged by the comparison oracle: the encoder output that EPD moved must give the same
     computation as the aggregated worker's own tower. Different images give different outputs
     (checked on the baseline), so a wrong or missing image shows as a mismatch."""
-    if "multimodal" not in cluster.spec.features:
-        pytest.skip(f"{cluster.model_name} is not multimodal")
     reqs = _image_requests(cluster)
     mine = comparisons.run_pass(cluster.gateway_url, reqs, concurrency=len(reqs),
                                 watchdog=cluster.watchdog("image prompts"))
