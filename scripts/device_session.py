@@ -444,6 +444,16 @@ def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
 
 
 # ---------------------------------------------------------------------------------------- main
+def vlm_spec(spec: str) -> str:
+    """A gpu_runs.sh spec with the staged tiny VLM as its own model where its lane is
+    e2e-1gpu-epd: that run's variable, never the call's, which the other runs share. Pure."""
+    parts = spec.split(":")
+    if len(parts) < 2 or parts[1] != "e2e-1gpu-epd" or "E2E_MODEL_PATH=" in spec:
+        return spec
+    var = f"E2E_MODEL_PATH={DEVICE['vlm']}"
+    return f"{parts[0]}:{parts[1]}:{','.join(filter(None, [*parts[2:], var]))}"
+
+
 def _print_calls(calls: list[Call], space: int, tree: int, sha: str,
                  runs: list[list[str]]) -> None:
     print(f"tree {tree / 2**20:.1f} MiB travels with every call; {space / 2**20:.1f} MiB of "
@@ -456,10 +466,8 @@ def _print_calls(calls: list[Call], space: int, tree: int, sha: str,
     for j, r in enumerate(runs, len(calls) + 1):
         eng, specs = r[0], r[1:]
         lim = f"E2E_CALL_LIMIT_S=560 {env}"
-        if any(s.split(":")[1] == "e2e-1gpu-epd" for s in specs if ":" in s):
-            lim += f" E2E_MODEL_PATH={DEVICE['vlm']}"
         print(f"\ncall {j} (lanes):\n  carry:   []\n  command: {lim} bash scripts/gpu_runs.sh "
-              f"{eng} {' '.join(specs)}")
+              f"{eng} {' '.join(vlm_spec(s) for s in specs)}")
     print("\nEach call back to back (a machine goes back after 30 s idle); copy files_at after "
           "each lane call; give_back when done.")
 

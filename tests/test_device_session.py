@@ -272,3 +272,14 @@ def test_publish_refuses_a_run_that_tested_nothing(tmp_path):
     with pytest.raises(ds.SessionError, match="--note"):
         ds.publish([f], "d", " ", repo=repo, log=lambda s: None)
     assert not list((repo / "docs" / "validation").iterdir())       # no index line either
+
+
+def test_the_tiny_vlm_is_the_epd_runs_model_only():
+    """A call of several runs sets the VLM's path on its e2e-1gpu-epd spec alone: a call-wide
+    E2E_MODEL_PATH (as the calls printed before) would run every other lane of the call on
+    the VLM too (the control: the other specs are left as they are)."""
+    assert ds.vlm_spec("epd:e2e-1gpu-epd") == "epd:e2e-1gpu-epd:E2E_MODEL_PATH=/root/tiny-vlm"
+    assert ds.vlm_spec("e:e2e-1gpu-epd:E2E_ENFORCE_EAGER=1") == \
+        "e:e2e-1gpu-epd:E2E_ENFORCE_EAGER=1,E2E_MODEL_PATH=/root/tiny-vlm"
+    assert ds.vlm_spec("e:e2e-1gpu-epd:E2E_MODEL_PATH=/x") == "e:e2e-1gpu-epd:E2E_MODEL_PATH=/x"
+    assert ds.vlm_spec("chat:e2e-1gpu-chat") == "chat:e2e-1gpu-chat"
