@@ -9,16 +9,15 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-pytest.register_assert_rewrite("e2e_test.pytest_lanes")
+pytest.register_assert_rewrite("e2e_test.pytest_lanes", "e2e_test.pytest_baseline")
 
 from .infra import startup
 from .infra.cluster import progress
@@ -42,10 +41,11 @@ from .infra.specs.model_specs import DEFAULT_MODEL, get_spec
 from .infra.specs.settings import options_from_env
 from .infra.specs.topology import Topology
 from .infra.verdicts import datasets
+from .pytest_baseline import baselines_of
 from .pytest_lanes import device_shortfall, require_devices, reusable_plan  # noqa: F401  (public helpers)
 from .pytest_state import OUTCOME, RECORD, RECORDED, state
 
-pytest_plugins = ["e2e_test.pytest_lanes"]
+pytest_plugins = ["e2e_test.pytest_lanes", "e2e_test.pytest_baseline"]
 DEFAULT_TOPOLOGIES = ",".join(settings.SETTINGS["E2E_TOPOLOGIES"].default)
 
 
@@ -264,48 +264,17 @@ def pytest_collection_modifyitems(session, config, items):
     st.cluster_keys = keys
     st.restarting_keys = {ck for i in items
                           if (ck := _shared_key(i)) and i.get_closest_marker("restarting")}
+    baselines_of(config).collected(items, selected)
     if not keys:
         return
     try:
-        sched = st.schedule = decide_schedule(config)
+        st.schedule = decide_schedule(config)
     except HarnessError:    # e.g. cuda asked of a machine with no GPU: the tests' own fixtures
         return              # say it (the pool decides again at the first test, and raises)
-    # Traffic ahead (coboot.py): a regular topology booted together with topologies judged
-    # against it sends its tests' passes from a thread while their tests run.
-    steps: dict = {}
-    for item in items:
-        ck, m = _shared_key(item), item.get_closest_marker("ahead")
-        if ck and m:
-            steps.setdefault(ck, []).append((item.nodeid, m.args[0], _test_params(item)))
-    ahead = ()
-    if settings.get("E2E_TRAFFIC_AHEAD") == "auto":
-        ahead = coboot.ahead_keys(sched, {k: k[1].kind for k in steps})
-    if ahead:
-        early = {_shared_key(i) for i in items if i.get_closest_marker("restarting")}
-
-        def wave_key(item):
-            ck = _shared_key(item)
-            if not ck or ck not in keys:
-                return key(item)
-            w = sched.wave_of(ck)
-            return (1, w, *coboot.wave_order(
-                ck, sched.waves[w], ahead, breaks=bool(item.get_closest_marker("breaks_cluster")),
-                needs_baseline=bool(item.get_closest_marker("needs_baseline")),
-                quiet=bool(item.get_closest_marker("quiet")),
-                early=ck in early, restarting=bool(item.get_closest_marker("restarting"))),
-                mod[id(item)], pos[id(item)])
-        items.sort(key=wave_key)
-    st.ahead = {k: steps[k] for k in ahead}
     st.key_items = {}
     for item in items:
         if (ck := _shared_key(item)):
             st.key_items.setdefault(ck, []).append(item.nodeid)
-
-
-def _test_params(item) -> dict:
-    """A test's own parameters (its callspec less the shared topology's key): what its
-    `ahead` function is called with."""
-    return {k: v for k, v in item.callspec.params.items() if k != "cluster_key"}
 
 
 def _shared_key(item):
@@ -430,7 +399,7 @@ class ClusterPool:
         self.wave_base: dict[int, Baseline] = {}
         self.wave_left: dict[int, set] = {}      # wave -> keys not yet stopped
         self._executor: ThreadPoolExecutor | None = None
-        self._ahead_executor: ThreadPoolExecutor | None = None
+        self.measured: set = set()        # co-booted clusters whose evidence was measured
 
     # -- the schedule ---------------------------------------------------------------------------
     def boot_schedule(self) -> coboot.BootSchedule:
@@ -440,15 +409,11 @@ class ClusterPool:
                 st.schedule = decide_schedule(self.config)
             self.schedule = st.schedule
             st.boot_schedule = self.schedule.to_dict()
-            if st.ahead:
-                st.boot_schedule["ahead"] = {coboot.key_name(k): len(v)
-                                             for k, v in st.ahead.items()}
             st.held_keys, why = decide_held(self.config, self.schedule)
             st.boot_schedule["held"] = {"keys": [coboot.key_name(k) for k in st.held_keys],
                                         "reason": why}
-            print(f"\nboot schedule: {self.schedule.mode}: {self.schedule.reason}"
-                  + (f"; passes ahead: {', '.join(coboot.key_name(k) for k in st.ahead)}"
-                     if st.ahead else "") + f"; restarts {why}")
+            print(f"\nboot schedule: {self.schedule.mode}: {self.schedule.reason}; "
+                  f"restarts {why}")
         return self.schedule
 
     def _cobooted(self, key) -> bool:
@@ -475,7 +440,7 @@ class ClusterPool:
         c = make()
         state(self.config).clusters[c.name] = c
         try:
-            c.start()
+            baselines_of(self.config).booting(key, c.start)
         except BaseException as e:
             c.stop(verify_strict=False)
             if isinstance(e, HarnessError):
@@ -484,6 +449,16 @@ class ClusterPool:
         self.key, self.current = key, c
         print(f"\n{c.plan.describe()}\nready: {c.timing}")
         return c
+
+    def get_baseline(self, engine: str, topology: str) -> Cluster:
+        """The baseline topology `topology` of `engine` (its evidence: pytest_baseline.py),
+        as a shared topology: the one this pool holds, or booted now."""
+        topo = next((t for t in _topologies(self.config) if t.name == topology),
+                    None) or topologies.parse(topology)
+        backend = startup.resolve_backend(self.config.getoption("--backend"))
+        require_devices(self.config, topo, backend, engine)
+        key = (engine, topo)
+        return self.get(key, lambda: _make_for_key(self.config, key))
 
     def _wave_open(self, key) -> bool:
         """Its wave is still to start, or something of it is still up (a topology stopped
@@ -547,9 +522,9 @@ class ClusterPool:
                 self.failed[key] = e
             raise
         self.key, self.current = key, c
-        chain = oracle_store_of(self.config).chains.get(key)
-        if chain is not None:           # its own tests start once its passes ahead are done
-            wait_flushing(chain)
+        if c.name not in self.measured:    # its evidence, where it is a baseline topology
+            self.measured.add(c.name)
+            baselines_of(self.config).booting(key, lambda: c)
         print(f"\n{c.plan.describe()}\nready: {c.timing} (booted with "
               f"{', '.join(coboot.key_name(k) for k in self.schedule.waves[w] if k != key)})")
         return c
@@ -586,37 +561,6 @@ class ClusterPool:
         for k, c in clusters:
             self.boots[k] = (c, self._executor.submit(c.start))
         print(f"\nbooting together: {', '.join(coboot.key_name(k) for k in keys)}")
-        for k, c in clusters:
-            if k in st.ahead:
-                self._start_ahead(k, c, self.boots[k][1])
-
-    def _start_ahead(self, key, c: Cluster, booted) -> None:
-        """The passes of `key`'s tests, in their order, from a thread once `key` is ready
-        (coboot.py: traffic ahead). Each test's result or error waits in the session's
-        OracleStore under its node id; the `ahead` fixture hands it to the test."""
-        store = oracle_store_of(self.config)
-        steps = state(self.config).ahead[key]
-        for nodeid, _, _ in steps:
-            store.ahead[nodeid] = Future()
-        if self._ahead_executor is None:
-            self._ahead_executor = ThreadPoolExecutor(max_workers=4,
-                                                      thread_name_prefix="e2e-ahead")
-
-        def run():
-            try:
-                booted.result()
-            except BaseException as e:     # noqa: BLE001 - each test says it as its own error
-                for nodeid, _, _ in steps:
-                    store.ahead[nodeid].set_exception(e)
-                return
-            t0 = time.time()
-            for nodeid, fn, params in steps:
-                try:
-                    store.ahead[nodeid].set_result(fn(c, store, **params))
-                except BaseException as e:  # noqa: BLE001 - the test raises it
-                    store.ahead[nodeid].set_exception(e)
-            store.ahead_spans[coboot.key_name(key)] = (t0, time.time())
-        store.chains[key] = self._ahead_executor.submit(run)
 
     # -- stopping -----------------------------------------------------------------------------------
     def _stop(self, key, c: Cluster):
@@ -669,13 +613,10 @@ class ClusterPool:
         return None
 
     def release_all(self):
-        # passes still running ahead: done before the stops (run() never raises)
-        futures_wait(oracle_store_of(self.config).chains.values())
         self.release()
         self._stop_waves_before(None)
-        for ex in (self._ahead_executor, self._executor):
-            if ex is not None:
-                ex.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
 
 @pytest.fixture(scope="session")
@@ -713,6 +654,8 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
     """A running topology behind the gateway, shared by every test of the same key."""
     if cluster_key is None:
         pytest.skip("no topology")
+    if "baseline" in request.fixturenames:      # its evidence first: booting the baseline
+        request.getfixturevalue("baseline")     # topology would stop this test's
     engine, topo, *_ = cluster_key
     require_devices(request.config, topo, e2e_backend, engine)
     c = cluster_pool.get(cluster_key, lambda: _make_for_key(request.config, cluster_key))
@@ -756,11 +699,6 @@ def _idle_after(request) -> None:
     c = getattr(request.node, "_e2e_cluster", None)
     if c is None or c.stopped or c.gateway is None:
         return              # the topology did not start (or was skipped): nothing to check
-    # Booted together, a regular topology's passes may still run ahead in a thread beside
-    # this test (coboot.py): that traffic is its own, not this test's leak. Judged once it ends.
-    ahead = oracle_store_of(request.config).chains.get(_shared_key(request.node))
-    if ahead is not None:
-        wait_flushing(ahead)
     try:
         rep = c.wait_idle()
     except IdleError as e:
@@ -775,6 +713,8 @@ def _idle_after(request) -> None:
 def own_cluster(request, e2e_backend, cluster_pool):
     """For tests that break their topology (fault injection): the shared one is stopped
     first; returns a factory; every cluster it made is stopped after the test."""
+    if "baseline" in request.fixturenames:      # its evidence first (it may boot `1`)
+        request.getfixturevalue("baseline")
     cluster_pool.release()
     made: list[Cluster] = []
 
@@ -798,72 +738,6 @@ def eval_data():
         return {name: datasets.dataset_dir(name) for name in ("gsm8k", "mmlu")}
     except HarnessError as e:
         pytest.fail(str(e), pytrace=False)
-
-
-@dataclass
-class OracleStore:
-    """What the comparison suites share in a session (test_evals and test_oracle fill it; the
-    PD, DP, AFD and EPD comparisons read it)."""
-    # (engine, topology, eval) -> index -> oracle steps (None where the request failed)
-    passes: dict = field(default_factory=dict)
-    # (engine, eval) -> oracle.ControlArm measured on the regular topology in this session
-    control: dict = field(default_factory=dict)
-    # (engine, eval) -> oracle.PathArm of the regular topology (Engine.first_step_path_arm),
-    # where its engine has one: what a disaggregated comparison's first steps are held to
-    path: dict = field(default_factory=dict)
-    # (engine, topology) -> indices of the recall prompts whose pass code came back
-    recall: dict = field(default_factory=dict)
-    # traffic ahead (coboot.py): test node id -> Future of its `ahead` function's result
-    ahead: dict = field(default_factory=dict)
-    # key -> Future of a regular topology's passes ahead; key name -> (start, end) epoch s
-    chains: dict = field(default_factory=dict)
-    ahead_spans: dict = field(default_factory=dict)
-
-    def baseline_coming(self, engine: str) -> bool:
-        """Whether `engine`'s regular topology still has passes running ahead (booted
-        together): a judged test may send its own traffic first and wait for them after."""
-        return any(key[0] == engine and not fut.done() for key, fut in self.chains.items())
-
-    def settled(self, engine: str) -> OracleStore:
-        """This store, once `engine`'s passes ahead (if any) are done: what a test judged
-        against the regular topology reads (its tests are marked needs_baseline)."""
-        for key, fut in list(self.chains.items()):
-            if key[0] == engine:
-                wait_flushing(fut)      # never raises: each step's error is its own test's
-        return self
-
-
-def oracle_store_of(config) -> OracleStore:
-    st = state(config)
-    if st.oracle is None:
-        st.oracle = OracleStore()
-    return st.oracle
-
-
-@pytest.fixture(scope="session")
-def oracle_store(request) -> OracleStore:
-    return oracle_store_of(request.config)
-
-
-@pytest.fixture
-def ahead(request, cluster, oracle_store):
-    """A callable that gives the result of the test's traffic (`@pytest.mark.ahead.with_args(fn)`)
-    in the test's body: what the passes ahead measured where they ran (waited for; their error
-    raised as the test's own), else fn(cluster, oracle_store, **params) run now."""
-    m = request.node.get_closest_marker("ahead")
-    if m is None:
-        raise HarnessError(f"{request.node.name}: the `ahead` fixture needs "
-                           "@pytest.mark.ahead.with_args(fn)")
-    params = _test_params(request.node)
-
-    def result():
-        fut = oracle_store.ahead.get(request.node.nodeid)
-        if "record" in request.fixturenames:      # where the traffic ran, in the test's record
-            request.getfixturevalue("record")["traffic_ahead"] = fut is not None
-        if fut is not None:
-            return wait_flushing(fut)
-        return m.args[0](cluster, oracle_store, **params)
-    return result
 
 
 @pytest.fixture
@@ -925,13 +799,10 @@ def pytest_sessionfinish(session, exitstatus):
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write
     st.summary = results.write_session(st.records, st.clusters,
                                        wall_s=time.monotonic() - st.t0)
-    spans = dict(st.oracle.ahead_spans) if st.oracle is not None else {}
     st.time_report = time_report.with_schedule(
         time_report.compute([time_report.cluster_entry(c) for c in st.clusters.values()],
-                            st.calls + list(spans.values()), st.t0_epoch, time.time()),
+                            st.calls, st.t0_epoch, time.time()),
         st.boot_schedule)
-    if spans:
-        st.time_report["ahead"] = time_report.ahead_entry(spans, st.calls)
     time_report.write(st.time_report, Path(st.summary["dir"]))
 
 

@@ -27,12 +27,11 @@ class SessionState:
     cluster_keys: list = field(default_factory=list)       # shared topologies, in test order
     boot_schedule: dict | None = None                      # coboot.BootSchedule.to_dict()
     schedule: object | None = None                         # coboot.BootSchedule (collection)
-    ahead: dict = field(default_factory=dict)              # key -> [(nodeid, fn, params)] ahead
     restarting_keys: set = field(default_factory=set)      # keys a `restarting` test restarts
     held_keys: tuple = ()                                  # ... whose restarts are held ahead
     key_items: dict = field(default_factory=dict)          # key -> its tests' nodeids, in order
     finished: set = field(default_factory=set)             # nodeids of the tests that ended
-    oracle: object | None = None                           # the session's OracleStore
+    baselines: object | None = None                        # pytest_baseline.Baselines
 
 
 STATE = pytest.StashKey[SessionState]()

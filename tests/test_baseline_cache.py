@@ -92,7 +92,8 @@ def test_a_failed_compute_fails_every_later_asker_at_once(tmp_path):
                                                 "while starting: no KV room"):
             c.get("vllm--1--gsm8k", boom)
     assert len(calls) == 1
-    assert cache.has("vllm--1--gsm8k")
+    with pytest.raises(EvidenceError, match="no KV room"):
+        cache.has("vllm--1--gsm8k")
 
 
 def test_an_interrupt_is_not_stored(tmp_path):

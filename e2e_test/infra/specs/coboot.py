@@ -148,65 +148,6 @@ def _shares(used: dict[int, float]) -> str:
     return ", ".join(f"GPU {d} {s:.2f}" for d, s in sorted(used.items()))
 
 
-# -- traffic ahead: the order of a wave's tests ------------------------------------------------
-# Booted together, a lane would still run its traffic one topology after another: the
-# regular topology's passes (scored evals, the control arms' second and serial passes, the
-# negative control's pass, the recall baseline) are a large share of a lane while the other
-# topologies stand idle (docs/lanes.md, "Passes ahead"). Those passes are the session's
-# baseline: the disaggregated topologies are judged against them, so they run first in the
-# tests' order. In a wave that boots
-# together they can run ahead instead: a thread sends them, in their tests' order, as soon as
-# the regular topology is ready, while the tests of the wave's other topologies run; the
-# regular topology's own tests then read what the thread measured. No two passes ever share a
-# topology at once (its tests start once its passes are done), so what each pass measures,
-# a serial pass included, is what it measured before.
-
-# A wave's tests run in these phases (within a phase: the wave's key order, then file order).
-# EARLY: a topology with a test that leaves a worker restarting in the background (marker
-# `restarting`: a fault test that lost a leg) runs its tests up to that one first, so the
-# restart (most of a minute for vLLM on an H200) boots beside the other topologies' tests,
-# not last and alone; its breaking tests still run last.
-# JUDGED before AHEAD: a test judged against the regular topology's baseline sends its own
-# topology's traffic first and waits for the baseline only to judge (test_pd.py), so its
-# pass runs beside the passes ahead, not after all of `1`'s passes (docs/lanes.md, "Passes
-# ahead").
-EARLY, PLAIN, JUDGED, AHEAD, QUIET, BREAKS = range(6)
-
-
-def ahead_keys(schedule: BootSchedule, kinds: dict) -> tuple:
-    """The keys whose passes run ahead: a regular topology (kinds: key -> topology kind) in a
-    wave with another topology of its engine, the ones judged against it."""
-    out = []
-    for w in schedule.waves:
-        for k in w:
-            if kinds.get(k) == "regular" and any(o[0] == k[0] and o != k for o in w):
-                out.append(k)
-    return tuple(out)
-
-
-def wave_order(key, wave: tuple, ahead: tuple, *, breaks: bool, needs_baseline: bool,
-               early: bool = False, restarting: bool = False, quiet: bool = False) -> tuple:
-    """Where a test of `key` runs within its wave (sorts before file order). A wave with a key
-    that runs ahead:
-    1. the tests of a topology with a restarting test (`early`: the key has one; never the
-       ahead key, whose tests wait for its passes), up to that test (`restarting` last);
-    2. the other topologies' tests (their traffic overlaps the passes ahead and the restarts);
-    3. the tests judged against the ahead key's baseline (`needs_baseline`): their own
-       topology's traffic still overlaps the passes ahead, then they wait for the baseline;
-    4. the ahead key's own tests (its passes are done by then, or the wait is what is left);
-    5. the tests timed against an engine's own pace (`quiet`): no pass runs beside them, and
-       they wait for the restarts;
-    6. every test that breaks its topology, so a broken topology has no test after it.
-    Any other wave: the tests' order, grouped by key, a restarting test after its key's other
-    tests, the breaking tests at each group's end."""
-    idx = wave.index(key)
-    if not any(k in ahead for k in wave):
-        return (idx, int(breaks), int(restarting))
-    phase = (BREAKS if breaks else EARLY if early and key not in ahead else AHEAD if key in ahead
-             else QUIET if quiet else JUDGED if needs_baseline else PLAIN)
-    return (phase, idx, int(restarting))
-
-
 def held_restarts(sched: BootSchedule, keyed_plans, restarting, backend: str, cores: int,
                   cores_per_worker: int = CORES_PER_WORKER) -> tuple[tuple, str]:
     """Which topologies get their workers' restarts started ahead and held (Cluster.

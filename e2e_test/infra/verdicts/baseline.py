@@ -228,6 +228,13 @@ def _recall(cluster, ev: dict) -> Evidence:
                             "prompt_words": len(comparisons.prompt_text(reqs[0]).split())})
 
 
+def unavailable(what: str, spec) -> str | None:
+    """Why the session's model (a ModelSpec) has no `what` to measure; None where it has."""
+    if what == "image-prompts" and "multimodal" not in spec.features:
+        return f"{spec.id} is not multimodal"
+    return None
+
+
 def baseline_topology(what: str, judged, selected=()) -> str:
     """The name of the topology `what` is measured on, for a test on topology `judged`
     (a Topology): `1`, or for afd-prompts the native DP baseline: `judged` itself where it is
@@ -303,8 +310,13 @@ class EvidenceCache:
         return MISSING
 
     def has(self, key: str) -> bool:
+        """Whether `key` is stored; a stored error is raised."""
         value, err, _ = self._paths(key)
-        return value.exists() or err.exists()
+        if value.exists():
+            return True
+        if err.exists():
+            raise EvidenceError(err.read_text())
+        return False
 
     def get(self, key: str, compute: Callable[[], Any]) -> Any:
         """The value of `key`: stored, or compute() now (under the key's lock, so that
