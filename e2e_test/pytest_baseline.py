@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -159,20 +160,33 @@ class Baselines:
         return got
 
 
+SCRATCH = pytest.StashKey[Path]()
+
+
+def scratch_dir(config) -> Path:
+    """The session's scratch folder, shared by its pytest-xdist workers (the controller's,
+    handed over in `workerinput`): the evidence cache and the device lock. Inside the
+    session's results folder; removed at the session's end (pytest_sessionfinish)."""
+    if SCRATCH not in config.stash:
+        folder = getattr(config, "workerinput", {}).get("e2e_scratch")
+        if folder is None:
+            folder = settings.results_dir() / ".session" / f"{os.getpid()}-{id(config):x}"
+        config.stash[SCRATCH] = Path(folder)
+        config.stash[SCRATCH].mkdir(parents=True, exist_ok=True)
+    return config.stash[SCRATCH]
+
+
 def baselines_of(config) -> Baselines:
     st = state(config)
     if st.baselines is None:
-        folder = getattr(config, "workerinput", {}).get("e2e_evidence_dir")
-        if folder is None:
-            folder = settings.results_dir() / "evidence" / f"{os.getpid()}-{id(config):x}"
-        st.baselines = Baselines(config, folder)
+        st.baselines = Baselines(config, scratch_dir(config) / "evidence")
     return st.baselines
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    """pytest-xdist: every worker shares the controller's evidence folder."""
-    node.workerinput["e2e_evidence_dir"] = str(baselines_of(node.config).folder)
+    """pytest-xdist: every worker shares the controller's scratch folder."""
+    node.workerinput["e2e_scratch"] = str(scratch_dir(node.config))
 
 
 @pytest.fixture
@@ -203,8 +217,10 @@ def baseline(request, e2e_backend, cluster_pool):
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-    """The evidence folder is the session's cache, not a result: removed at its end (by the
+    """The scratch folder is the session's, not a result: removed at its end (by the
     controller under pytest-xdist, after every worker)."""
-    st = state(session.config)
-    if getattr(session.config, "workerinput", None) is None and st.baselines is not None:
-        shutil.rmtree(st.baselines.folder, ignore_errors=True)
+    config = session.config
+    if getattr(config, "workerinput", None) is None and SCRATCH in config.stash:
+        shutil.rmtree(config.stash[SCRATCH], ignore_errors=True)
+        with contextlib.suppress(OSError):      # the parent, where no other session has one
+            config.stash[SCRATCH].parent.rmdir()

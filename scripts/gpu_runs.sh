@@ -3,8 +3,8 @@
 #
 #   bash scripts/gpu_runs.sh ENGINE SPEC [SPEC ...] [-- ARGS FOR EVERY RUN]
 #   SPEC = NAME:LANE[:VAR=VALUE[,VAR=VALUE ...]]
-#   e.g. bash scripts/gpu_runs.sh tokenspeed together:e2e-1gpu-pd \
-#          serial:e2e-1gpu-pd:E2E_BOOT_SCHEDULE=serial beside:e2e-1gpu-pd:E2E_TOKENSPEED_WARM_CALLS=beside
+#   e.g. bash scripts/gpu_runs.sh tokenspeed plain:e2e-1gpu-pd \
+#          n64:e2e-1gpu-pd:E2E_GSM8K_N=64 beside:e2e-1gpu-pd:E2E_TOKENSPEED_WARM_CALLS=beside
 #
 # A device call returns at most 8 files and stops at 10 minutes; a lane run is 1-3 minutes. So:
 #   - each run's results folder (E2E_RESULTS_DIR=/tmp/res/NAME), its lane log and what

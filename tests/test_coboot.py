@@ -190,25 +190,3 @@ def test_tokenspeed_serving_a_hybrid_model_boots_alone():
     vlm = get_spec("tiny-random/Qwen3.5-VL")
     assert vlm.kv_budget_tokens and "hybrid" in vlm.features
     assert "hybrid" in TS.alone_reason(vlm)
-
-
-def test_the_window_topology_holds_its_restarts_where_the_cores_allow():
-    """coboot.held_restarts: on the H200 (16 cores, 8 booting) the lane's five workers and
-    the window topology's two held interpreters boot at once; on the CPU lane none, said so;
-    with 12 cores (6 booting) a wave of five has no room for two more (negative control)."""
-    keyed = pd_lane()
-    s = coboot.schedule(keyed, "cuda", {0: 1.0}, cores=16)
-    keys, why = coboot.held_restarts(s, keyed, {WINDOW}, "cuda", cores=16)
-    assert keys == (WINDOW,)
-    assert why == ("held for vllm/1p1d[window] (2 interpreter(s) importing with the boot; at "
-                   "most 8 booting on 16 cores)")
-    keys, why = coboot.held_restarts(s, keyed, {WINDOW}, "cuda", cores=12)
-    assert keys == () and "not for vllm/1p1d[window]: its wave has no cores to spare" in why
-    cpu = coboot.serial([k for k, _ in keyed], "cpu")
-    keys, why = coboot.held_restarts(cpu, keyed, {WINDOW}, "cpu", cores=2)
-    assert keys == () and why.startswith("backend cpu: a held interpreter's imports")
-    assert coboot.held_restarts(s, keyed, set(), "cuda", cores=16) == (
-        (), "no test restarts a worker")
-    # Serial on a GPU: the window's wave is itself alone (2 workers + 2 held).
-    ser = coboot.serial([k for k, _ in keyed], "E2E_BOOT_SCHEDULE=serial")
-    assert coboot.held_restarts(ser, keyed, {WINDOW}, "cuda", cores=8)[0] == (WINDOW,)

@@ -74,3 +74,79 @@ def test_unknown_profile_is_a_usage_error(pytester, monkeypatch):
                                                              'cluster_profile("windw")'))
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*cluster_profile('windw'): no such profile (known: kv_corrupt, window)*"])
+
+
+BASELINE_TESTS = '''
+import pytest
+
+@pytest.mark.topology_kinds("pd")
+@pytest.mark.baseline("gsm8k")
+def test_a_pd_judged(baseline, cluster):
+    pass
+
+@pytest.mark.topology_kinds("pd")
+def test_b_pd_plain(cluster):
+    pass
+
+@pytest.mark.topology_kinds("regular")
+def test_c_regular(cluster):
+    pass
+
+@pytest.mark.topology_kinds("pd")
+def test_d_pd_disposable(disposable_cluster):
+    pass
+
+@pytest.mark.cluster_profile("window")
+@pytest.mark.topology_kinds("pd")
+def test_e_window(cluster):
+    pass
+'''
+
+
+def _ids(pytester, monkeypatch, tests, topologies):
+    monkeypatch.setenv("E2E_RESULTS_DIR", str(pytester.path / "res"))
+    monkeypatch.setenv("E2E_BACKEND", "cpu")
+    pytester.makeconftest(CONFTEST + GROUPS)
+    pytester.makepyfile(test_x=tests)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--collect-only", "-q",
+                                "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                                "--engine", "vllm", "--topology", topologies)
+    ids = [line.split("::")[1] for line in result.outlines if line.startswith("test_x.py::")]
+    groups = dict(line.split(" GROUP ")[1].split("=") for line in result.outlines
+                  if " GROUP " in line)
+    return ids, groups
+
+
+# what each test's xdist_group mark names, printed by the nested session
+GROUPS = '''
+def pytest_collection_finish(session):
+    for item in session.items:
+        m = item.get_closest_marker("xdist_group")
+        print(" GROUP " + item.name + "=" + (m.kwargs["name"] if m else "-"))
+'''
+
+
+def test_a_baseline_topology_boots_first_and_its_judges_come_late(pytester, monkeypatch):
+    """`1` listed after 1p1d still comes first where a collected test needs its evidence
+    (its group boots it, so the judged test's own group does not boot it in between); within
+    1p1d the judged test comes after the plain one; a disposable topology comes last."""
+    ids, _ = _ids(pytester, monkeypatch, BASELINE_TESTS, "1p1d,1")
+    assert ids == ["test_c_regular[vllm-1]", "test_b_pd_plain[vllm-1p1d]",
+                   "test_a_pd_judged[vllm-1p1d]", "test_e_window[vllm-1p1d]",
+                   "test_d_pd_disposable[vllm-1p1d]"], ids
+    # the negative control: with no test judged against `1`, the selected order holds
+    ids, _ = _ids(pytester, monkeypatch,
+                  BASELINE_TESTS.replace('@pytest.mark.baseline("gsm8k")\n', "")
+                  .replace("(baseline, cluster)", "(cluster)"), "1p1d,1")
+    assert ids[0] == "test_a_pd_judged[vllm-1p1d]" and ids[3] == "test_c_regular[vllm-1]", ids
+
+
+def test_each_shared_key_is_one_xdist_group(pytester, monkeypatch):
+    """A shared topology's tests form one pytest-xdist group (`--dist loadgroup` runs it on
+    one worker: one boot); a disposable topology is in none (any worker may boot it)."""
+    _, groups = _ids(pytester, monkeypatch, BASELINE_TESTS, "1,1p1d")
+    assert groups == {"test_c_regular[vllm-1]": "vllm/1",
+                      "test_a_pd_judged[vllm-1p1d]": "vllm/1p1d",
+                      "test_b_pd_plain[vllm-1p1d]": "vllm/1p1d",
+                      "test_e_window[vllm-1p1d]": "vllm/1p1d/window",
+                      "test_d_pd_disposable[vllm-1p1d]": "-"}, groups

@@ -222,14 +222,6 @@ def headline(rep: dict) -> str:
             + (f"; booted {rep['boot_schedule']['mode']}" if rep.get("boot_schedule") else ""))
 
 
-def with_schedule(rep: dict, schedule: dict | None) -> dict:
-    """The lane-level placement's decision and its reason (coboot.BootSchedule.to_dict())
-    in the report: `boot_schedule`."""
-    if schedule:
-        rep["boot_schedule"] = schedule
-    return rep
-
-
 # The warm child's line when it takes the request, and the line of calls made beside the
 # target when they end (launchers/e2e_warm_spawn.py child_main, calls_beside).
 _WARM_LINE = re.compile(

@@ -146,38 +146,3 @@ def schedule(keyed_plans, backend: str, free_share: dict[int, float] | None,
 
 def _shares(used: dict[int, float]) -> str:
     return ", ".join(f"GPU {d} {s:.2f}" for d, s in sorted(used.items()))
-
-
-def held_restarts(sched: BootSchedule, keyed_plans, restarting, backend: str, cores: int,
-                  cores_per_worker: int = CORES_PER_WORKER) -> tuple[tuple, str]:
-    """Which topologies get their workers' restarts started ahead and held (Cluster.
-    hold_restarts): the keys of `restarting` (a test restarts a worker of theirs) whose
-    wave, counting every held interpreter as a booting worker, still keeps within
-    cores // cores_per_worker, as the waves themselves do. (keys, the reason in one line).
-    None on CPU: a held interpreter's imports would take a booting worker's cores. Pure."""
-    restarting = set(restarting)
-    wanted = [k for k, _ in keyed_plans if k in restarting]
-    if not wanted:
-        return (), "no test restarts a worker"
-    if backend != "cuda":
-        return (), (f"backend {backend}: a held interpreter's imports would take a booting "
-                    f"worker's cores ({cores})")
-    max_workers = max(1, cores // cores_per_worker)
-    size = {k: len(p.entries) for k, p in keyed_plans}
-    booting = [sum(size[k] for k in w) for w in sched.waves]
-    held, refused = [], []
-    for k in wanted:
-        w = sched.wave_of(k)
-        if booting[w] + size[k] <= max_workers:
-            booting[w] += size[k]
-            held.append(k)
-        else:
-            refused.append(k)
-    names = ", ".join(key_name(k) for k in held)
-    why = (f"held for {names} ({sum(size[k] for k in held)} interpreter(s) importing with "
-           f"the boot; at most {max_workers} booting on {cores} cores)" if held else "")
-    if refused:
-        why += ("; " if why else "") + (
-            f"not for {', '.join(key_name(k) for k in refused)}: its wave has no cores to "
-            f"spare (at most {max_workers} booting on {cores} cores)")
-    return tuple(held), why
