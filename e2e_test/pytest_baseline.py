@@ -62,9 +62,8 @@ def engine_and_topology(item):
 class Baselines:
     """This process's view of the session's baseline evidence (one per pytest config)."""
 
-    def __init__(self, config, folder):
+    def __init__(self, config):
         self.config = config
-        self.folder = folder
         self._cache: evidence.EvidenceCache | None = None
         self.worker = getattr(config, "workerinput", {}).get("workerid", "main")
         # (engine, baseline topology name) -> whats the collected tests need, in test order
@@ -73,7 +72,7 @@ class Baselines:
     @property
     def cache(self) -> evidence.EvidenceCache:
         if self._cache is None:         # the folder only once evidence is asked for
-            self._cache = evidence.EvidenceCache(self.folder)
+            self._cache = evidence.EvidenceCache(scratch_dir(self.config) / "evidence")
         return self._cache
 
     def collected(self, items, selected) -> None:
@@ -179,7 +178,7 @@ def scratch_dir(config) -> Path:
 def baselines_of(config) -> Baselines:
     st = state(config)
     if st.baselines is None:
-        st.baselines = Baselines(config, scratch_dir(config) / "evidence")
+        st.baselines = Baselines(config)
     return st.baselines
 
 

@@ -1,11 +1,13 @@
 """pytest glue over the library: options, the parametrized cluster fixture with engine/topology
 markers per case, the tests' order and their pytest-xdist groups, the topologies of a process
 (one at a time), result records, signal handling and the summary table.
-Lanes: pytest_lanes.py; the baseline's evidence: pytest_baseline.py (both loaded from here).
+Lanes: pytest_lanes.py; the baseline's evidence: pytest_baseline.py; pytest-xdist:
+pytest_xdist.py (all loaded from here).
 Session state: `config.stash` (pytest_state.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.register_assert_rewrite("e2e_test.pytest_lanes", "e2e_test.pytest_baseline")
+pytest.register_assert_rewrite("e2e_test.pytest_lanes", "e2e_test.pytest_baseline",
+                               "e2e_test.pytest_xdist")
 
 from .infra import startup
 from .infra.cluster import progress
@@ -36,8 +39,9 @@ from .infra.verdicts import datasets
 from .pytest_baseline import baselines_of, scratch_dir
 from .pytest_lanes import device_shortfall, require_devices, reusable_plan  # noqa: F401  (public helpers)
 from .pytest_state import OUTCOME, RECORD, RECORDED, state
+from .pytest_xdist import cluster_kw, devices_after, plain_nodeid, worker
 
-pytest_plugins = ["e2e_test.pytest_lanes", "e2e_test.pytest_baseline"]
+pytest_plugins = ["e2e_test.pytest_lanes", "e2e_test.pytest_baseline", "e2e_test.pytest_xdist"]
 DEFAULT_TOPOLOGIES = ",".join(settings.SETTINGS["E2E_TOPOLOGIES"].default)
 
 
@@ -396,6 +400,7 @@ def make_cluster(config, engine: str, topology: Topology | str, backend: str,
     topology = topologies.parse(topology)
     if "launcher" not in kw and settings.get("E2E_LAUNCHER") == "local":
         kw.setdefault("plan", reusable_plan(config, topology, backend, engine))
+    kw.update(cluster_kw(config, engine, topology, kw.get("plan")))
     return Cluster(model=config.getoption("--model"), engine=engine, topology=topology,
                    backend=backend, devices=config.getoption("--devices"), options=opts, **kw)
 
@@ -532,7 +537,7 @@ def eval_data():
 @pytest.fixture
 def record(request):
     """A dict the test fills; written as results/tests/<test>.json with the cluster's facts."""
-    rec: dict = {"test": request.node.nodeid, "started": time.time()}
+    rec: dict = {"test": plain_nodeid(request.node.nodeid), "started": time.time()}
     request.node.stash[RECORDED] = True
     request.node.stash[RECORD] = rec
     yield rec
@@ -565,7 +570,7 @@ def pytest_runtest_makereport(item, call):
         # result record, so the failure is in the result files and not only in the log.
         ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key") or ()
         state(item.config).records.append({
-            "test": item.nodeid, "outcome": "error", "started": time.time(),
+            "test": plain_nodeid(item.nodeid), "outcome": "error", "started": time.time(),
             **({"engine": ck[0], "topology": str(ck[1])} if len(ck) == 2 else {}),
             "error": _error_line(rep)})
 
@@ -576,21 +581,40 @@ def _error_line(rep) -> str:
     return text.strip().splitlines()[0][:500] if text and text.strip() else ""
 
 
-def pytest_sessionfinish(session, exitstatus):
-    lifecycle.teardown_all()
-    st = state(session.config)
+def _part(st) -> dict:
+    """This process's records and topologies, as data (a pytest-xdist worker sends them)."""
+    clusters = {n: {"timing": vars(c.timing), "entry": time_report.cluster_entry(c),
+                    "teardown": c.teardown_report.to_dict() if c.teardown_report else None}
+                for n, c in st.clusters.items()}
     bad = [f"{n}: {c.teardown_report.verdict()}" for n, c in st.clusters.items()
            if c.teardown_report is not None and not c.teardown_report.ok]
-    st.teardown_violations = bad
-    if bad and settings.ci():
+    return {"records": st.records, "clusters": clusters, "calls": st.calls, "violations": bad}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    lifecycle.teardown_all()
+    config = session.config
+    st = state(config)
+    part = _part(st)
+    if worker(config):      # the controller writes the session's files
+        config.workeroutput["e2e"] = json.dumps(part, default=str)
+        return
+    parts = [part, *st.worker_parts]
+    records = [r for p in parts for r in p["records"]]
+    clusters = {n: c for p in parts for n, c in p["clusters"].items()}
+    bad = [line for p in parts for line in p["violations"]]
+    devices = devices_after(config)
+    st.teardown_violations = bad + ([devices] if devices else [])
+    if st.teardown_violations and settings.ci():
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if not st.records and not st.clusters:
+    if not records and not clusters:
         return   # nothing end-to-end ran (e.g. unit tests only): no summary to write
-    st.summary = results.write_session(st.records, st.clusters,
-                                       wall_s=time.monotonic() - st.t0)
-    st.time_report = time_report.compute(
-        [time_report.cluster_entry(c) for c in st.clusters.values()], st.calls, st.t0_epoch,
-        time.time())
+    st.summary = results.write_session(records, clusters, wall_s=time.monotonic() - st.t0)
+    st.time_report = time_report.compute([c["entry"] for c in clusters.values()],
+                                         [tuple(c) for p in parts for c in p["calls"]],
+                                         st.t0_epoch, time.time())
+    if st.assignment is not None:
+        st.time_report["assignment"] = st.assignment.to_dict()
     time_report.write(st.time_report, Path(st.summary["dir"]))
 
 
@@ -605,6 +629,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"results: {out['dir']}")
     if st.time_report:
         terminalreporter.write_line(f"time: {time_report.headline(st.time_report)}", bold=True)
+        if st.assignment is not None:
+            terminalreporter.write_line(f"workers: {st.assignment.reason}")
         for line in (time_report.phases_line(st.time_report),
                      time_report.warm_line(st.time_report)):
             if line:

@@ -26,6 +26,10 @@ class SessionState:
     min_tests_line: str | None = None                      # --e2e-min-tests: too few ran
     pool: object | None = None                             # pytest_plugin.ClusterPool
     baselines: object | None = None                        # pytest_baseline.Baselines
+    assignment: object | None = None                       # coboot.Assignment (-n auto)
+    worker_parts: list = field(default_factory=list)       # pytest-xdist workers' results
+    devices_before: object | None = None                   # launcher.Baseline (controller)
+    devices_report: object | None = None                   # teardown.TeardownReport (ditto)
 
 
 STATE = pytest.StashKey[SessionState]()

@@ -219,7 +219,8 @@ def headline(rep: dict) -> str:
             f"{s['teardown']:.0f} %, idle {s['idle']:.0f} % of {rep['wall_s']:.0f} s "
             f"({rep['boots']} boots, {rep['boot_s']:.0f} s"
             + (f"; compile cache: {cache}" if cache else "") + ")"
-            + (f"; booted {rep['boot_schedule']['mode']}" if rep.get("boot_schedule") else ""))
+            + (f"; {rep['assignment']['workers']} topologies at once"
+               if (rep.get("assignment") or {}).get("workers", 1) > 1 else ""))
 
 
 # The warm child's line when it takes the request, and the line of calls made beside the
