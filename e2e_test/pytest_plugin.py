@@ -7,7 +7,9 @@ Session state: `config.stash` (pytest_state.py)."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +55,9 @@ def pytest_addoption(parser):
                 help="ordered device list, e.g. 0,1 (env E2E_DEVICES)")
     g.addoption("--backend", default=settings.raw("E2E_BACKEND"),
                 help="cpu or cuda (default: cuda when NVML sees a GPU)")
+    g.addoption("--e2e-shuffle", type=int, default=None, metavar="SEED",
+                help="run the tests of each topology's group (and those with none) in a random "
+                     "order from SEED: the check that no test leans on another's leftovers")
     g.addoption("--launcher", default=None,
                 help="local (processes on this host) or ray (roles as Ray actors on the nodes "
                      "of the Ray cluster at E2E_RAY_ADDRESS; docs/multinode.md); env "
@@ -176,7 +181,8 @@ def pytest_collection_modifyitems_order(session, config, items):
     against a baseline after the others and those that break it (`breaks_cluster`) last;
     then the tests with a topology of their own (own_cluster, disposable_cluster). Only
     efficiency hangs on it (each key boots once, a baseline before its judges): no test
-    reads what another left (tests/test_shuffle.py runs groups in random orders)."""
+    reads what another left. --e2e-shuffle SEED shuffles the tests within each group (the
+    shuffle check, e2e_test/router/test_shuffle.py)."""
     selected = _topologies(config)
     engines = _csv(config.getoption("--engine"))
     b = baselines_of(config)
@@ -202,6 +208,15 @@ def pytest_collection_modifyitems_order(session, config, items):
                 1 if item.get_closest_marker("baseline") else 0, *at)
 
     items.sort(key=key)
+    seed = config.getoption("--e2e-shuffle")
+    if seed is not None:
+        rng = random.Random(seed)
+        out = []
+        for _, group in itertools.groupby(items, key=lambda i: key(i)[:5]):
+            group = list(group)
+            rng.shuffle(group)
+            out += group
+        items[:] = out
 
 
 def _shared_key(item):

@@ -150,3 +150,23 @@ def test_each_shared_key_is_one_xdist_group(pytester, monkeypatch):
                       "test_b_pd_plain[vllm-1p1d]": "vllm/1p1d",
                       "test_e_window[vllm-1p1d]": "vllm/1p1d/window",
                       "test_d_pd_disposable[vllm-1p1d]": "-"}, groups
+
+
+def test_shuffle_moves_tests_only_within_their_group(pytester, monkeypatch):
+    """--e2e-shuffle SEED: the same tests, each group where it was, in a seeded order within
+    it (the shuffle check's tool); the same seed gives the same order."""
+    default, groups = _ids(pytester, monkeypatch, BASELINE_TESTS, "1,1p1d")
+
+    def shuffled(seed):
+        result = pytester.runpytest("-p", "no:cacheprovider", "--collect-only", "-q",
+                                    "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                                    "--engine", "vllm", "--topology", "1,1p1d",
+                                    "--e2e-shuffle", str(seed))
+        return [ln.split("::")[1] for ln in result.outlines if ln.startswith("test_x.py::")]
+
+    orders = [shuffled(seed) for seed in range(6)]
+    assert orders[0] == shuffled(0)
+    for ids in orders:
+        assert sorted(ids) == sorted(default)
+        assert [groups[i] for i in ids] == [groups[i] for i in default], ids
+    assert any(ids != default for ids in orders), orders     # some seed moved something
