@@ -178,8 +178,8 @@ def pytest_collection_modifyitems_order(session, config, items):
     out): tests with no topology, then the shared topologies, those whose evidence other tests
     need (a baseline topology: pytest_baseline.py) first, then the rest in the selected
     order, each profile of a topology after its plain group; within a group the tests judged
-    against a baseline after the others and those that break it (`breaks_cluster`) last;
-    then the tests with a topology of their own (own_cluster, disposable_cluster). Only
+    against a baseline after the others and those that break it (disposable_cluster) last;
+    then the tests with topologies of their own (own_cluster). Only
     efficiency hangs on it (each key boots once, a baseline before its judges): no test
     reads what another left. --e2e-shuffle SEED shuffles the tests within each group (the
     shuffle check, e2e_test/router/test_shuffle.py)."""
@@ -196,7 +196,7 @@ def pytest_collection_modifyitems_order(session, config, items):
     def key(item):
         ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key")
         at = (mod[id(item)], pos[id(item)])
-        if OWN & set(getattr(item, "fixturenames", ())):
+        if "own_cluster" in getattr(item, "fixturenames", ()):
             return (2, 0, 0, 0, "", 0, 0, *at)
         if not ck:
             return (0, 0, 0, 0, "", 0, 0, *at)
@@ -204,7 +204,7 @@ def pytest_collection_modifyitems_order(session, config, items):
         return (1, engines.index(engine) if engine in engines else 99,
                 0 if not profile and (engine, topo.name) in b.needs else 1,
                 selected.index(topo) if topo in selected else 99, profile[0] if profile else "",
-                1 if item.get_closest_marker("breaks_cluster") else 0,
+                1 if "disposable_cluster" in item.fixturenames else 0,
                 1 if item.get_closest_marker("baseline") else 0, *at)
 
     items.sort(key=key)
@@ -220,15 +220,13 @@ def pytest_collection_modifyitems_order(session, config, items):
 
 
 def _shared_key(item):
-    """The shared topology's key of a test (engine, topology, profile...); None for a test
-    with no topology or with one of its own (own_cluster, disposable_cluster)."""
+    """The key of a test's topology (engine, topology, profile...): its group's, which a
+    test that breaks it (disposable_cluster) takes last; None for a test with no topology or
+    with topologies of its own (own_cluster)."""
     ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key")
-    if not ck or OWN & set(getattr(item, "fixturenames", ())):
+    if not ck or "own_cluster" in getattr(item, "fixturenames", ()):
         return None
     return ck
-
-
-OWN = {"own_cluster", "disposable_cluster"}
 
 
 def group_name(key) -> str:
@@ -321,6 +319,13 @@ class ClusterPool:
         require_devices(self.config, topo, backend, engine)
         return self.get((engine, topo))
 
+    def take(self, key) -> Cluster:
+        """The topology of `key` out of the pool, for a test that breaks it (the caller stops
+        it): the current one where it is up and alive, else one booted now."""
+        c = self.get(key)
+        self.current, self.key = None, None
+        return c
+
     def release(self):
         """Stop the current topology; its teardown report (None when none was up)."""
         if self.current is not None:
@@ -387,21 +392,16 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
 
 @pytest.fixture
 def disposable_cluster(request, cluster_key, e2e_backend, cluster_pool):
-    """A topology of the test's key booted for this test alone and stopped after it: for a
-    test that breaks it, with no test after it to inherit the damage. Not shared, so in no
-    group: under pytest-xdist any worker may boot it beside the others."""
+    """A topology of the test's key that no test gets after it: for a test that breaks it.
+    The group's topology where this process holds it (such a test runs after its group's
+    other tests), else one booted for it; stopped after the test either way (the test may
+    stop it first, to judge its teardown)."""
     if cluster_key is None:
         pytest.skip("no topology")
     engine, topo, *_ = cluster_key
     require_devices(request.config, topo, e2e_backend, engine)
-    cluster_pool.release()                      # one topology at a time in a process
-    c = _make_for_key(request.config, cluster_key)
-    state(request.config).clusters[c.name] = c
-    try:
-        c.start()
-    except BaseException:
-        c.stop(verify_strict=False)
-        raise
+    c = cluster_pool.take(cluster_key)
+    request.node._e2e_cluster = c           # for its record
     yield c
     if not c.stopped:
         c.stop(verify_strict=False)
@@ -423,7 +423,8 @@ def _e2e_device_shared(request):
     device lock shared for its setup, call and teardown; a test that takes `exclusive` holds
     it alone (infra/lifecycle/exclusive.py)."""
     names = set(request.fixturenames)
-    if "exclusive" in names or not ({"cluster", "baseline"} | OWN) & names:
+    if "exclusive" in names or not {"cluster", "baseline", "own_cluster",
+                                    "disposable_cluster"} & names:
         yield
         return
     with device_lock.DeviceLock(scratch_dir(request.config)).shared():
@@ -443,11 +444,6 @@ def exclusive(request):
 
 
 def _idle_after(request) -> None:
-    if request.node.get_closest_marker("breaks_cluster"):
-        # It broke its topology on purpose (and may have stopped it to check the teardown):
-        # no idle check; stopped here in any case, so the next test gets a fresh one.
-        request.getfixturevalue("cluster_pool").release()
-        return
     if not settings.get("E2E_IDLE_AFTER_TEST"):
         return
     # The test's topology, as its `cluster` fixture handed it out. Asking the fixture again

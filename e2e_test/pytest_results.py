@@ -78,9 +78,11 @@ def record(request):
     request.node.stash[RECORD] = rec
     yield rec
     rec["outcome"] = request.node.stash.get(OUTCOME, "unknown")
-    if "cluster" in request.fixturenames:
-        # as handed out (torn down already where the test named `record` first)
-        c = getattr(request.node, "_e2e_cluster", None) or request.getfixturevalue("cluster")
+    # the topology as handed out (torn down already where the test named `record` first)
+    c = getattr(request.node, "_e2e_cluster", None)
+    if c is None and "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+    if c is not None:
         rec.setdefault("cluster", c.name)
         rec.update(results.cluster_facts(c))
     state(request.config).records.append(rec)

@@ -29,7 +29,8 @@ import pytest
 
 from .infra import startup
 from .infra.engines import for_topology, kind_engines
-from .infra.lifecycle import teardown
+from .infra.errors import HarnessError
+from .infra.lifecycle import reaper, teardown
 from .infra.lifecycle.launcher import LocalLauncher
 from .infra.specs import coboot, devices, settings
 from .infra.specs import topology as topologies
@@ -166,9 +167,15 @@ def pytest_configure(config):
             st.assignment = coboot.Assignment.from_dict(json.loads(a))
             devices.share_between_workers()
     elif parallel(config):
-        gpus = devices.nvml_inventory() if startup.resolve_backend(
+        gpus = tuple(devices.nvml_inventory()) if startup.resolve_backend(
             config.getoption("--backend")) == "cuda" else ()
-        st.devices_before = LocalLauncher().baseline(tuple(gpus))
+        # what an earlier run left, and GPU memory held by others, once for every worker: a
+        # worker's own preflight cannot tell the others' engines from a stranger's
+        try:
+            reaper.preflight(gpus)
+        except HarnessError as e:
+            pytest.exit(str(e), returncode=2)
+        st.devices_before = LocalLauncher().baseline(gpus)
 
 
 def cluster_kw(config, engine: str, topology, plan) -> dict:

@@ -126,3 +126,35 @@ def test_reading_what_the_test_did_not_declare_is_an_error(pytester, monkeypatch
                   "1p1d", "-k", "test_b")
     result.assert_outcomes(errors=1)
     assert "the `baseline` fixture needs @pytest.mark.baseline" in "\n".join(result.outlines)
+
+
+DISPOSABLE = '''
+import pytest
+
+@pytest.mark.topology_kinds("regular")
+def test_a_breaks(disposable_cluster):
+    disposable_cluster.broken = True
+
+@pytest.mark.topology_kinds("regular")
+def test_b_plain(cluster):
+    assert not getattr(cluster, "broken", False)
+
+@pytest.mark.topology_kinds("regular")
+def test_c_breaks_too(disposable_cluster):
+    assert not getattr(disposable_cluster, "broken", False)
+'''
+
+
+def test_a_breaking_test_takes_its_groups_topology_last_and_no_test_gets_it_after(
+        pytester, monkeypatch, log):
+    """disposable_cluster: the group's topology where the process holds it (the breaking
+    tests run after the group's others, whatever the file's order), stopped after the test;
+    a second breaking test of the group gets a fresh one."""
+    result = _run(pytester, monkeypatch, DISPOSABLE, "1")
+    result.assert_outcomes(passed=3)
+    assert log == [("start", "1"), ("stop", "1"), ("start", "1"), ("stop", "1")], log
+    # alone, a breaking test boots its own
+    log.clear()
+    result = _run(pytester, monkeypatch, DISPOSABLE, "1", "-k", "test_c")
+    result.assert_outcomes(passed=1)
+    assert log == [("start", "1"), ("stop", "1")], log

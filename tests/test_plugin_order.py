@@ -1,7 +1,7 @@
 """The plugin's grouping of shared topologies (collection only, nothing boots): each key
-(engine, topology, profile) is contiguous, so it boots once; a test marked `breaks_cluster`
-runs last in its group whatever its place in the file; a profile is its own group; an
-unknown profile is a usage error before anything starts."""
+(engine, topology, profile) is contiguous, so it boots once; a test that breaks its topology
+(disposable_cluster) runs last in its group whatever its place in the file; a profile is its
+own group; an unknown profile is a usage error before anything starts."""
 
 pytest_plugins = ["pytester"]
 
@@ -9,9 +9,8 @@ CONFTEST = 'pytest_plugins = ["e2e_test.pytest_plugin"]\n'
 TESTS = '''
 import pytest
 
-@pytest.mark.breaks_cluster
 @pytest.mark.topology_kinds("regular")
-def test_a_breaks(cluster):
+def test_a_breaks(disposable_cluster):
     pass
 
 @pytest.mark.topology_kinds("regular")
@@ -20,8 +19,7 @@ def test_b_plain(cluster):
 
 @pytest.mark.cluster_profile("window")
 @pytest.mark.topology_kinds("pd")
-@pytest.mark.breaks_cluster
-def test_c_window_breaks(cluster):
+def test_c_window_breaks(disposable_cluster):
     pass
 
 @pytest.mark.cluster_profile("window")
@@ -61,10 +59,10 @@ def test_breaking_tests_last_in_their_group_and_profiles_apart(pytester, monkeyp
                    "test_f_own"], ids
 
 
-def test_file_order_without_the_marker(pytester, monkeypatch):
-    # The negative control: without `breaks_cluster` the breaking test would run first and
+def test_file_order_without_the_fixture(pytester, monkeypatch):
+    # The negative control: taking `cluster` instead, the breaking test would run first and
     # the plain test after it would get a broken (or a second) topology.
-    result = _collected(pytester, monkeypatch, TESTS.replace("@pytest.mark.breaks_cluster\n", ""))
+    result = _collected(pytester, monkeypatch, TESTS.replace("(disposable_cluster)", "(cluster)"))
     ids = [line.split("::")[1] for line in result.outlines if line.startswith("test_x.py::")]
     assert ids[1:3] == ["test_a_breaks[vllm-1]", "test_b_plain[vllm-1]"], ids
 
@@ -129,27 +127,28 @@ def pytest_collection_finish(session):
 def test_a_baseline_topology_boots_first_and_its_judges_come_late(pytester, monkeypatch):
     """`1` listed after 1p1d still comes first where a collected test needs its evidence
     (its group boots it, so the judged test's own group does not boot it in between); within
-    1p1d the judged test comes after the plain one; a disposable topology comes last."""
+    1p1d the judged test comes after the plain one, and the test that breaks it last."""
     ids, _ = _ids(pytester, monkeypatch, BASELINE_TESTS, "1p1d,1")
     assert ids == ["test_c_regular[vllm-1]", "test_b_pd_plain[vllm-1p1d]",
-                   "test_a_pd_judged[vllm-1p1d]", "test_e_window[vllm-1p1d]",
-                   "test_d_pd_disposable[vllm-1p1d]"], ids
+                   "test_a_pd_judged[vllm-1p1d]", "test_d_pd_disposable[vllm-1p1d]",
+                   "test_e_window[vllm-1p1d]"], ids
     # the negative control: with no test judged against `1`, the selected order holds
     ids, _ = _ids(pytester, monkeypatch,
                   BASELINE_TESTS.replace('@pytest.mark.baseline("gsm8k")\n', "")
                   .replace("(baseline, cluster)", "(cluster)"), "1p1d,1")
-    assert ids[0] == "test_a_pd_judged[vllm-1p1d]" and ids[3] == "test_c_regular[vllm-1]", ids
+    assert ids[0] == "test_a_pd_judged[vllm-1p1d]" and ids[-1] == "test_c_regular[vllm-1]", ids
 
 
 def test_each_shared_key_is_one_xdist_group(pytester, monkeypatch):
     """A shared topology's tests form one pytest-xdist group (`--dist loadgroup` runs it on
-    one worker: one boot); a disposable topology is in none (any worker may boot it)."""
+    one worker: one boot), the test that breaks it (disposable_cluster) included: it takes
+    the group's topology last."""
     _, groups = _ids(pytester, monkeypatch, BASELINE_TESTS, "1,1p1d")
     assert groups == {"test_c_regular[vllm-1]": "vllm/1",
                       "test_a_pd_judged[vllm-1p1d]": "vllm/1p1d",
                       "test_b_pd_plain[vllm-1p1d]": "vllm/1p1d",
                       "test_e_window[vllm-1p1d]": "vllm/1p1d/window",
-                      "test_d_pd_disposable[vllm-1p1d]": "-"}, groups
+                      "test_d_pd_disposable[vllm-1p1d]": "vllm/1p1d"}, groups
 
 
 def test_shuffle_moves_tests_only_within_their_group(pytester, monkeypatch):

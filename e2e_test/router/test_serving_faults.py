@@ -3,11 +3,11 @@ idle, a lost leg errors fast, a restarted worker rejoins.
 
 The cancellation cases and the idle negative control run on the lane's shared `1` and `1p1d`
 topologies (no extra boot), with the device to themselves (fixture `exclusive`). Leg loss and
-restart-rejoin break their topology: the decode leg is killed mid-traffic on the shared
-small-window `1p1d` (profile `window`) as its last test (`breaks_cluster`: no boot of its
-own); the rejoin test takes a small-window `1p1d` of its own (`disposable_cluster`), kills its
-decode and restarts it, sends traffic through the restarted worker, then freezes the prefill
-with requests waiting on it and kills it.
+restart-rejoin break their topology (`disposable_cluster`): the decode leg is killed
+mid-traffic on the small-window `1p1d` (profile `window`, the shared one after its burst: no
+boot of its own); the rejoin test takes another one, kills its decode and restarts it, sends
+traffic through the restarted worker, then freezes the prefill with requests waiting on it and
+kills it.
 Every bound is stated here and measured figures land in the result records
 (docs/lifecycle.md has them).
 """
@@ -112,11 +112,11 @@ def _leg_loss(c, role: str, record, **kw) -> sf.LegLoss:
 @pytest.mark.engines("vllm")
 @pytest.mark.topology_kinds("pd")
 @pytest.mark.cluster_profile("window")
-@pytest.mark.breaks_cluster
-def test_pd_decode_leg_loss(cluster, record):
-    """On the shared small-window PD topology, as its last test (no boot of its own): kill
-    the decode leg mid-traffic; every in-flight request errors within LEG_LOSS_S."""
-    _leg_loss(cluster, "decode", record)
+def test_pd_decode_leg_loss(disposable_cluster, record):
+    """On the small-window PD topology (the shared one after its burst, where this process
+    holds it): kill the decode leg mid-traffic; every in-flight request errors within
+    LEG_LOSS_S."""
+    _leg_loss(disposable_cluster, "decode", record)
 
 
 @pytest.mark.engines("vllm")
@@ -124,8 +124,7 @@ def test_pd_decode_leg_loss(cluster, record):
 @pytest.mark.cluster_profile("window")
 def test_pd_restart_rejoin_prefill_loss(disposable_cluster, record):
     """A decode worker lost (SIGKILL) and restarted on its ports, re-registered with smg,
-    takes traffic again; then freeze the prefill leg, send requests to it and kill it. On a
-    topology of its own, discarded after it."""
+    takes traffic again; then freeze the prefill leg, send requests to it and kill it."""
     c = disposable_cluster
     name = c.role("decode")[0].name
     killed = sf.signal_role(c, "decode", signal.SIGKILL)
