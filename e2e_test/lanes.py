@@ -84,7 +84,7 @@ class Lane:
     engines: tuple[str, ...]
     topologies: tuple[str, ...]
     paths: tuple[str, ...]
-    markers: str
+    markers: str | None          # the -m expression; None: every test under paths
     env: dict
     timeout_minutes: int
     min_tests: int
@@ -122,6 +122,11 @@ class Lane:
         return {"E2E_ENGINES": ",".join(self.engines),
                 "E2E_TOPOLOGIES": ",".join(self.topologies), **self.env}
 
+    @property
+    def selection(self) -> list[str]:
+        """pytest's paths and -m: the tests the lane selects."""
+        return [*self.paths, *(("-m", self.markers) if self.markers else ())]
+
     def pytest_args(self, results_dir: str | Path = "results",
                     engines: tuple[str, ...] | None = None) -> list[str]:
         """`engines`: the part of a lane split by venv (its JUnit file and minimum)."""
@@ -130,7 +135,7 @@ class Lane:
         need = self.min_tests if not part else sum(self.min_by_engine[e] for e in engines)
         # -n auto with loadgroup: as many topologies at once as the devices hold, one
         # pytest-xdist worker each (pytest_xdist.py); one process where that is one (CPU)
-        args = [*self.paths, "-m", self.markers, "-n", "auto", "--dist", "loadgroup",
+        args = [*self.selection, "-n", "auto", "--dist", "loadgroup",
                 "--junitxml", str(Path(results_dir) / f"junit-{self.name}{part}.xml"),
                 "--e2e-min-tests", str(need)]
         if self.min_engine_tests is not None and not part:
@@ -185,13 +190,13 @@ def parse_lane(name: Any, raw: Any) -> Lane:
                               f"{', '.join(engines)}")
         topologies.append(topo)
     sel = raw["pytest"]
-    mapping(f"{where}.pytest", sel, PYTEST_KEYS, required=PYTEST_KEYS)
+    mapping(f"{where}.pytest", sel, PYTEST_KEYS, required=("paths",))
     paths = str_list(f"{where}.pytest.paths", sel["paths"], nonempty=True, unique=True)
     for p in paths:   # checked in a source checkout (not in an installed copy)
         if (REPO / "pyproject.toml").is_file() and not (REPO / p).exists():
             raise ConfigError(f"{where}.pytest.paths: {p!r} does not exist under {REPO}")
-    markers = sel["markers"]
-    if not isinstance(markers, str) or not markers.strip():
+    markers = sel.get("markers")
+    if markers is not None and (not isinstance(markers, str) or not markers.strip()):
         raise ConfigError(f"{where}.pytest.markers: expected a -m expression, got {markers!r}")
     env = raw.get("env") or {}
     if not isinstance(env, dict):
@@ -241,7 +246,7 @@ def parse_lane(name: Any, raw: Any) -> Lane:
             raise ConfigError(f"{where}.{key}: expected true or false, got {val!r}")
     lane = Lane(name=name, description=desc.strip(), gpus=gpus, runs_on=runs_on,
                 engines=engines, topologies=tuple(t.name for t in topologies), paths=paths,
-                markers=markers.strip(), env=dict(env), timeout_minutes=timeout,
+                markers=markers and markers.strip(), env=dict(env), timeout_minutes=timeout,
                 min_tests=min_tests, trigger=trigger, venvs=dict(venvs),
                 passed_once=passed_once, opt_in=opt_in, min_by_engine=by_engine,
                 min_engine_tests=min_engine)
@@ -322,7 +327,7 @@ def describe(lanes: dict[str, Lane] | None = None) -> str:
     for ln in lanes.values():
         rows.append((ln.name + (" (opt-in)" if ln.opt_in else ""), str(ln.gpus),
                      ",".join(ln.runs_on), ",".join(ln.engines), ",".join(ln.topologies),
-                     ln.markers, str(ln.min_tests), f"{ln.timeout_minutes}m",
+                     ln.markers or "-", str(ln.min_tests), f"{ln.timeout_minutes}m",
                      "manual" if ln.manual else "+".join(ln.trigger), ",".join(ln.extras)))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -331,7 +336,7 @@ def describe(lanes: dict[str, Lane] | None = None) -> str:
     out.append("")
     for ln in lanes.values():
         out.append(f"{ln.name}: {ln.description}")
-        out.append(f"    pytest {' '.join(ln.paths)} -m {shlex.quote(ln.markers)}")
+        out.append(f"    pytest {shlex.join(ln.selection)}")
         if ln.env:
             out.append("    env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in ln.env.items()))
     out.append("")
@@ -763,6 +768,11 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
             # leaves its record, with the code of an interrupt
             _write_run_record(lane, argv, env, 130, t0, interrupted=True)
             raise
+        if code < 0:      # killed by a signal: said, and exited as a shell would (128 + n)
+            import signal
+            print(f"lane {lane.name}: pytest died of {signal.Signals(-code).name} "
+                  f"(signal {-code}); its output above ends where it died", flush=True)
+            code = 128 - code
         _write_run_record(lane, argv, env, code, t0)
         rc = rc or code
     return rc

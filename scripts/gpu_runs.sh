@@ -3,8 +3,7 @@
 #
 #   bash scripts/gpu_runs.sh ENGINE SPEC [SPEC ...] [-- ARGS FOR EVERY RUN]
 #   SPEC = NAME:LANE[:VAR=VALUE[,VAR=VALUE ...]]
-#   e.g. bash scripts/gpu_runs.sh tokenspeed plain:e2e-1gpu-pd \
-#          n64:e2e-1gpu-pd:E2E_GSM8K_N=64 beside:e2e-1gpu-pd:E2E_TOKENSPEED_WARM_CALLS=beside
+#   e.g. bash scripts/gpu_runs.sh tokenspeed plain:e2e-1gpu-pd n64:e2e-1gpu-pd:E2E_GSM8K_N=64
 #
 # A device call returns at most 8 files and stops at 10 minutes; a lane run is 1-3 minutes. So:
 #   - each run's results folder (E2E_RESULTS_DIR=/tmp/res/NAME), its lane log and what
@@ -15,7 +14,8 @@
 #     margin for teardown (E2E_RUN_MARGIN_S, default 30); a run with less than E2E_RUN_MIN_S
 #     (default 60) left is not started and is named as skipped;
 #   - NAME is letters, digits, '.', '_' and '-' (a file name the device returns), unique;
-#     VAR must be an E2E_*, TOKENSPEED_* or VLLM_* variable. Bad specs stop it before any run.
+#     VAR must be an E2E_*, TOKENSPEED_* or VLLM_* variable, or PYTEST_ADDOPTS (pytest options
+#     of that run alone, e.g. --e2e-shuffle=1). Bad specs stop it before any run.
 # Prints one line per run (`gpu_runs: NAME rc=R wall=Ws`) and exits 1 if any run failed or was
 # skipped.
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then    # usage and the comment above
@@ -41,7 +41,7 @@ for spec in "${specs[@]}"; do          # every spec checked before the first run
   names="$names$name "
   IFS=, read -ra kvs <<< "${envs:-}"
   for kv in "${kvs[@]}"; do
-    [[ "$kv" =~ ^(E2E|TOKENSPEED|VLLM)_[A-Z0-9_]+=.*$ ]] || { echo "gpu_runs: '$spec': '$kv' is not VAR=VALUE with an E2E_, TOKENSPEED_ or VLLM_ variable" >&2; exit 2; }
+    [[ "$kv" =~ ^((E2E|TOKENSPEED|VLLM)_[A-Z0-9_]+|PYTEST_ADDOPTS)=.*$ ]] || { echo "gpu_runs: '$spec': '$kv' is not VAR=VALUE with an E2E_, TOKENSPEED_ or VLLM_ variable or PYTEST_ADDOPTS" >&2; exit 2; }
   done
 done
 call_limit=${E2E_CALL_LIMIT_S:-560}; margin=${E2E_RUN_MARGIN_S:-30}; min_run=${E2E_RUN_MIN_S:-60}

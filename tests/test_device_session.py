@@ -152,6 +152,15 @@ def test_a_bad_spec_stops_it_before_any_run(tmp_path, spec, says):
     assert not list(out.iterdir())                          # the good spec did not run either
 
 
+def test_a_spec_may_give_its_run_pytest_options(tmp_path):
+    """PYTEST_ADDOPTS in a spec: that run's pytest options (e.g. --e2e-shuffle);
+    PATH=/x above is the negative control."""
+    r, out = _runs(tmp_path, "vllm", "serial:bench:PYTEST_ADDOPTS=--e2e-shuffle=1",
+                   "--", "--a", "1", "--b", "1")
+    assert r.returncode == 1 and "gpu_runs: serial rc=" in r.stdout, r.stdout + r.stderr
+    assert [p.name for p in out.iterdir()] == ["serial.tar.xz"]
+
+
 def test_a_name_given_twice_is_refused(tmp_path):
     r, _out = _runs(tmp_path, "vllm", "a:bench", "a:bench")
     assert r.returncode == 2 and "'a' named twice" in r.stderr

@@ -410,32 +410,10 @@ def test_warm_spawn_wraps_a_single_scheduler_worker(monkeypatch):
         assert ns.defaults == {"NVIDIA_TF32_OVERRIDE": "1", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1",
                                "TORCHINDUCTOR_ENABLE_PDL": "1", "TRTLLM_ENABLE_PDL": "1"}
         assert ns.collector_on is False            # its imports with the collector off
-        assert ns.call == list(tokenspeed.WARM_CALLS)  # then the compilers' cache keys
+        assert ns.call == list(tokenspeed.WARM_CALLS)  # then the compilers' cache keys,
+        assert not ns.calls_beside                     # before the request
         assert cmd.env == {**cold.env, "PYTHONPATH": os.pathsep.join(
             [tokenspeed.LAUNCHERS, "/stage/site", "/stage/other"])}
-    # E2E_IMPORT_COLLECTOR=on (the control): the launcher keeps the collector on.
-    on = options_from_env({"E2E_IMPORT_COLLECTOR": "on"}, backend="cuda")
-    cmd = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", on)
-    ns, rest, _ = e2e_warm_spawn.parse(cmd.argv[3:])
-    assert ns.collector_on is True and rest == cold.argv[3:]
-    # E2E_TOKENSPEED_WARM_CALLS=0 (the control): no call ahead, the rest the same.
-    nocalls = options_from_env({"E2E_TOKENSPEED_WARM_CALLS": "0"}, backend="cuda")
-    cmd = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", nocalls)
-    ns, rest, _ = e2e_warm_spawn.parse(cmd.argv[3:])
-    assert ns.call == [] and rest == cold.argv[3:] and ns.preload
-    assert not ns.calls_beside
-    # beside: the same calls, in a thread of the waiting interpreter; `off` is 0, 1 `before`.
-    for raw, calls, beside in (("beside", list(tokenspeed.WARM_CALLS), True), ("off", [], False),
-                               ("1", list(tokenspeed.WARM_CALLS), False),
-                               ("before", list(tokenspeed.WARM_CALLS), False)):
-        opts = options_from_env({"E2E_TOKENSPEED_WARM_CALLS": raw}, backend="cuda")
-        cmd = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", opts)
-        ns, rest, _ = e2e_warm_spawn.parse(cmd.argv[3:])
-        assert (ns.call, ns.calls_beside, rest) == (calls, beside, cold.argv[3:]), raw
-    with pytest.raises(HarnessError, match="E2E_TOKENSPEED_WARM_CALLS='later'.*before"):
-        options_from_env({"E2E_TOKENSPEED_WARM_CALLS": "later"}, backend="cuda")
-    with pytest.raises(ValueError, match="none of"):
-        tokenspeed.warm_spawn_argv(cold.argv, calls=True)
     # Each is MODULE:QUALNAME of a module the stage installs (triton comes with torch).
     assert all(":" in c and c.split(".")[0] in ("triton", "tokenspeed_triton", "torch")
                for c in tokenspeed.WARM_CALLS)
@@ -510,8 +488,9 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
     dec = tokenspeed.build(SPEC, t, e["decode"], ports, "/m", opts)
     ns, rest, _ = e2e_warm_spawn.parse(dec.argv[3:])
     assert ns.preload == ["tokenspeed.runtime.engine.event_loop", kt.MODULE]
-    # it caches nothing it receives (TokenSpeed cannot be asked to flush); the prefill does
-    assert "--enable-prefix-caching" not in rest
+    # it caches nothing it receives (TokenSpeed cannot be asked to flush): prefix caching is on
+    # by default in TokenSpeed's ServerArgs, so it is turned off by name; the prefill caches
+    assert "--enable-prefix-caching" not in rest and tokenspeed.NO_PREFIX_CACHE in rest
     assert dec.env[kt.ENV_SETTING] == "runtime"
     assert dec.env[kt.ENV_DIR] == "/s/kv-corrupt/decode-0"
     pre = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", opts)
@@ -531,6 +510,10 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
     tokenspeed.ENGINE.forget_received_kv(cluster(dec))
     with pytest.raises(HarnessError, match="decode-0 caches the KV it receives"):
         tokenspeed.ENGINE.forget_received_kv(cluster(plain))
+    # a decode that only leaves --enable-prefix-caching out still caches (TokenSpeed's default)
+    silent = SimpleNamespace(argv=[a for a in plain.argv if a != "--enable-prefix-caching"])
+    with pytest.raises(HarnessError, match="decode-0 caches the KV it receives"):
+        tokenspeed.ENGINE.forget_received_kv(cluster(silent))
     for bad, why in (({"kv_corrupt": "runtime", "warm_spawn": False}, "needs the warm spawn"),
                      ({"kv_corrupt": "zero"}, "unknown KV corruption kind")):
         with pytest.raises(ConfigError, match=why):

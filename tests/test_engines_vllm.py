@@ -78,9 +78,6 @@ def test_a_worker_held_for_its_restart_runs_its_module_after_go(monkeypatch):
     warm = replace(cmd, argv=[sys.executable, "-m", "e2e_warm_spawn", "--run", "svc", "--"])
     assert held_command(warm).argv == [sys.executable, "-m", "e2e_warm_spawn", "--hold",
                                        "--run", "svc", "--"]
-    # E2E_IMPORT_COLLECTOR=on (the control): its held imports with the collector on.
-    assert held_command(cmd, collector_on=True).argv[:6] == [
-        sys.executable, "-m", "e2e_warm_spawn", "--hold", "--collector-on", "--run"]
 
 
 def test_dp2_cpu_workers_get_their_own_cores():

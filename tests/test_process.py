@@ -8,9 +8,14 @@ import time
 import psutil
 import pytest
 
-from e2e_test.infra.lifecycle.process import ManagedProcess, classify_log, last_traceback
+from e2e_test.infra.lifecycle.process import (
+    ManagedProcess,
+    classify_log,
+    first_error,
+    last_traceback,
+)
 
-# -- classify_log / last_traceback ------------------------------------------------------------
+# -- classify_log / first_error / last_traceback ---------------------------------------------------
 
 CUDA_OOM = """\
 INFO 05-01 10:00:01 [gpu_model_runner.py:1800] Loading model weights took 14.99 GiB
@@ -98,6 +103,64 @@ def test_last_traceback():
     assert len(last_traceback(PLAIN, max_lines=2).splitlines()) == 2
 
 
+# A spawned child that failed before its parent's "See root cause above" (vLLM's engine core):
+# the root cause is the log's first traceback, the last one names none.
+CHILD_FAILED = """\
+(APIServer pid=7) INFO 12-06 06:35:30 [api_utils.py:286] non-default args: {'port': 20226}
+Traceback (most recent call last):
+  File "/usr/lib/python3.11/multiprocessing/spawn.py", line 132, in _main
+    self = reduction.pickle.load(from_parent)
+  File "/usr/lib/python3.11/multiprocessing/synchronize.py", line 115, in __setstate__
+    self._semlock = _multiprocessing.SemLock._rebuild(*state)
+FileNotFoundError: [Errno 2] No such file or directory
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/vllm/v1/engine/utils.py", line 1431, in wait_for_engine_startup
+    raise RuntimeError(
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_first_error_is_the_first_traceback():
+    line, block = first_error(CHILD_FAILED)
+    assert line == 2 and block == "\n".join(CHILD_FAILED.splitlines()[1:7])
+    # negative control: the last traceback names no cause
+    assert "SemLock" not in last_traceback(CHILD_FAILED)
+    assert last_traceback(CHILD_FAILED).splitlines()[-1].startswith("RuntimeError: Engine core")
+
+
+def test_first_error_of_an_error_record_carries_its_traceback():
+    """vLLM's logger.exception: every line of the record has its prefix; a line of another
+    process in between is left out."""
+    rec = "(EngineCore pid=9) ERROR 12-06 06:36:55 [core.py:1510] "
+    text = (CHILD_FAILED.splitlines()[0] + "\n" + rec + "EngineCore failed to start.\n"
+            + rec + "Traceback (most recent call last):\n"
+            + rec + '  File "/venv/vllm/v1/engine/core.py", line 1500, in run_engine_core\n'
+            + "(APIServer pid=7) INFO 12-06 06:36:55 [api_server.py:1] waiting for the engine\n"
+            + rec + "    engine_core = EngineCoreProc(*args, **kwargs)\n"
+            + rec + "ValueError: not enough KV cache space\n"
+            + rec + "trailing text of the next record\n")
+    line, block = first_error(text)
+    assert line == 2
+    assert block.splitlines() == [ln for ln in text.splitlines()[1:7] if "APIServer" not in ln]
+
+
+def test_first_error_keeps_a_long_tracebacks_exception_line():
+    frames = "".join(f'  File "m.py", line {i}, in f{i}\n    f{i + 1}()\n' for i in range(40))
+    line, block = first_error("INFO start\nTraceback (most recent call last):\n" + frames
+                              + "ValueError: deep\nINFO after\n", max_lines=10)
+    assert line == 2 and len(block.splitlines()) == 10
+    assert block.splitlines()[-2:] == ["... 73 lines ...", "ValueError: deep"]
+
+
+def test_first_error_without_a_traceback_or_error_record():
+    assert first_error(ADDRESS_IN_USE) == (4, ADDRESS_IN_USE.splitlines()[3])   # `ERROR:    `
+    assert first_error("worker died\nKilled\n") == (2, "Killed")                # classify_log
+    # negative controls: a clean log, an error only mentioned inside a line
+    assert first_error("INFO all good\n  indented ValueError: not at line start\n") is None
+    assert first_error("(APIServer pid=7) WARNING 12-06 [system_utils.py:255] fd limit errors "
+                       "like `OSError: [Errno 24] Too many open files`\n") is None
+
+
 # -- ManagedProcess with real children --------------------------------------------------------
 
 def py(code: str) -> list[str]:
@@ -176,6 +239,20 @@ def test_failure_summary(spawn, tmp_path):
                       "raise ValueError('boom')"
     assert rest[1] == f"log: {tmp_path / 'prefill-0.log'}"
     assert "last traceback:" in summary and "log tail:" in summary
+    assert "first error" not in summary        # its only traceback is the last one
+    p.stop(grace=1)
+
+
+def test_failure_summary_names_a_first_error_that_the_last_traceback_does_not(spawn):
+    p = spawn("worker-0", "import traceback\ntry:\n    open('/nonexistent/sem')\n"
+                          "except OSError:\n    traceback.print_exc()\n"
+                          "raise RuntimeError('failed. See root cause above.')")
+    wait_for(lambda: not p.alive())
+    summary = p.failure_summary()
+    first = summary.split("first error (line ")[1].split("\nlast traceback:")[0]
+    assert first.splitlines()[-1].startswith("FileNotFoundError: [Errno 2]")
+    assert summary.split("last traceback:\n")[1].splitlines()[2] == \
+        "RuntimeError: failed. See root cause above."
     p.stop(grace=1)
 
 

@@ -259,7 +259,7 @@ SLEEPER = "import os, time\nif os.fork() == 0:\n    time.sleep(120)\n    os._exi
 def _dead_driver() -> tuple[int, float]:
     p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                          stdin=subprocess.PIPE)
-    create = psutil.Process(p.pid).create_time()
+    create = reaper.started(p.pid)
     p.stdin.close()
     p.wait()
     return p.pid, create
@@ -329,7 +329,7 @@ def test_preflight_leaves_unmarked_and_live_runs_alone(planted):
     """Negative controls: an unmarked process, one of a run whose driver lives, one with half
     a marker, and one of this very run survive a preflight that does clear an orphan."""
     me = psutil.Process()
-    keep = (planted(None) + planted(_marker("live-run", me.pid, me.create_time()))
+    keep = (planted(None) + planted(_marker("live-run", me.pid, reaper.started(me)))
             + planted({reaper.RUN_ID_ENV: "half"}) + planted(reaper.marker_env()))
     orphan = planted(_marker("dead-run", *_dead_driver()))
     lines = []
@@ -349,7 +349,7 @@ def test_preflight_finds_registered_sessions_whose_environment_it_cannot_read(
     unmarked = planted(None)             # stands in for a process whose environ is unreadable
     reused = planted(None)
     pid, create = _dead_driver()
-    leader = psutil.Process(unmarked[0]).create_time()
+    leader = reaper.started(unmarked[0])
     (tmp_path / "runs" / "dead-run.procs").write_text(
         f"driver {pid} {create!r}\nadd {unmarked[0]} {leader!r}\nadd {reused[0]} 12345.0\n")
     with pytest.raises(PreflightError) as exc:
@@ -375,7 +375,7 @@ def test_preflight_takes_the_members_of_a_registered_session_whose_leader_died(
         env=env, stdin=subprocess.PIPE, start_new_session=True)
     member = None
     try:
-        create = psutil.Process(leader.pid).create_time()
+        create = reaper.started(leader.pid)
         deadline = time.monotonic() + 10
         while not psutil.Process(leader.pid).children() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -548,19 +548,44 @@ def test_leak_verdict_when_nvml_lists_no_process(nvml):
     assert rep.verdict().endswith("no process holds memory on GPU 0 per NVML (released late)")
 
 
-def test_a_create_time_read_one_btime_second_apart_is_the_same_process():
-    """psutil's create time = /proc/stat btime (whole seconds from the wall clock) + start:
-    a slewing clock moves btime by 1 s between readings, and the same live process then
-    reads 1.0000002 s apart; it is still alive. A create time far off is a reused pid."""
+def test_a_process_start_is_read_in_ticks_since_boot_which_no_clock_step_moves():
+    """reaper.started: /proc/PID/stat's start in clock ticks since boot, not psutil's create
+    time (btime from the wall clock + start), which a step of the clock moves: a live driver
+    must not read as a reused pid. The negative control: a start off by more than a tick is
+    another process; a gone pid raises."""
     import os
 
     import psutil
 
     from e2e_test.infra.lifecycle import reaper
-    me = psutil.Process(os.getpid()).create_time()
-    assert reaper.pid_alive(os.getpid(), me + 1.0000002)
-    assert reaper.pid_alive(os.getpid(), me - 1.0000002)
-    assert not reaper.pid_alive(os.getpid(), me + 10.0)      # the negative control
+    me = reaper.started(os.getpid())
+    assert me == reaper.started(psutil.Process(os.getpid()))
+    assert 0 < me <= time.clock_gettime(time.CLOCK_BOOTTIME)
+    # psutil's create time less its boot time is the same start (within a tick of rounding)
+    p = psutil.Process(os.getpid())
+    assert abs((p.create_time() - psutil.boot_time()) - me) < 0.02
+    assert reaper.pid_alive(os.getpid(), me)
+    assert not reaper.pid_alive(os.getpid(), me + 1.0)            # the negative control
+    assert not reaper.pid_alive(os.getpid(), p.create_time())     # epoch seconds: not a start
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    with pytest.raises(psutil.NoSuchProcess):
+        reaper.started(child.pid)
+
+
+def test_a_process_named_with_spaces_and_parentheses_reads_its_own_start(tmp_path):
+    from e2e_test.infra.lifecycle import reaper
+    exe = tmp_path / "a (b) c"
+    exe.symlink_to(sys.executable)
+    p = subprocess.Popen([str(exe), "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.2)
+        import psutil
+        ps = psutil.Process(p.pid)
+        assert abs((ps.create_time() - psutil.boot_time()) - reaper.started(p.pid)) < 0.02
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_a_run_whose_guardian_still_runs_is_left_to_it(planted):

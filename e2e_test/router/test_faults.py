@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 
+from e2e_test.infra.cluster.diagnostics import nested_failure
 from e2e_test.infra.errors import StallError, WorkerDied
 from e2e_test.infra.lifecycle import process, reaper
 from e2e_test.infra.load import bursts
@@ -135,4 +136,4 @@ def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name):
           f"(exit {child.returncode})")
     assert not alive, f"left behind: {[p.pid for p in alive]}\n{out[-2000:]}"
     assert took <= 30, f"teardown took {took:.1f} s\n{out[-2000:]}"
-    assert "tearing down" in out, out[-2000:]
+    assert "tearing down" in out, nested_failure(out, tmp_path / "results", tail=2000)

@@ -367,7 +367,7 @@ class Cluster:
 
     def _hold(self, w: Worker) -> None:
         """Start `w`'s next restart ahead, held (hold_restarts)."""
-        cmd = held_command(w.command, collector_on=self.options.import_collector_on)
+        cmd = held_command(w.command)
         if cmd is None:
             self.timing.held[w.name] = "not held: its command cannot be (engines.held_command)"
             return

@@ -1,8 +1,11 @@
-"""What the harness attaches when something hangs: worker queue gauges and stack dumps."""
+"""What the harness attaches when something hangs (worker queue gauges, stack dumps) or a
+nested session fails (the first error of its worker logs)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import psutil
 
+from ..lifecycle.process import first_error
 from . import metrics
 
 
@@ -202,3 +206,83 @@ def diagnose_stall(cluster) -> str:
              f"stack dumps ({len(dumps)}) in {cluster.dir / 'stall'} "
              f"(collected in {time.monotonic() - t0:.1f} s)"]
     return "\n".join(lines)
+
+
+# Where a session's output names a worker that failed: a failed start's `log: PATH`
+# (process.failure_summary) or a boot timeout's `--- worker-0 (PATH): ...`; a death's
+# `topology dp2 (vllm): worker-1 (pid 7) died: ...` (Cluster.dead_processes), whose log
+# cluster.json names.
+LOG_PATH = re.compile(r"(/[^\s'\"()]+\.log)\b")
+DEATHS = re.compile(r"topology (\S+) \((\S+)\): (.+)")
+DIED = re.compile(r"(\S+) \(pid \d+.*?\) died")
+# How much of a worker log's head is searched for its first error (a failed start's is early).
+LOG_HEAD_BYTES = 4_000_000
+
+
+def _log_head(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(LOG_HEAD_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _died_logs(line: str, root: Path) -> list[Path]:
+    """The logs of the workers (or gateway) that a death line names, from the cluster.json of
+    each topology of that name and engine under `root`."""
+    m = DEATHS.search(line)
+    if not m:
+        return []
+    topology, engine, rest = m.groups()
+    out = []
+    for f in sorted(root.glob("clusters/*/cluster.json")):
+        try:
+            desc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if desc.get("topology") != topology or desc.get("engine") != engine:
+            continue
+        logs = {w.get("name"): w.get("log") for w in desc.get("workers", [])}
+        for name in DIED.findall(rest):
+            out.append(Path(logs.get(name) or f.parent / "logs" / f"{name}.log"))
+    return out
+
+
+def failed_worker_logs(out: str, results: Path) -> list[Path]:
+    """The worker logs under `results` that a session's output `out` names as a failed
+    worker's, in the order it names them."""
+    root = Path(results).resolve()
+    logs: list[Path] = []
+    for line in out.splitlines():
+        for p in [Path(m) for m in LOG_PATH.findall(line)] + _died_logs(line, root):
+            p = p.resolve()
+            if p not in logs and p.is_relative_to(root) and p.is_file():
+                logs.append(p)
+    return logs
+
+
+def nested_failure(out: str, results: Path, returncode: int | None = None,
+                   tail: int = 4000, most: int = 3) -> str:
+    """The failure message of a nested pytest session: the first error (process.first_error)
+    of each worker log (up to `most`) that its output `out` names as a failed worker's, with
+    the worker's name and the log's path, then the output's last `tail` characters. The tail
+    alone cuts off a failed boot's cause: the error of every test of that topology and the
+    session's summary follow it. Only named logs: every vLLM log shows an ERROR record at a
+    clean teardown."""
+    logs = failed_worker_logs(out, results)
+    parts = ["nested pytest" + (f" exited {returncode}" if returncode is not None else "")]
+    shown = 0
+    for p in logs:
+        hit = first_error(_log_head(p))
+        if hit is not None and shown < most:
+            parts.append(f"first error of {p.parent.parent.name}/{p.stem} "
+                         f"(line {hit[0]} of {p}):\n{hit[1]}")
+            shown += 1
+    if not logs:
+        parts.append("its output names no worker that failed (a failed start's `log: PATH`, "
+                     "a death's `worker-0 (pid N) died`)")
+    elif not shown:
+        parts.append("no error line (a traceback, an ERROR record, a known error) in "
+                     + ", ".join(map(str, logs)))
+    parts.append(f"last {tail} characters of its output:\n{out[-tail:]}")
+    return "\n".join(parts)

@@ -49,9 +49,6 @@ class EngineOptions:
     max_num_seqs: int | None = None    # a deliberately small running window
     protocol: str = "http"             # http | grpc
     extra_args: tuple[str, ...] = ()
-    # The garbage collector on during the imports a launcher runs ahead (launchers/
-    # e2e_warm_spawn.py `--collector-on`, the control; E2E_IMPORT_COLLECTOR=on); off by default.
-    import_collector_on: bool = False
     # Folder for per-worker state the engine writes (e.g. Prometheus multiprocess files); the
     # cluster fills it with <cluster dir>/state. Empty: the engine keeps none.
     state_dir: str = ""
@@ -106,14 +103,14 @@ class WorkerCommand:
         return self.readiness.path if isinstance(self.readiness, HttpGet) else None
 
 
-def held_command(command: WorkerCommand, collector_on: bool = False) -> WorkerCommand | None:
+def held_command(command: WorkerCommand) -> WorkerCommand | None:
     """The same worker started ahead and held (launchers/e2e_warm_spawn.py `--hold`): its
     interpreter runs the imports of the module it would run, then waits for `go` on its
     standard input (Cluster.restart). None where that cannot be: a command that is not
     `PYTHON -m MODULE ...`, or one whose engine writes Prometheus multiprocess files
     (`metrics_dir`), which are per process in a folder the live worker still writes. Pure
-    but for the inherited PYTHONPATH, which the launchers' folder goes ahead of. `collector_on`:
-    its imports with the garbage collector on (the control; a command that already runs
+    but for the inherited PYTHONPATH, which the launchers' folder goes ahead of. Its imports
+    run with the garbage collector off, the launcher's default (a command that already runs
     through the launcher keeps its own flags)."""
     from ..lifecycle.reaper import extend_pythonpath   # lifecycle imports this module
     argv = command.argv
@@ -122,8 +119,7 @@ def held_command(command: WorkerCommand, collector_on: bool = False) -> WorkerCo
     if argv[2] == "e2e_warm_spawn":
         held = [*argv[:3], "--hold", *argv[3:]]
     else:
-        held = [argv[0], "-m", "e2e_warm_spawn", "--hold", *(["--collector-on"] * collector_on),
-                "--run", argv[2], "--", *argv[3:]]
+        held = [argv[0], "-m", "e2e_warm_spawn", "--hold", "--run", argv[2], "--", *argv[3:]]
     env = {**command.env,
            "PYTHONPATH": extend_pythonpath(LAUNCHERS, command.env.get("PYTHONPATH"))}
     return replace(command, argv=held, env=env)

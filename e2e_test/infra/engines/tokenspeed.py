@@ -44,7 +44,7 @@ from ..errors import ConfigError, HarnessError
 from ..lifecycle.reaper import extend_pythonpath
 from ..specs.model_specs import ModelSpec
 from ..specs.plan import PlanEntry
-from ..specs.settings import FALSE, TRUE, Bool, Choice, Kind, Setting
+from ..specs.settings import Bool, Choice, Setting
 from ..specs.topology import Topology
 from ..verdicts.proof import (
     dispatch_problems,
@@ -71,6 +71,8 @@ from . import (
 )
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
+# TokenSpeed's ServerArgs flag that turns its default-on prefix caching off
+NO_PREFIX_CACHE = "--no-enable-prefix-caching"
 # Warm spawn (launchers/e2e_warm_spawn.py): the servicer's process imports TokenSpeed's runtime,
 # then starts the scheduler in a spawn child (0.1.0 runtime/entrypoints/engine.py
 # _set_envs_and_config: mp.set_start_method("spawn", force=True); _launch_subprocesses:
@@ -95,26 +97,11 @@ DEFAULT_WARM_SPAWN = True
 # files, same result, only sooner: after the interpreter's imports, before the servicer's request is
 # taken. The eager prefill's first forward, at the first request, is spared them; a compiled worker
 # gains little, as the request mostly comes before the calls end (docs/gpu.md, table "Engine
-# figures"). One that raises is reported in the worker's log and filled in the first forward
-# instead. Env E2E_TOKENSPEED_WARM_CALLS: `before` (the default), `beside` (the launcher's
-# --calls-beside: in a thread of the waiting interpreter, so that the request does not wait for
-# them; not measured on a GPU), `off` (the control; 1 and 0 mean before and off).
+# figures"; against the control without them, docs/lanes.md, "The compilers' cache keys before
+# the request"). One that raises is reported in the worker's log and filled in the first forward
+# instead.
 WARM_CALLS = ("triton.runtime.cache:triton_key", "tokenspeed_triton.runtime.cache:triton_key",
               "torch._inductor.codecache:torch_key")
-CALLS_MODES = ("before", "beside", "off")
-DEFAULT_WARM_CALLS = "before"
-
-
-def _calls_mode(raw: str) -> str:
-    v = raw.strip().lower()
-    if v in CALLS_MODES:
-        return v
-    if v in TRUE or v in FALSE:
-        return "before" if v in TRUE else "off"
-    raise ValueError("unknown value")
-
-
-CALLS_KIND = Kind("choice", " | ".join(CALLS_MODES) + " (1 or 0: before or off)", _calls_mode)
 DISAGG_ROLES = ("encode", "prefill", "decode")
 KINDS = ("regular", "dp", "pd", "epd")     # smg's EPD mode speaks gRPC to TokenSpeed only
 HOST = "127.0.0.1"
@@ -269,7 +256,9 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     # A decode of the kv_corrupt profile caches nothing it receives: TokenSpeed 0.1.0's
     # FlushCache acknowledges without flushing (runtime/engine/request_handler.py: "acknowledge
     # the control request here"), so a page corrupted in one case would be reused, unreceived
-    # and uncounted, by the next case's identical prompts (forget_received_kv).
+    # and uncounted, by the next case's identical prompts (forget_received_kv). Prefix caching
+    # is on by default (runtime/utils/server_args.py: enable_prefix_caching = True), so it is
+    # turned off by name; leaving out --enable-prefix-caching leaves it on.
     corrupt = options.opt("kv_corrupt", "")
     corrupting = bool(corrupt) and entry.role == "decode"
     if disagg:
@@ -281,6 +270,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                  "--dist-init-addr", f"{HOST}:{ports.aux['dist_init']}"]
         if entry.role == "prefill" or (entry.role == "decode" and not corrupting):
             argv.append("--enable-prefix-caching")
+        elif corrupting:
+            argv.append(NO_PREFIX_CACHE)
         if entry.role == "prefill":
             argv.append("--enforce-eager")
             eager = True
@@ -322,9 +313,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                                                                           entry.name)})
         preload = (kv_corrupt_tokenspeed.MODULE,)
     if warm:
-        argv = warm_spawn_argv(argv, collector_on=options.import_collector_on,
-                               calls=options.opt("warm_calls", DEFAULT_WARM_CALLS),
-                               preload=preload)
+        argv = warm_spawn_argv(argv, preload=preload)
         env["PYTHONPATH"] = extend_pythonpath(LAUNCHERS)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
                          readiness=GrpcHealth(ports.api, service=""),
@@ -413,31 +402,23 @@ def spawn_env(args: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     return env, default
 
 
-def warm_spawn_argv(argv: list[str], collector_on: bool = False,
-                    calls: str = DEFAULT_WARM_CALLS, preload: tuple[str, ...] = ()) -> list[str]:
+def warm_spawn_argv(argv: list[str], preload: tuple[str, ...] = ()) -> list[str]:
     """The servicer's argv (`python -m SERVICER_MODULE ARGS`) run through the warm-spawn
-    launcher (see WARM_SPAWN), whose imports run with the garbage collector off unless
-    `collector_on` (the control), and whose waiting interpreter then fills the caches of
-    WARM_CALLS: before the request, beside it, or not at all (`calls`, CALLS_MODES).
-    `preload`: modules its waiting interpreter imports after the scheduler's own (the KV
-    corruption's patch). Pure."""
-    if calls not in CALLS_MODES:
-        raise ValueError(f"calls: {calls!r} is none of {CALLS_MODES}")
+    launcher (see WARM_SPAWN), whose imports run with the garbage collector off (the
+    launcher's default), and whose waiting interpreter then fills the caches of WARM_CALLS
+    before the request. `preload`: modules its waiting interpreter imports after the
+    scheduler's own (the KV corruption's patch). Pure."""
     module, target, spawn_preload = WARM_SPAWN
     if argv[1:3] != ["-m", SERVICER_MODULE]:
         raise ValueError(f"not a servicer command: {argv[:3]}")
     out = [argv[0], "-m", module, "--run", SERVICER_MODULE, "--target", target]
     for name in (*spawn_preload, *preload):
         out += ["--preload", name]
-    for name in WARM_CALLS if calls != "off" else ():
+    for name in WARM_CALLS:
         out += ["--call", name]
-    if calls == "beside":
-        out.append("--calls-beside")
     env, default = spawn_env(argv[3:])
     out += [a for k, v in env.items() for a in ("--child-env", f"{k}={v}")]
     out += [a for k, v in default.items() for a in ("--child-env-default", f"{k}={v}")]
-    if collector_on:
-        out.append("--collector-on")
     return [*out, "--", *argv[3:]]
 
 
@@ -796,10 +777,9 @@ class TokenSpeedEngine(Engine):
     idle_gauges = IDLE_GAUGES
     progress_markers = PROGRESS_MARKERS
     option_defaults = {"mooncake_transport": DEFAULT_TRANSPORT,  # noqa: RUF012
-                       "warm_spawn": DEFAULT_WARM_SPAWN, "warm_calls": DEFAULT_WARM_CALLS}
+                       "warm_spawn": DEFAULT_WARM_SPAWN}
     env_options = {"mooncake_transport": "E2E_MOONCAKE_TRANSPORT",  # noqa: RUF012
-                   "warm_spawn": "E2E_TOKENSPEED_WARM_SPAWN",
-                   "warm_calls": "E2E_TOKENSPEED_WARM_CALLS"}
+                   "warm_spawn": "E2E_TOKENSPEED_WARM_SPAWN"}
     packages = ("tokenspeed",)
     extra = "tokenspeed"
     stage_env = "/root/stage/ts-env.sh"
@@ -808,13 +788,7 @@ class TokenSpeedEngine(Engine):
                      Setting("E2E_TOKENSPEED_WARM_SPAWN", Bool(), DEFAULT_WARM_SPAWN,
                              "start a TokenSpeed worker's scheduler interpreter, and its "
                              "imports, beside the servicer's own (launchers/e2e_warm_spawn.py; "
-                             "a worker of tp 1, dp 1); 0: as TokenSpeed spawns it"),
-                     Setting("E2E_TOKENSPEED_WARM_CALLS", CALLS_KIND, DEFAULT_WARM_CALLS,
-                             "with the warm spawn: the waiting scheduler interpreter computes "
-                             "the compilers' cache keys (triton's, tokenspeed_triton's, "
-                             "inductor's) before the request; beside: in a thread, the request "
-                             "not waiting for them (not yet measured on an H200); off: in the "
-                             "first forward (the control)"))
+                             "a worker of tp 1, dp 1); 0: as TokenSpeed spawns it"))
     # TokenSpeed 0.1.0 refuses top-k output logprobs: "top_logprobs_num
     # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
     # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled
@@ -895,7 +869,7 @@ class TokenSpeedEngine(Engine):
         runtime/engine/request_handler.py). Checked here from each decode's command; a prefill
         caches only what it computed itself."""
         cached = [w.name for w in cluster.workers if w.entry.role == "decode"
-                  and "--enable-prefix-caching" in w.command.argv]
+                  and NO_PREFIX_CACHE not in w.command.argv]
         if cached:
             raise HarnessError(f"{cluster.name}: {', '.join(cached)} caches the KV it receives "
                                "and TokenSpeed 0.1.0 cannot flush it (FlushCache is a no-op): "

@@ -59,11 +59,64 @@ def classify_log(text: str) -> tuple[str, str] | None:
     return None
 
 
+TRACEBACK = "Traceback (most recent call last)"
+# A log record at level ERROR or CRITICAL: the level is one of a line's first few words
+# (vLLM: `(EngineCore pid=7) ERROR 12-06 06:36:55 [core.py:1510] ...`; uvicorn `ERROR:    ...`;
+# Python's logging `ERROR:root:...`; a timestamp first in Rust's tracing).
+ERROR_RECORD = re.compile(r"^(?:\S+\s+){0,3}(?:ERROR|CRITICAL)\b")
+
+
+def _traceback_block(lines: list[str], i: int, max_lines: int) -> list[str]:
+    """The traceback whose header is lines[i], through its exception line. The header's text
+    before `Traceback` (a process prefix, a log record's head) starts each of its lines; lines
+    without it are another process's output, interleaved, and left out. The exception line is
+    the first one whose text after that prefix is not indented (of chained exceptions, the first
+    raised). Longer than max_lines: its head, a count of the lines left out, its last line."""
+    prefix = lines[i][:lines[i].index(TRACEBACK)]
+    block = [lines[i]]
+    for line in lines[i + 1:i + 500]:
+        if not line.startswith(prefix):
+            continue
+        block.append(line)
+        rest = line[len(prefix):]
+        if rest and not rest[0].isspace():
+            break
+    if len(block) > max_lines:
+        keep = max(0, max_lines - 2)
+        block = block[:keep] + [f"... {len(block) - keep - 1} lines ..."] + block[-1:]
+    return block
+
+
 def last_traceback(text: str, max_lines: int = 30) -> str:
-    idx = text.rfind("Traceback (most recent call last)")
-    if idx < 0:
-        return ""
-    return "\n".join(text[idx:].splitlines()[:max_lines])
+    """The log's last traceback, through its exception line; "" when it has none."""
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if TRACEBACK in lines[i]:
+            return "\n".join(_traceback_block(lines, i, max_lines))
+    return ""
+
+
+def first_error(text: str, max_lines: int = 30) -> tuple[int, str] | None:
+    """(line number from 1, block) of the first error a log shows, or None: its first
+    traceback, or its first ERROR/CRITICAL record with the traceback that record carries, or
+    where it has neither, the line that classify_log picks. The first, not the last: an engine
+    whose child process failed to start raises again in its parent ("See root cause above"), and
+    that later traceback names no cause."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if TRACEBACK in line:
+            return i + 1, "\n".join(_traceback_block(lines, i, max_lines))
+        if ERROR_RECORD.match(line):
+            block = [line]
+            tb = next((j for j in range(i + 1, min(i + 3, len(lines))) if TRACEBACK in lines[j]),
+                      None)
+            if tb is not None:
+                block += _traceback_block(lines, tb, max_lines - 1)
+            return i + 1, "\n".join(block)
+    hit = classify_log(text)
+    if hit is None:
+        return None
+    return next(i + 1 for i, line in enumerate(lines) if line.strip()[:300] == hit[1]), hit[1]
 
 
 def open_pidfd(p: psutil.Process) -> int | None:
@@ -127,7 +180,7 @@ class ManagedProcess:
         self.held = held
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
-        self.known: dict[int, float] = {}   # pid -> create_time, descendants seen alive
+        self.known: dict[int, float] = {}   # pid -> reaper.started, descendants seen alive
         self.tag = ""                       # reaper.PROC_TAG_ENV in its environment (start())
         self.escaped: list[str] = []        # descendants found outside its session (stop())
         self._log = None
@@ -196,7 +249,7 @@ class ManagedProcess:
             return
         for p in procs:
             try:
-                self.known[p.pid] = p.create_time()
+                self.known[p.pid] = reaper.started(p)
             except psutil.Error:
                 pass
 
@@ -206,7 +259,7 @@ class ManagedProcess:
         sid = self.pid
         for p in psutil.process_iter(["pid"]):
             try:
-                if p.pid in self.known and p.create_time() == self.known[p.pid]:
+                if p.pid in self.known and reaper.started(p) == self.known[p.pid]:
                     found[p.pid] = p
                 elif sid > 0 and os.getsid(p.pid) == sid:
                     found[p.pid] = p
@@ -248,7 +301,7 @@ class ManagedProcess:
             if p.pid in tree or p.pid in self.known:
                 continue
             try:
-                self.known[p.pid] = p.create_time()
+                self.known[p.pid] = reaper.started(p)
                 self.escaped.append(_describe(p))
             except psutil.Error:
                 pass
@@ -314,7 +367,9 @@ class ManagedProcess:
         if hit:
             head += f": [{hit[0]}] {hit[1]}"
         details = [f"argv: {' '.join(self.argv)}", f"log: {self.log_path}"]
-        tb = last_traceback(text)
+        first, tb = first_error(text), last_traceback(text)
+        if first and first[1] not in (tb, hit and hit[1]):
+            details.append(f"first error (line {first[0]}):\n{first[1]}")
         if tb:
             details.append("last traceback:\n" + tb)
         details.append("log tail:\n" + self.log_tail(25))

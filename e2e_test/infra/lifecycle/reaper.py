@@ -2,8 +2,8 @@
 
 Markers. Every process the harness starts (process.ManagedProcess) carries three environment
 variables, inherited by everything it forks: E2E_RUN_ID (one per driver process),
-E2E_DRIVER_PID and E2E_DRIVER_CREATE (the driver's pid and create time, so that a reused pid
-is not taken for a live driver). psutil's Process.environ() reads them back. Every sweep here
+E2E_DRIVER_PID and E2E_DRIVER_START (the driver's pid and its start in seconds since boot,
+`started`, so that a reused pid is not taken for a live driver). psutil's Process.environ() reads them back. Every sweep here
 stops marked processes only (and the descendants of what it stops), never anything by name.
 
 Guardian. The first process a driver starts also starts one guardian (`python -m
@@ -51,7 +51,7 @@ from ..specs.devices import nvml
 
 RUN_ID_ENV = "E2E_RUN_ID"
 DRIVER_PID_ENV = "E2E_DRIVER_PID"
-DRIVER_CREATE_ENV = "E2E_DRIVER_CREATE"
+DRIVER_CREATE_ENV = "E2E_DRIVER_START"
 GUARDIAN_ENV = "E2E_GUARDIAN_OF"        # set on the guardian itself (it is not marked)
 # One per started process (process.ManagedProcess): a descendant that left the worker's session
 # (setsid after a double fork) is no child and in no session of the worker, but keeps this.
@@ -98,7 +98,7 @@ def _identity() -> dict:
     pid = os.getpid()
     if _me["pid"] != pid:       # first call, or a forked child: a run of its own
         _me.update(pid=pid, run_id=f"{pid}-{uuid.uuid4().hex[:8]}",
-                   create=psutil.Process(pid).create_time())
+                   create=started(pid))
     return _me
 
 
@@ -129,21 +129,37 @@ def marker_of(p: psutil.Process) -> Marker | None:
         return None        # half a marker: not provably ours, so never touched
 
 
-# How far two readings of one process's create time may differ. psutil adds the boot time of
-# /proc/stat's `btime`, whole seconds the kernel derives from the wall clock at each read, so
-# a slewing clock moves it by 1 s between readings: the same process then reads 1.0000002 s
-# apart at today's epoch (float spacing 2.4e-7), and a 1.0 s limit takes a live driver for a
-# reused pid (its guardian then stops the session's workers; docs/lifecycle.md, table
-# "Lifecycle figures"). A pid reused within 2.5 s of the
-# first process's start would need the whole pid space to wrap in that time.
-CREATE_SLACK_S = 2.5
+# How far two readings of one process's start (`started`) may differ: one clock tick. A pid
+# reused within a tick of the first process's start would need the pid space to wrap in it.
+CREATE_SLACK_S = 0.02
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def started(p: psutil.Process | int) -> float:
+    """When a process started, in seconds since boot: /proc/PID/stat's `starttime` (field 22,
+    clock ticks), which no change of the wall clock moves. psutil's create_time() adds the
+    boot time of /proc/stat's `btime`, which the kernel derives from the wall clock at each
+    read: a step of the clock moves it, and a live driver then reads as a reused pid (its
+    guardian and other runs' preflights then stop the run's workers: a CI run lost every
+    topology to SIGTERM so; docs/lifecycle.md, table "Lifecycle figures"). Without /proc,
+    create_time(). Raises psutil.NoSuchProcess for a process that is gone."""
+    pid = p if isinstance(p, int) else p.pid
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(pid) from None
+    except OSError:
+        return (psutil.Process(pid) if isinstance(p, int) else p).create_time()
+    # the name (field 2) may hold spaces and parentheses: the fields after it follow its last ')'
+    return int(stat[stat.rindex(b")") + 2:].split()[19]) * _TICK_S
 
 
 def pid_alive(pid: int, create: float | None = None) -> bool:
     """A live (not zombie) process with this pid and, when given, this create time."""
     try:
         p = psutil.Process(pid)
-        if create is not None and abs(p.create_time() - create) > CREATE_SLACK_S:
+        if create is not None and abs(started(p) - create) > CREATE_SLACK_S:
             return False          # the pid was reused
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -375,7 +391,7 @@ def session_members(leaders: dict[int, float]) -> list[psutil.Process]:
     for sid, create in leaders.items():
         try:
             p = psutil.Process(sid)
-            if abs(p.create_time() - create) <= CREATE_SLACK_S:
+            if abs(started(p) - create) <= CREATE_SLACK_S:
                 valid[sid] = create
         except psutil.NoSuchProcess:
             valid[sid] = create
@@ -388,7 +404,7 @@ def session_members(leaders: dict[int, float]) -> list[psutil.Process]:
             continue
         try:
             sid = os.getsid(p.pid)
-            if sid in valid and p.create_time() >= valid[sid] - 1.0 and running(p):
+            if sid in valid and started(p) >= valid[sid] - CREATE_SLACK_S and running(p):
                 out.append(p)
         except (OSError, psutil.Error):
             continue
@@ -571,7 +587,7 @@ class Guardian:
 
     def watch(self, pid: int, name: str = "") -> None:
         try:
-            create = psutil.Process(pid).create_time()
+            create = started(pid)
         except psutil.Error:
             return
         name = " ".join(name.split())[:80]

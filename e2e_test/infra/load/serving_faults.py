@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -82,6 +83,7 @@ class CancelCase:
     # cancel there; None on `1` or where the engine has no latency histogram.
     prefill_s: float | None = None
     start_s: float | None = None    # a short prompt's time to first token (prefill cancel)
+    queued_ahead: int = 0           # prompts sent just before it (queue_ahead)
     next_requests_ok: int = 0
     next_requests: int = 0
     idle: dict = field(default_factory=dict)
@@ -107,11 +109,13 @@ def read_loads(cluster) -> dict[str, dict]:
 
 async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
                             case: CancelCase, timeout: float,
-                            due_s: float | None = None) -> None:
+                            due_s: float | None = None, ahead: int = 0) -> None:
     """Stream one request; leave (closing the connection) as soon as `stop_when(chunks,
-    elapsed)` is true, checked on every chunk and every 50 ms."""
-    t0 = time.monotonic()
+    elapsed)` is true, checked on every chunk and every 50 ms. `ahead` requests of the same
+    prompt length (one new token each) go to the gateway just before it (queue_ahead)."""
     async with httpx.AsyncClient(base_url=cluster.gateway_url, timeout=timeout) as client:
+        fillers = await queue_ahead(client, cluster, ahead, case)
+        t0 = time.monotonic()
         async def consume():
             async with client.stream("POST", CHAT, json=_body(cluster, content, max_tokens,
                                                               True)) as r:
@@ -135,10 +139,38 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
                                f"({case.chunks_before_cancel} chunks)")
 
         task = asyncio.ensure_future(consume())
-        await watch(task, case, stop_when, t0, due_s)
-        if task.done():
-            task.result()          # raises what went wrong
-        return await drop(cluster, task, case, t0)
+        try:
+            await watch(task, case, stop_when, t0, due_s)
+            if task.done():
+                task.result()          # raises what went wrong
+            return await drop(cluster, task, case, t0)
+        finally:
+            for f in await asyncio.gather(*fillers, return_exceptions=True):
+                if isinstance(f, BaseException):
+                    raise HarnessError(f"{case.case}: a request queued ahead failed: {f}")
+
+
+async def queue_ahead(client, cluster, n: int, case: CancelCase) -> list:
+    """`n` streamed requests with unique prompts of the case's length and one new token,
+    sent before the case's own request: its prefill waits behind theirs. Returns their tasks
+    once each has its response headers (the gateway has passed it on), or after 2 s."""
+    if n <= 0:
+        return []
+    started = [asyncio.Event() for _ in range(n)]
+
+    async def one(ev: asyncio.Event) -> None:
+        body = _body(cluster, long_unique_prompt(case.prompt_words), 1, True)
+        async with client.stream("POST", CHAT, json=body) as r:
+            ev.set()
+            text = await r.aread()
+            if r.status_code != 200 or b'"error"' in text:
+                raise HarnessError(f"HTTP {r.status_code}: {text[:300]!r}")
+
+    tasks = [asyncio.ensure_future(one(ev)) for ev in started]
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 2.0)
+    case.queued_ahead = n
+    return tasks
 
 
 # The watch loop's period: how often a stop condition is asked between chunks.
@@ -353,6 +385,20 @@ PREFILL_GROW_BELOW_S = 4 * TICK_S
 NATURAL_END_MIN_S = 3.0
 
 
+# At most this many prompts go ahead of the prefill cancel's request (queue_ahead_count).
+QUEUE_AHEAD_MAX = 32
+
+
+def queue_ahead_count(prefill_s: float) -> int:
+    """How many prompts of the cancelled request's length go just ahead of it, so that its
+    first token comes at least PREFILL_GROW_BELOW_S after a short prompt's: none where its own
+    prefill (`prefill_s`, the longest prompt the context holds) lasts that long, else enough
+    prefills of its length to fill it, at most QUEUE_AHEAD_MAX. Pure."""
+    if prefill_s >= PREFILL_GROW_BELOW_S:
+        return 0
+    return min(QUEUE_AHEAD_MAX, math.ceil(PREFILL_GROW_BELOW_S / max(prefill_s, 0.001)))
+
+
 def prefill_words(words: int, prompt_tokens: int, prefill_s: float, max_model_len: int,
                   decode_room: int) -> int:
     """The prompt length for the prefill cancel: `words` where their measured prefill
@@ -368,11 +414,12 @@ def prefill_words(words: int, prompt_tokens: int, prefill_s: float, max_model_le
     return max(words, fit)
 
 
-def _first_token_s(cluster, words: int, mt: int, timeout: float) -> float:
-    """One streamed request's time to first token (dropped at its first token)."""
+def _first_token_s(cluster, words: int, mt: int, timeout: float, ahead: int = 0) -> float:
+    """One streamed request's time to first token (dropped at its first token), behind
+    `ahead` prompts of its length (queue_ahead)."""
     case = CancelCase("first token", cluster.topology.name, mt, words)
     asyncio.run(_stream_then_drop(cluster, long_unique_prompt(words), mt,
-                                  lambda n, t: n > 0, case, timeout))
+                                  lambda n, t: n > 0, case, timeout, ahead=ahead))
     if case.first_token_s is None:
         raise HarnessError(f"{words}-word probe: no token came back")
     return case.first_token_s
@@ -433,6 +480,14 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
             first.first_token_s = min(first.first_token_s,
                                       _first_token_s(cluster, words, first.max_tokens, timeout))
             cluster.wait_idle(timeout=bound_s)
+    # Still too short to time a cancel inside (a GPU prefills the whole context in
+    # milliseconds): the request waits behind prompts of its length sent just before it, and
+    # its time to first token is measured so (docs/lifecycle.md, "Cancel during prefill").
+    ahead = queue_ahead_count(first.first_token_s - start_s)
+    if ahead:       # the prefill worker's span no longer marks this request's own prefill
+        prefill_s = None
+        first.first_token_s = _first_token_s(cluster, words, first.max_tokens, timeout, ahead)
+        cluster.wait_idle(timeout=bound_s)
     ttft = first.first_token_s
     rate = decode_rate(first) or 0.0
     mt = first.max_tokens
@@ -442,7 +497,7 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
     delay = prefill_cancel_delay(ttft, prefill_s, fraction, start_s)
     t_cancel = asyncio.run(_stream_then_drop(cluster, long_unique_prompt(words), mt,
                                              lambda n, t: n > 0 or t >= delay, case, timeout,
-                                             due_s=delay))
+                                             due_s=delay, ahead=ahead))
     if case.chunks_before_cancel:
         raise HarnessError(f"cancel during prefill: a token came back after "
                            f"{case.first_token_s} s, before the cancel at "

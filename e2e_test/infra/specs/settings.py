@@ -314,7 +314,6 @@ _add("E2E_REQUIRE_MULTINODE", Bool(), False, "the simulated multi-node test (tes
 # Workers
 _add("E2E_ENFORCE_EAGER", Bool(), False, "start the workers eager: no compile, no graph capture (their `--enforce-eager`)")
 _add("E2E_ENGINE_ARGS", ShellWords(), (), "extra flags for every worker, shell-quoted")
-_add("E2E_IMPORT_COLLECTOR", Choice("off", "on"), "off", "Python's cyclic garbage collector during the imports a worker's launcher runs ahead (launchers/e2e_warm_spawn.py: a TokenSpeed servicer and its scheduler's waiting interpreter, a held restart): off, then what they made frozen (gc.freeze); on: the control")
 _add("E2E_COMPILE_CACHE", Choice("shared", "engine"), "shared", "compile cache of the workers: one shared under E2E_CACHE_DIR/compile, reused across topologies and runs (shared), or each engine's own default (engine)")
 # Suites
 _add("E2E_WATCHDOG_S", Float(0), 60.0, "no-progress window after which a suite fails as stuck")
@@ -330,7 +329,7 @@ _add("E2E_IDLE_AFTER_TEST", Bool(), True, "after each test on a shared topology,
 _add("E2E_PREFLIGHT", Choice("clear", "fail", "off"), "clear", "before a topology starts: clear what a dead earlier run left (clear), name it and fail (fail), or skip the checks (off)")
 _add("E2E_RUN_ID", Text(), None, "set by the harness on every process it starts: the ownership marker sweeps look for (never set it yourself)")
 _add("E2E_DRIVER_PID", Text(), None, "set by the harness beside E2E_RUN_ID: the pid of the driver that owns the process")
-_add("E2E_DRIVER_CREATE", Text(), None, "set by the harness beside E2E_RUN_ID: the driver's start time (a reused pid is not the driver)")
+_add("E2E_DRIVER_START", Text(), None, "set by the harness beside E2E_RUN_ID: the driver's start, in seconds since boot (a reused pid is not the driver)")
 _add("E2E_PROC_TAG", Text(), None, "set by the harness on every process it starts, one tag each: a descendant that left its worker's session (a daemon) is found by it at the stop (never set it yourself)")
 _add("E2E_GUARDIAN_OF", Text(), None, "set by the harness on the reaper's guardian process: the run it guards")
 _add("E2E_BURST_WINDOW", Int(1), 2, "running window (--max-num-seqs) of the small-window burst topology")
@@ -370,8 +369,7 @@ def options_from_env(environ=None, engine_opts: dict | None = None,
     flags, shell-quoted; and each engine's own options it reads from a variable, its
     `Engine.env_options`), with explicit overrides on top (`engine_opts`: engine options)."""
     base = {"enforce_eager": get("E2E_ENFORCE_EAGER", environ),
-            "extra_args": get("E2E_ENGINE_ARGS", environ),
-            "import_collector_on": get("E2E_IMPORT_COLLECTOR", environ) == "on"}
+            "extra_args": get("E2E_ENGINE_ARGS", environ)}
     own = {name: get(var, environ) for e in all_engines() for name, var in e.env_options.items()}
     return EngineOptions(**{**base, **overrides}, engine_opts={**own, **(engine_opts or {})})
 
