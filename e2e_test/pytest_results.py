@@ -2,7 +2,8 @@
 result record per test (the `record` fixture; a setup or teardown failure reaches it too), the
 result files and the time report at the session's end, and the summary table. Under
 pytest-xdist each worker sends its records and topologies to the controller, which writes the
-files once. Loaded by pytest_plugin.py."""
+files once, and writes its progress lines to `progress-gwN.log` in the results folder.
+Loaded by pytest_plugin.py."""
 
 from __future__ import annotations
 
@@ -53,6 +54,12 @@ def flush_lines() -> None:
 
 
 def _write_line(config, line: str) -> None:
+    if worker(config):      # a pytest-xdist worker's output reaches no terminal: its own file
+        path = settings.results_dir() / f"progress-{config.workerinput['workerid']}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        return
     capman = config.pluginmanager.get_plugin("capturemanager")
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if capman is None or tr is None:

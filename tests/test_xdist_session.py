@@ -18,6 +18,7 @@ import os, time, types
 from pathlib import Path
 pytest_plugins = ["e2e_test.pytest_plugin"]
 from e2e_test.infra.cluster import cluster as cluster_mod
+from e2e_test.infra.cluster import progress
 from e2e_test.infra.specs import devices
 from e2e_test.infra.verdicts import baseline as evidence
 
@@ -29,6 +30,7 @@ def log(*words):
 
 def start(self):
     log("start", self.topology.name, os.getpid())
+    progress.emit(f"{self.topology.name} booting: stand-in")
     time.sleep(2.0 if self.topology.name == "1" else 0.0)
     self.gateway = types.SimpleNamespace(started_at=None)
     return self
@@ -120,6 +122,9 @@ def test_two_workers_share_the_evidence_and_the_controller_writes_the_records(
         *(f"test_c_pd[vllm-1p1d-{i}]" for i in range(3)), "test_d_pd_judged[vllm-1p1d]")}, recs
     summary = json.loads((res / "summary.json").read_text())
     assert summary["tests"] == 8 and len(summary["clusters"]) == 2, summary
+    # each worker's progress lines (no terminal of its own) in its file
+    assert sorted(p.name for p in res.glob("progress-gw*.log")) == ["progress-gw0.log",
+                                                                    "progress-gw1.log"]
     assert not (res / ".session").exists() or not list((res / ".session").iterdir())
 
 
