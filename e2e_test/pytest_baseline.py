@@ -77,9 +77,12 @@ class Baselines:
 
     def collected(self, items, selected) -> None:
         self.needs = {}
+        spec = get_spec(self.config.getoption("--model"))
         for item in items:
             engine, judged = engine_and_topology(item)
             for what in whats_of(item):
+                if evidence.unavailable(what, spec):
+                    continue            # the test skips, naming why; nothing to measure
                 topo = evidence.baseline_topology(what, judged, selected)
                 whats = self.needs.setdefault((engine, topo), [])
                 if what not in whats:

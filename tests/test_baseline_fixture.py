@@ -158,3 +158,17 @@ def test_a_breaking_test_takes_its_groups_topology_last_and_no_test_gets_it_afte
     result = _run(pytester, monkeypatch, DISPOSABLE, "1", "-k", "test_c")
     result.assert_outcomes(passed=1)
     assert log == [("start", "1"), ("stop", "1")], log
+
+
+def test_evidence_the_model_cannot_give_is_neither_measured_nor_waited_for(
+        pytester, monkeypatch, log):
+    """image-prompts of a model that is not multimodal (the default SmolLM2): the test skips,
+    naming why, and `1` is not booted for it."""
+    tests = TESTS.replace('@pytest.mark.baseline("gsm8k", "recall")',
+                          '@pytest.mark.baseline("image-prompts")').replace(
+        'assert baseline("recall").what == "recall" and baseline("gsm8k").what == "gsm8k"',
+        'baseline("image-prompts")')
+    result = _run(pytester, monkeypatch, tests, "1p1d", "-k", "test_c", "-rs")
+    result.assert_outcomes(skipped=1)
+    assert "is not multimodal" in "\n".join(result.outlines)
+    assert log == [], log
