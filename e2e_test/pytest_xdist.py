@@ -158,7 +158,7 @@ def pytest_testnodedown(node, error):
 
 def pytest_configure(config):
     st = state(config)
-    if config.option.dist == "loadgroup":
+    if getattr(config.option, "dist", None) == "loadgroup":
         # groups in the collected order (pytest_plugin: baseline topologies first), not by size
         config.option.loadscopereorder = False
     if worker(config):
