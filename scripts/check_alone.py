@@ -40,7 +40,8 @@ def lane_env(lane) -> dict:
 def selection(lane, keyword: str | None) -> list[str]:
     """The node ids the lane selects among its e2e tests, in the collected order."""
     argv = [sys.executable, "-m", "pytest", "e2e_test/router", "--collect-only", "-q",
-            "-p", "no:cacheprovider", "-m", f"e2e and ({lane.markers})"]
+            "-p", "no:cacheprovider", "-m",
+            f"e2e and ({lane.markers})" if lane.markers else "e2e"]
     if keyword:
         argv += ["-k", keyword]
     with tempfile.TemporaryDirectory() as tmp:
