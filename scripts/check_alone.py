@@ -1,5 +1,5 @@
 """usage: python scripts/check_alone.py [--lane e2e-cpu] [--out docs/alone.md] [-k EXPR]
-                                       [--collect-only]
+                                       [--through CMD] [--collect-only]
 
 Each e2e test function of a lane's selection, run once alone: one pytest per function, by one
 node id (the function's first case off `1`: on the topology judged, where there is one, rather
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -71,12 +72,13 @@ def one_per_function(ids: list[str]) -> list[str]:
     return list(chosen.values())
 
 
-def run_alone(lane, nodeid: str) -> tuple[str, float, str]:
-    """(outcome, seconds, the failure's first line) of one pytest running `nodeid` alone."""
+def run_alone(lane, nodeid: str, through: list[str]) -> tuple[str, float, str]:
+    """(outcome, seconds, the failure's first line) of one pytest running `nodeid` alone;
+    the seconds are the test's (its fixtures' boots included), not the wait for `through`."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        argv = [sys.executable, "-m", "pytest", nodeid, "-p", "no:cacheprovider", "-q",
-                "--e2e-no-skips", "--junitxml", str(junit)]
+        argv = [*through, sys.executable, "-m", "pytest", nodeid, "-p", "no:cacheprovider",
+                "-q", "--e2e-no-skips", "--junitxml", str(junit)]
         t0 = time.monotonic()
         r = subprocess.run(argv, cwd=REPO, env={**lane_env(lane),
                                                 "E2E_RESULTS_DIR": str(Path(tmp) / "results")},
@@ -88,6 +90,7 @@ def run_alone(lane, nodeid: str) -> tuple[str, float, str]:
             for case in cases:
                 bad = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
                 outcome = bad.tag if bad is not None else "passed"
+                took = float(case.get("time") or took)   # the test's setup, call and teardown
                 why = (bad.get("message") or "").splitlines()[0][:200] if bad is not None else ""
                 break
     return outcome, took, why
@@ -112,6 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lane", default="e2e-cpu")
     ap.add_argument("--out", default="docs/alone.md")
     ap.add_argument("-k", dest="keyword", default=None, help="only the functions matching")
+    ap.add_argument("--through", default="", metavar="CMD",
+                    help="a command each pytest runs through, e.g. 'flock /tmp/engines.lock' "
+                         "(one boot at a time on a machine shared with other runs)")
     ap.add_argument("--collect-only", action="store_true",
                     help="print the node ids it would run, run nothing")
     args = ap.parse_args(argv)
@@ -122,7 +128,7 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for nodeid in ids:
-        outcome, took, why = run_alone(lane, nodeid)
+        outcome, took, why = run_alone(lane, nodeid, shlex.split(args.through))
         print(f"{outcome:7} {took:6.0f} s  {nodeid}{f'  ({why})' if why else ''}", flush=True)
         rows.append((nodeid, outcome, took, why))
     out = REPO / args.out
