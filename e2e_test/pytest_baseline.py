@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -124,10 +125,13 @@ class Baselines:
             self.cache.get(self._key(engine, topo, what), fail)
 
     def _measure(self, c, whats) -> None:
+        t0 = time.time()
         for what in whats:
             with contextlib.suppress(Exception):    # stored: every test that needs it raises it
                 self.cache.get(self._key(c.engine, c.topology.name, what),
                                lambda w=what: evidence.compute(c, w))
+        # traffic in the time report, as a test body's (it runs in a test's set-up)
+        state(self.config).calls.append((t0, time.time()))
 
     def ensure(self, pool, engine: str, what: str, judged) -> None:
         """`what` stored, or claimed by another live process; else measured here now: the
