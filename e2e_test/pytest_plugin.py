@@ -321,11 +321,9 @@ class ClusterPool:
 
     def take(self, key) -> Cluster:
         """The topology of `key` out of the pool, for a test that breaks it (the caller stops
-        it): the current one where it is up and alive, else one booted now. Booted now on a
-        GPU, its workers' restarts are started with the boot and held (Cluster.hold_restarts:
-        a restart of the leg the test broke then skips its imports, 9 s of 18 s on an H200,
-        docs/decisions.md); not on CPU, where a held interpreter would take a booting worker's
-        cores."""
+        it): the current one, else one booted now, on a GPU with its restarts held (their
+        imports done with the boot: 9 s of an 18 s restart on an H200; not on CPU, whose cores
+        a held interpreter would take)."""
         backend = startup.resolve_backend(self.config.getoption("--backend"))
         c = self.get(key, lambda: _make_for_key(self.config, key,
                                                 hold_restarts=backend == "cuda"))
