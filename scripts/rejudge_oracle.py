@@ -75,23 +75,30 @@ def paths(records: list[dict]) -> dict[tuple[str, str], oracle.PathArm]:
     return out
 
 
-def comparisons(records: list[dict]) -> list[tuple[str, str, str, dict]]:
-    """(what, expect, eval, comparison record) for every comparison in the records:
-    expect "pass" for a topology held against `1`, "fail" for the negative control."""
+def comparisons(records: list[dict]) -> list[tuple[str, str, str, dict, bool]]:
+    """(what, expect, eval, comparison record, same path) for every comparison in the records:
+    expect "pass" for a topology held against `1`, "fail" for the negative control, "shift"
+    for a perturbed copy of the model (test_perturbed.py: failed by the same-path rank test).
+    Same path: both sides compute every step as the control arm does (DP workers, the
+    perturbed copy), so the rank test against the control arm decides (oracle.judge)."""
     out = []
     for r in records:
         test = r.get("test", "")
         for name, v in (r.get("pd_vs_regular") or {}).items():
-            out.append((test, "pass", name, v.get("comparison")))
+            out.append((test, "pass", name, v.get("comparison"), False))
         neg = r.get("oracle_negative_control")
         if neg:
-            out.append((test, "fail", "gsm8k", neg.get("comparison")))
+            out.append((test, "fail", "gsm8k", neg.get("comparison"), False))
         rec = r.get("kv_recall") or {}
         if "test_pd_kv_recall" in test and rec.get("oracle"):
-            out.append((test, "pass", "recall", rec["oracle"].get("comparison")))
+            out.append((test, "pass", "recall", rec["oracle"].get("comparison"), False))
         for name, vs in (r.get("oracle_dp") or {}).items():
             for v in vs:
-                out.append((test, "pass", name, v.get("comparison")))
+                out.append((test, "pass", name, v.get("comparison"), True))
+        pert = r.get("oracle_perturbed")
+        if pert:
+            out.append((test, "shift" if pert["eps"] else "pass", "gsm8k",
+                        pert["verdict"].get("comparison"), True))
     return out
 
 
@@ -114,7 +121,7 @@ def rejudge(run: Path | dict) -> list[dict]:
     arms, path_arms = controls(records), paths(records)
     engine = next((r.get("engine") for r in records if r.get("engine")), None)
     results = []
-    for test, expect, name, cmp in comparisons(records):
+    for test, expect, name, cmp, same_path in comparisons(records):
         res = {"run": _name(run), "test": test, "eval": name, "expect": expect}
         if skip:
             res["rejudged"] = False
@@ -130,14 +137,19 @@ def rejudge(run: Path | dict) -> list[dict]:
             # a disaggregated topology's first steps are held to `1`'s path arm, where one
             # was recorded (test_pd.py)
             path = path_arms.get((engine, name)) if "test_pd_" in test else None
-            v = oracle.judge(oracle.Comparison.from_dict(cmp), arms[(engine, name)], path=path)
+            v = oracle.judge(oracle.Comparison.from_dict(cmp), arms[(engine, name)], path=path,
+                             same_path=same_path)
+            same = v.same_path_rank_test
             res.update(rejudged=True, ok=v.ok, message=v.message,
                        path_p=v.path_rank_test and v.path_rank_test["p"],
                        first_step_max=round(v.thresholds.first_step_max, 4),
                        gap_max=round(v.thresholds.gap_max, 4),
                        rank_p=v.rank_test and v.rank_test["p"],
+                       same_path_p=same and same["p"],
                        max_first_step_delta=cmp.get("max_first_step_delta"),
                        as_expected=(v.ok if expect == "pass" else
+                                    not v.ok and bool(same) and same["p"] < oracle.ALPHA
+                                    if expect == "shift" else
                                     not oracle.negative_control_problems(v)))
         results.append(res)
     return results

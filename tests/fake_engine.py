@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from e2e_test.infra import engines
-from e2e_test.infra.cluster.readiness import HttpGet
-from e2e_test.infra.engines import Engine, WorkerCommand
+from e2e_test.infra.engines import Engine
+from e2e_test.infra.lifecycle.launcher import WorkerCommand
+from e2e_test.infra.lifecycle.readiness import HttpGet
 from e2e_test.infra.lifecycle.reaper import extend_pythonpath
 from e2e_test.infra.specs.model_specs import parse_spec
 

@@ -21,8 +21,9 @@ import pytest
 
 from e2e_test.infra import engines
 from e2e_test.infra.cluster import cluster as cluster_mod
+from e2e_test.infra.cluster import reach
 from e2e_test.infra.cluster.cluster import Cluster
-from e2e_test.infra.errors import StartupError
+from e2e_test.infra.errors import ConfigError, HarnessError, StartupError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_engine
@@ -98,8 +99,26 @@ def test_a_registered_fake_engine_runs_a_whole_cluster(fake, weights, tmp_path):
     assert (tmp_path / "cluster" / "logs" / "worker-0.log").is_file()
 
 
+def test_a_model_path_replaces_the_registrys_folder_checked_before_anything_starts(
+        fake, weights, tmp_path):
+    """Cluster(model_path=...): the engine is built over that folder (a perturbed copy of the
+    weights, test_perturbed.py) under the model's own name; one without a config.json is a
+    one-line error before any process starts."""
+    other = tmp_path / "perturbed"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    built = []
+    real = fake.build
+    fake.build = lambda spec, topo, entry, ports, model_path, options: (
+        built.append(model_path) or real(spec, topo, entry, ports, model_path, options))
+    c = make(weights, tmp_path, model_path=other)
+    assert c.model_path == other and built == [str(other)] and c.model_name == c.spec.id
+    assert make(weights, tmp_path / "b").model_path == weights
+    with pytest.raises(HarnessError, match=r"no config.json in model_path=.*missing$"):
+        make(weights, tmp_path / "c", model_path=tmp_path / "missing")
+
+
 def test_unregistered_engine_is_a_one_line_error(weights, tmp_path):
-    from e2e_test.infra.errors import ConfigError
     with pytest.raises(ConfigError, match="cannot run on engine 'nope'"):
         Cluster(model="SmolLM2-135M-Instruct", engine="nope", topology="1", backend="cpu")
 
@@ -116,6 +135,37 @@ def test_staged_start_waits_for_the_earlier_stage(fake, weights, tmp_path):
         assert w1.process.started_at >= w0.process.started_at + w0.ready_s - 0.05
         assert c.chat("x")["choices"]
     assert c.teardown_report.ok
+
+
+def test_a_gateway_pinned_to_one_worker_reaches_it_alone(fake, weights, tmp_path):
+    """Cluster.pinned: a second smg in front of worker-0 alone. Through it only worker-0's
+    work counter moves; the same requests through the topology's gateway move both (the
+    measurement sees a leak); the pinned gateway is stopped at the end of its block, its
+    stop report and ports in the topology's teardown. A worker the topology lacks is a
+    ConfigError before anything starts."""
+    c = make(weights, tmp_path, topology="dp2")
+    with c:
+        w0, w1 = c.workers
+        with c.pinned(w0.name) as g:
+            assert g.name == "gateway-worker-0" and g.process.alive()
+            assert g.argv[g.argv.index("--worker-urls") + 1:][:2] == [w0.url, "--policy"]
+            pinned = reach.work_moved(c, g.url, 4, expect=[w0.name])
+        assert not g.process.alive()
+        [(name, ready_s)] = c.timing.extra_gateways
+        assert name == "gateway-worker-0" and 0 < ready_s < 30
+        print(f"pinned gateway ready in {ready_s} s")
+        unpinned = reach.work_moved(c, c.gateway_url, 4, expect=[w0.name, w1.name])
+        assert pinned == {"worker-0": 12.0, "worker-1": 0.0}, pinned      # 3 per request
+        assert unpinned == {"worker-0": 6.0, "worker-1": 6.0}, unpinned   # round robin
+        assert reach.pin_problems(w0.name, pinned, unpinned) == []
+        with pytest.raises(ConfigError, match="no worker 'worker-7'"), c.pinned("worker-7"):
+            pass
+        port = int(g.url.rsplit(":", 1)[1])
+        assert port in c.allocated_ports
+    rep = c.teardown_report
+    assert rep.ok, rep.verdict()
+    assert sorted(r.name for r in c.stop_reports) == [
+        "gateway", "gateway-worker-0", "worker-0", "worker-1"]
 
 
 def test_a_worker_exiting_while_starting_fails_at_once(fake, weights, tmp_path):

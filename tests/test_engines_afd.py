@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from e2e_test.infra.cluster.readiness import HttpGet, PortBound
 from e2e_test.infra.engines import EngineOptions, Ports, afd
 from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.lifecycle.readiness import HttpGet, PortBound
 from e2e_test.infra.specs.model_specs import get_spec
 from e2e_test.infra.specs.plan import plan_gpu
 from e2e_test.infra.specs.topology import parse

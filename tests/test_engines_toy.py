@@ -10,9 +10,11 @@ import yaml
 from e2e_test import __main__ as cli
 from e2e_test import lanes
 from e2e_test.infra import engines
-from e2e_test.infra.cluster.readiness import HttpGet
-from e2e_test.infra.engines import Engine, Ports, WorkerCommand
+from e2e_test.infra.engines import Engine, Ports
+from e2e_test.infra.lifecycle.launcher import WorkerCommand
+from e2e_test.infra.lifecycle.readiness import HttpGet
 from e2e_test.infra.specs import model_specs, plan, settings
+from e2e_test.infra.specs.devices import core_list
 from e2e_test.infra.specs.model_specs import parse_spec
 from e2e_test.infra.specs.topology import parse
 
@@ -25,7 +27,7 @@ class ToyEngine(Engine):
     def build(self, spec, topology, entry, ports, model_path, options):
         return WorkerCommand(argv=[sys.executable, "-m", "toy.serve", "--port", str(ports.api),
                                    "--model", model_path, "--cores",
-                                   engines.core_list(entry.cores)],
+                                   core_list(entry.cores)],
                              env={}, readiness=HttpGet(ports.api, "/health"))
 
 

@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from e2e_test.infra.cluster.readiness import HttpGet
-from e2e_test.infra.engines import EngineOptions, Ports, core_list, vllm
+from e2e_test.infra.engines import EngineOptions, Ports, vllm
 from e2e_test.infra.errors import ConfigError, HarnessError
+from e2e_test.infra.lifecycle.readiness import HttpGet
+from e2e_test.infra.specs.devices import core_list
 from e2e_test.infra.specs.model_specs import get_spec
 from e2e_test.infra.specs.plan import plan_cpu, plan_gpu
 from e2e_test.infra.specs.settings import options_from_env
@@ -60,11 +61,12 @@ def test_regular_cpu_worker():
 
 
 def test_a_worker_held_for_its_restart_runs_its_module_after_go(monkeypatch):
-    """engines.held_command (Cluster.hold_restarts): the same command through the launcher's
+    """launcher.held_command (Cluster.hold_restarts): the same command through the launcher's
     `--hold`, the launchers' folder ahead of the inherited PYTHONPATH, everything else as it
     was. None for a command that is no `-m MODULE`, or that writes Prometheus multiprocess
     files (the live worker's folder); a warm-spawn command gets `--hold` of its own."""
-    from e2e_test.infra.engines import LAUNCHERS, held_command
+    from e2e_test.infra.engines import LAUNCHERS
+    from e2e_test.infra.lifecycle.launcher import held_command
     monkeypatch.setenv("PYTHONPATH", "/stage/site")
     t, e = cpu_entries("1", cores=(0, 1))
     cmd = vllm.build(SMOL, t, e["worker-0"], Ports(api=20100), "/models/smol", CPU)

@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
-from e2e_test.infra.cluster.gateway import Admission, GatewayConfig, GatewayWorker, build_argv
+from e2e_test.infra.cluster.gateway import (
+    Admission,
+    GatewayConfig,
+    GatewayWorker,
+    build_argv,
+    pinned,
+)
 from e2e_test.infra.errors import ConfigError
 
 HEAD = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", "30000",
@@ -183,3 +189,47 @@ def test_grpc_workers_of_a_regular_gateway_stay_on_the_command_line():
                                     "grpc://127.0.0.1:20001", "--policy", "round_robin"]
     nixl = GatewayWorker("http://127.0.0.1:21000", "prefill", kv_connector="NixlConnector")
     assert cfg("pd", nixl, GatewayWorker("http://127.0.0.1:2", "decode")).dynamic() == [nixl]
+
+
+def test_pinned_is_the_same_gateway_before_one_grpc_worker():
+    """A gateway pinned to one worker (Cluster.pinned) keeps its worker's protocol: a gRPC
+    worker stays grpc:// on --worker-urls, smg gets the model path to tokenize for it, and a
+    disaggregated leg is served as a regular worker (no --prefill, no bootstrap port)."""
+    legs = (GatewayWorker("grpc://127.0.0.1:31000", "prefill", bootstrap_port=31001,
+                          runtime_type="tokenspeed"),
+            GatewayWorker("grpc://127.0.0.1:32000", "decode", runtime_type="tokenspeed"))
+    pd = cfg("pd", *legs, model_path="/models/smol", extra_args=("--request-timeout-secs", "60"))
+    one = pinned(pd, "grpc://127.0.0.1:31000")
+    assert one.workers == (GatewayWorker("grpc://127.0.0.1:31000", runtime_type="tokenspeed"),)
+    assert one.dynamic() == []
+    argv = build_argv(one)
+    assert argv == HEAD + ["--model-path", "/models/smol", "--worker-urls",
+                           "grpc://127.0.0.1:31000", "--policy", "round_robin",
+                           "--request-timeout-secs", "60"]
+    a = smg_reads(argv)
+    assert a.worker_urls == ["grpc://127.0.0.1:31000"] and not a.pd_disaggregation
+    assert a.model_path == "/models/smol" and a.prefill_urls == [] and a.decode_urls == []
+    dp = cfg("dp", GatewayWorker("grpc://127.0.0.1:20001", runtime_type="tokenspeed"),
+             GatewayWorker("grpc://127.0.0.1:20002", runtime_type="tokenspeed"),
+             model_path="/m", policy="cache_aware")
+    assert build_argv(pinned(dp, "grpc://127.0.0.1:20002"))[len(HEAD):] == [
+        "--model-path", "/m", "--worker-urls", "grpc://127.0.0.1:20002",
+        "--policy", "cache_aware"]
+
+
+def test_pinned_http_worker_drops_its_kv_connector():
+    """A vLLM NIXL leg pinned: on the command line as a plain worker, not POSTed with its
+    kv_connector (it serves a plain request itself); an HTTP worker gets no model path."""
+    p = GatewayWorker("http://127.0.0.1:21000", "prefill", kv_connector="NixlConnector")
+    d = GatewayWorker("http://127.0.0.1:21002", "decode", kv_connector="NixlConnector")
+    one = pinned(cfg("pd", p, d, model_path="/m"), p.url)
+    assert one.dynamic() == []
+    assert build_argv(one)[len(HEAD):] == ["--worker-urls", "http://127.0.0.1:21000",
+                                           "--policy", "round_robin"]
+
+
+def test_pinned_to_a_worker_the_gateway_lacks_is_a_config_error():
+    c = cfg("dp", GatewayWorker("http://127.0.0.1:1"), GatewayWorker("http://127.0.0.1:2"))
+    with pytest.raises(ConfigError, match=r"no worker http://127.0.0.1:3 behind this gateway "
+                                          r"\(workers: http://127.0.0.1:1, http://127.0.0.1:2\)"):
+        pinned(c, "http://127.0.0.1:3")

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_oracle import _cmp, _control, _healthy_and_shifted, _noisy, _path, seq
+from test_oracle import _cmp, _control, _healthy_and_shifted, _noisy, _path, _tripled, seq
 
 from e2e_test.infra.verdicts import oracle
 from e2e_test.infra.verdicts.oracle import NoEvidenceError, Step, compare_item
@@ -204,7 +204,8 @@ def _rejudge(record: dict, path_record: dict | None) -> oracle.Verdict:
     rec = json.loads(json.dumps(record))
     return oracle.judge(oracle.Comparison.from_dict(rec["comparison"]),
                         oracle.ControlArm.from_record(rec["control"]),
-                        path=oracle.PathArm.from_dict(path_record) if path_record else None)
+                        path=oracle.PathArm.from_dict(path_record) if path_record else None,
+                        same_path="same_path_rank_test" in rec)
 
 
 def _at_record_resolution(*comparisons):
@@ -216,21 +217,26 @@ def _at_record_resolution(*comparisons):
                 it.first_step_delta = round(it.first_step_delta, 4)
 
 
-@pytest.mark.parametrize("case", ["healthy", "shifted", "mismatch", "numerics", "error"])
+@pytest.mark.parametrize("case", ["healthy", "shifted", "mismatch", "numerics", "error",
+                                  "same_healthy", "same_tripled"])
 def test_a_record_rejudges_to_the_same_verdict(case):
     control = _control()
     healthy, shifted = _healthy_and_shifted(control.thresholds(32))
+    tripled = _tripled(control.thresholds(32))
     deciding = _path(scale=0.1, shift=0.05)
-    _at_record_resolution(*control.comparisons, healthy, shifted, *deciding.comparisons)
+    _at_record_resolution(*control.comparisons, healthy, shifted, tripled,
+                          *deciding.comparisons)
     deciding.decides, deciding.why, deciding.how = True, "measured", "prefix cache"
     cmp = {"healthy": healthy, "shifted": shifted,
            "mismatch": _cmp(["identical", "mismatch"]),
            "numerics": _cmp(["numerics"] * 20),
-           "error": _cmp(["identical", "identical"])}[case]
+           "error": _cmp(["identical", "identical"]),
+           "same_healthy": _noisy(seed=5), "same_tripled": tripled}[case]
     if case == "error":
         cmp.items.append(oracle.ItemVerdict(index=2, verdict="error", reason="failed"))
     path = deciding if case in ("healthy", "shifted") else None
-    live = oracle.judge(cmp, control, path=path)
+    same = case.startswith("same_")
+    live = oracle.judge(cmp, control, path=path, same_path=same)
     rec = live.to_dict()
     again = _rejudge(rec, rec.get("path_arm"))
     assert (again.ok, again.message, again.budget) == (live.ok, live.message, live.budget)
@@ -240,7 +246,10 @@ def test_a_record_rejudges_to_the_same_verdict(case):
         assert rec["path_arm"]["decides"] is True and again.path.decides
         assert (again.path.how, again.path.why) == ("prefix cache", "measured")
         assert again.to_dict()["path_arm"] == rec["path_arm"]
-    assert live.ok == (case == "healthy")
+    if same:
+        assert again.to_dict()["same_path_rank_test"] == rec["same_path_rank_test"]
+    assert ("same_path_rank_test" in rec) == same
+    assert live.ok == (case in ("healthy", "same_healthy"))
 
 
 def test_item_records_keep_every_field():
@@ -303,6 +312,113 @@ def test_a_path_rank_exactly_at_alpha_passes():
     assert v.path_rank_test["p"] == p and v.path_rank_test["alpha"] == p
     assert v.ok, v.message
     assert not oracle.judge(shifted, control, alpha=p * 1.01, path=deciding).ok
+
+
+# -- the same-path rank test --------------------------------------------------------------------
+
+def test_a_same_path_rank_exactly_at_alpha_passes():
+    """The same-path rank test decides below alpha, not at it, at the alpha judge was given."""
+    control = _control()
+    tripled = _tripled(control.thresholds(32))
+    p = oracle.judge(tripled, control, same_path=True).same_path_rank_test["p"]
+    v = oracle.judge(tripled, control, alpha=p, same_path=True)
+    assert v.same_path_rank_test["p"] == p and v.same_path_rank_test["alpha"] == p
+    assert v.ok, v.message
+    assert not oracle.judge(tripled, control, alpha=p * 1.01, same_path=True).ok
+
+
+def test_the_same_path_verdicts_lines():
+    """The reason a same-path verdict fails with (p, both medians, a control pass left out)
+    and the part a passing one adds; a comparison across paths has neither."""
+    control = _control()
+    tripled = _tripled(control.thresholds(32))
+    v = oracle.judge(tripled, control, same_path=True)
+    s = v.same_path_rank_test
+    assert not v.ok and v.message.endswith(
+        f" nats); first steps shifted against the control arm (same path): p = {s['p']:.2g} "
+        f"< 0.001 (median {s['median']} against the control's {s['control_median']} nats)")
+    ok = oracle.judge(_noisy(seed=5), control, same_path=True)
+    assert ok.ok and ok.message.endswith(
+        f" nats); first steps against the control arm (same path): p = "
+        f"{ok.same_path_rank_test['p']:.2g}")
+    assert ok.to_dict()["same_path_rank_test"] == ok.same_path_rank_test
+    plain = oracle.judge(_noisy(seed=5), control)
+    assert plain.ok and "same path" not in plain.message
+    assert "same_path_rank_test" not in plain.to_dict() and plain.same_path_rank_test is None
+    exact = oracle.Comparison("t", "x/1", "x/1 second pass", [
+        oracle.ItemVerdict(index=i, verdict="identical", first_step_delta=0.0)
+        for i in range(32)])
+    serial = _noisy(seed=1)
+    serial.b = "x/1 serial"
+    mixed = oracle.ControlArm([exact, serial])
+    v = oracle.judge(_tripled(mixed.thresholds(32)), mixed, same_path=True)
+    s = v.same_path_rank_test
+    assert not v.ok and v.message.endswith(
+        f"; first steps shifted against the control arm (same path): p = {s['p']:.2g} < 0.001 "
+        f"(median {s['median']} against the control's {s['control_median']} nats; its quieter "
+        f"pass x/1 second pass left out)")
+    again = oracle.Comparison("t", "x/1", "x/1 third pass", exact.items)
+    three = oracle.ControlArm([exact, serial, again])
+    v = oracle.judge(_tripled(three.thresholds(32)), three, same_path=True)
+    assert not v.ok and v.message.endswith(
+        " nats; its quieter pass x/1 second pass left out; its quieter pass x/1 third pass "
+        "left out)")
+
+
+def test_same_path_and_a_path_arm_is_a_one_line_error():
+    with pytest.raises(ValueError) as e:
+        oracle.judge(_noisy(seed=5), _control(), path=_path(), same_path=True)
+    assert str(e.value) == ("t x/1 again vs x/1: same_path and a path arm: a comparison takes "
+                            "the control's path or another")
+    assert oracle.judge(_noisy(seed=5), _control(), path=_path()).same_path_rank_test is None
+
+
+def test_a_same_path_candidate_without_a_first_step_delta_is_not_ranked():
+    """No first-step delta on the candidate (top-k 0 and every first token differs): nothing to
+    rank; the other verdicts stand."""
+    cand = _cmp(["identical"] * 4, fs=None)
+    v = oracle.judge(cand, _control(), same_path=True)
+    assert v.ok and v.same_path_rank_test is None and "same path" not in v.message
+
+
+def _deltas(name, values):
+    return oracle.Comparison("t", "x/1", name, [
+        oracle.ItemVerdict(index=i, verdict="identical", first_step_delta=x)
+        for i, x in enumerate(values)])
+
+
+def test_same_path_rank_record():
+    """Every field of the record; medians at 4 decimals (0.10005 is 0.1)."""
+    control = oracle.ControlArm([_deltas("x/1 again", [0.1, 0.1001]),
+                                 _deltas("x/1 serial", [0.1, 0.1001, None])])
+    got = oracle.same_path_rank([0.2, 0.2001], control, alpha=0.01)
+    u, p = oracle.mann_whitney_greater([0.2, 0.2001], [0.1, 0.1001, 0.1, 0.1001])
+    assert got == {"u": u, "p": float(f"{p:.4g}"), "alpha": 0.01, "n": 2, "control_n": 4,
+                   "median": round(0.20005, 4), "control_median": round(0.10005, 4),
+                   "against": ["x/1 again", "x/1 serial"], "left_out": []}
+    assert got["median"] != 0.20005 and got["control_median"] != 0.10005
+
+
+def test_same_path_rank_holds_the_noisiest_pass_by_median_not_by_name_or_order():
+    """The noisiest pass (by median) decides which passes are held; a pass it ranks above at
+    p < alpha is left out with that p, one level with it (p >= alpha) is held; a pass with no
+    first-step delta is skipped."""
+    noisy = _noisy(seed=1, scale=0.1)
+    noisy.b = "x/1 a"
+    exact = _deltas("x/1 b", [0.0] * 32)
+    empty = _deltas("x/1 c", [None] * 4)
+    control = oracle.ControlArm([exact, empty, noisy])
+    got = oracle.same_path_rank([0.05] * 8, control)
+    apart = oracle.mann_whitney_greater(oracle._finite(noisy.first_step_deltas()), [0.0] * 32)[1]
+    assert got["against"] == ["x/1 a"] and got["control_n"] == 32
+    assert got["left_out"] == [{"pass": "x/1 b", "p": float(f"{apart:.4g}")}]
+    # at exactly the p that set it apart, the quieter pass is held
+    got = oracle.same_path_rank([0.05] * 8, control, alpha=apart)
+    assert got["against"] == ["x/1 b", "x/1 a"] and got["left_out"] == []
+    with pytest.raises(NoEvidenceError) as e:
+        oracle.same_path_rank([0.1], oracle.ControlArm([empty]))
+    assert str(e.value) == ("no control pass has a first-step delta: nothing to rank a "
+                            "same-path candidate against")
 
 
 # -- old records, control arm problems, evidence ------------------------------------------------

@@ -322,6 +322,82 @@ def test_first_step_shift_of_every_item_is_recorded_by_the_rank_test_not_judged(
     assert not oracle.judge(cand, control).ok
 
 
+def _tripled(th, seed=5, scale=0.1):
+    """A candidate whose first-step deltas are three times a control pass's noise (|N(0,
+    scale)| x 3), each under the per-item bound `th`: the median moved to three times the
+    control's, every item within its bound (issue 53's held-back change on an H200)."""
+    c = _noisy(seed=seed, scale=scale)
+    for it in c.items:
+        it.first_step_delta = min(3 * it.first_step_delta, th.first_step_max * 0.99)
+    return c
+
+
+def test_on_the_same_path_the_rank_test_against_the_control_decides():
+    """DP workers, two engine versions of one topology: both sides compute every step as the
+    control arm's passes do, so first steps moved as a whole are a change of the computation.
+    A median three times the control's, no item past its bound, fails with same_path (p and
+    both medians in the reason) and is recorded only without it (PD's rule); a healthy
+    candidate, drawn as the control passes are, passes either way (the negative control)."""
+    control = _control(scale=0.1)
+    th = control.thresholds(32)
+    shifted = _tripled(th)
+    assert shifted.classified(th).counts()["mismatch"] == 0      # no item past its bound
+    v = oracle.judge(shifted, control, same_path=True)
+    same = v.same_path_rank_test
+    assert not v.ok and same["p"] < oracle.ALPHA, v.message
+    assert v.message.endswith(f"; first steps shifted against the control arm (same path): "
+                              f"p = {same['p']:.2g} < 0.001 (median {same['median']} against "
+                              f"the control's {same['control_median']} nats)")
+    assert same["against"] == ["x/1 again", "x/1 again"] and same["left_out"] == []
+    assert same["median"] > 2 * same["control_median"]
+    recorded = oracle.judge(shifted, control)
+    assert recorded.ok and recorded.rank_test["p"] < oracle.ALPHA
+    assert recorded.same_path_rank_test is None
+    assert "same_path_rank_test" not in recorded.to_dict()
+    healthy = _noisy(seed=5, scale=0.1)
+    v = oracle.judge(healthy, control, same_path=True)
+    assert v.ok and v.same_path_rank_test["p"] > 0.01, v.message
+    assert v.message.endswith(f"; first steps against the control arm (same path): p = "
+                              f"{v.same_path_rank_test['p']:.2g}")
+    assert v.to_dict()["same_path_rank_test"] == v.same_path_rank_test
+
+
+def test_the_same_path_rank_leaves_out_a_control_pass_quieter_by_far():
+    """A control arm whose passes differ in kind, as on an H100 (vLLM, MMLU): the second pass
+    repeats the scored pass's batches and answers every first step bit for bit, the serial
+    pass does not (median 0.07 nats). A healthy candidate as noisy as the serial pass (another
+    batch shape) ranks far above the pooled arm, but level with the serial pass, which it is
+    held to: it passes. Three times the serial pass's noise fails. Where the passes agree,
+    both are held (the test above)."""
+    exact = oracle.Comparison("t", "x/1", "x/1 second pass", [
+        oracle.ItemVerdict(index=i, verdict="identical", first_step_delta=0.0)
+        for i in range(32)])
+    serial = _noisy(seed=1, scale=0.1)
+    serial.b = "x/1 serial"
+    control = oracle.ControlArm([exact, serial])
+    th = control.thresholds(32)
+    cand = _noisy(seed=5, scale=0.1)
+    v = oracle.judge(cand, control, same_path=True)
+    assert v.rank_test["p"] < oracle.ALPHA                 # pooled: a false alarm
+    same = v.same_path_rank_test
+    assert v.ok and same["p"] > 0.01, v.message
+    assert same["against"] == ["x/1 serial"] and same["control_n"] == 32
+    assert [x["pass"] for x in same["left_out"]] == ["x/1 second pass"]
+    assert same["left_out"][0]["p"] < 1e-9
+    v = oracle.judge(_tripled(th, seed=5), control, same_path=True)
+    assert not v.ok and v.message.endswith(
+        f"; first steps shifted against the control arm (same path): p = "
+        f"{v.same_path_rank_test['p']:.2g} < 0.001 (median "
+        f"{v.same_path_rank_test['median']} against the control's "
+        f"{v.same_path_rank_test['control_median']} nats; its quieter pass x/1 second pass "
+        f"left out)")
+
+
+def test_same_path_and_a_path_arm_contradict_each_other():
+    with pytest.raises(ValueError, match="same_path and a path arm"):
+        oracle.judge(_noisy(seed=5), _control(), path=_path(), same_path=True)
+
+
 def _path(seed=20, scale=0.1, shift=0.0):
     """A path arm: two rounds whose first-step deltas are |N(0, scale)| + shift."""
     arm = oracle.PathArm([_noisy(seed=seed, scale=scale), _noisy(seed=seed + 1, scale=scale)],

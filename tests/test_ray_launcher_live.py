@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e_test.infra.engines import WorkerCommand
 from e2e_test.infra.lifecycle import simhosts
+from e2e_test.infra.lifecycle.launcher import WorkerCommand
 from e2e_test.infra.lifecycle.process import extend_pythonpath
 from e2e_test.infra.specs.plan import PlanEntry
 from e2e_test.pytest_lanes import require_multinode

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from e2e_test.infra.cluster.readiness import (
+from e2e_test.infra.lifecycle.readiness import (
     Alive,
     AllOf,
     GrpcHealth,

@@ -194,7 +194,7 @@ def test_negative_controls_fail_for_the_right_reason(res):
 def _pd_case(run, name):
     recs = rejudge.read_records(LINES[run])
     arm = rejudge.controls(recs)[("vllm", name)]
-    cmp = next(c for t, _, n, c in rejudge.comparisons(recs)
+    cmp = next(c for t, _, n, c, _ in rejudge.comparisons(recs)
                if "answers_match" in t and n == name)
     return arm, cmp
 
@@ -287,3 +287,36 @@ def test_a_wrong_kv_on_one_item_is_caught():
     cmp.items[3].first_step_delta = 1.5
     v = oracle.judge(cmp, arm)
     assert not v.ok and "item 3: first-step distribution differs by 1.500" in v.message
+
+
+def _control_arms(engine: str, evals=("gsm8k", "mmlu")):
+    """(run, eval, control arm) of every recorded run of `engine` that holds one."""
+    for run in RUNS:
+        for (eng, name), arm in rejudge.controls(rejudge.read_records(run)).items():
+            if eng == engine and name in evals:
+                yield run["run"], name, arm
+
+
+def test_a_same_path_change_modelled_on_the_recorded_control_arms_is_caught():
+    """No recorded run holds a same-path comparison (DP, another engine version): modelled on
+    each recorded vLLM control pass (a same-path comparison of `1` against itself), its
+    first-step deltas tripled (the median three times the pass's, issue 53's held-back change
+    on an H200) fail the same-path rank test, and the pass as it is passes (the negative
+    control). A pass answered bit for bit (median 0, an H100's MMLU second pass) has no
+    median to triple: the serial pass of the same arm is caught."""
+    missed, cases = [], 0
+    for run, name, arm in _control_arms("vllm"):
+        for c in arm.comparisons:
+            healthy = oracle.judge(c, arm, same_path=True)
+            assert healthy.ok, f"{run} {name} {c.b}: {healthy.message}"
+            if statistics.median(c.first_step_deltas()) == 0:
+                continue
+            tripled = oracle.Comparison.from_dict(c.to_dict())
+            for it in tripled.items:
+                if it.first_step_delta is not None:
+                    it.first_step_delta *= 3
+            v = oracle.judge(tripled, arm, same_path=True)
+            cases += 1
+            if v.ok or v.same_path_rank_test["p"] >= oracle.ALPHA:
+                missed.append(f"{run} {name} {c.b}: {v.message}")
+    assert cases >= 100 and not missed, missed[:3]

@@ -6,11 +6,14 @@ of every comparison judged against `1` (oracle.py says how a budget comes from i
 infra/verdicts/baseline.py measures it once per session). It must hold no `mismatch` itself,
 or the engine is noisier than the oracle's thresholds.
 Then the negative control: GSM8K asked with other few-shot exemplars must be a `mismatch`.
-On DP topologies: the same prompts sent to each worker directly, compared with worker 0.
+On DP topologies: the same prompts sent to each worker alone, through a gateway pinned to it
+(Cluster.pinned), compared with worker 0, a same-path comparison (its first steps ranked
+against the control arm's, deciding); and the pin's negative control.
 """
 
 import pytest
 
+from e2e_test.infra.cluster import reach
 from e2e_test.infra.verdicts import comparisons, oracle
 from e2e_test.infra.verdicts.baseline import (
     CONCURRENCY,
@@ -79,8 +82,12 @@ def test_oracle_negative_control(baseline, cluster, record):
 @pytest.mark.baseline("name")
 @pytest.mark.parametrize("name", EVALS)
 def test_dp_workers_agree(baseline, cluster, record, name):
-    """Each DP worker, asked directly, against worker 0; a single engine with internal DP
-    ranks (`dpN-engine`) has one endpoint, so its gateway pass is held against `1` instead."""
+    """Each DP worker, asked alone through a gateway pinned to it (its own endpoint, which
+    every worker has, whatever protocol it serves), against worker 0; a single engine with
+    internal DP ranks (`dpN-engine`) has one endpoint, so its gateway pass is held against `1`
+    instead.
+    Both sides compute every step as `1`'s control passes do: the rank test against the
+    control arm decides (oracle.judge same_path)."""
     n = eval_n(cluster, name)
 
     def run(url, what):
@@ -90,22 +97,47 @@ def test_dp_workers_agree(baseline, cluster, record, name):
                                      logprobs=cluster.driver.top_logprobs,
                                      api=cluster.driver.logprobs_api)
 
+    def alone(w):
+        with cluster.pinned(w.name) as g:
+            return w.name, run(g.url, w.name)
+
     if len(cluster.workers) > 1:
-        base_label, base = cluster.workers[0].name, run(cluster.workers[0].http_url,
-                                                        cluster.workers[0].name)
-        others = [(w.name, run(w.http_url, w.name)) for w in cluster.workers[1:]]
+        (base_label, base), *others = [alone(w) for w in cluster.workers]
         ev = baseline(name)
     else:
         others = [(label(cluster), run(cluster.gateway_url, "the gateway"))]
         ev = baseline(name)
         base_label, base = ev.label, ev.passes
-    verdicts = [oracle.judge(oracle.compare(name, base_label, lab, base, p), ev.control)
+    verdicts = [oracle.judge(oracle.compare(name, base_label, lab, base, p), ev.control,
+                             same_path=True)
                 for lab, p in others]
     record["oracle_dp"] = {name: [v.to_dict() for v in verdicts]}
     for v in verdicts:
         print(v.message)
     bad = [v.message for v in verdicts if not v.ok]
     assert not bad, bad[0]
+
+
+PIN_PER_WORKER = 2      # chat completions per worker in each pass of the pin's control
+
+
+@pytest.mark.topology_kinds("dp")
+def test_pinned_gateway_reaches_one_worker(cluster, record):
+    """The negative control of test_dp_workers_agree's path: through a gateway pinned to
+    worker 0 only worker 0 works (each worker's own work counters); the same requests through
+    the topology's own gateway move every worker's, so the measurement would see a pin that
+    leaks."""
+    if len(cluster.workers) < 2:
+        pytest.skip("one worker (internal DP ranks): nothing to pin apart")
+    first, names = cluster.workers[0].name, [w.name for w in cluster.workers]
+    n = PIN_PER_WORKER * len(names)     # round robin: every worker gets some
+    with cluster.pinned(first) as g:
+        pinned = reach.work_moved(cluster, g.url, n, expect=[first])
+    unpinned = reach.work_moved(cluster, cluster.gateway_url, n, expect=names)
+    record["pin"] = {"worker": first, "pinned": pinned, "unpinned": unpinned}
+    print(f"pinned to {first}: work {pinned}; unpinned: work {unpinned}")
+    problems = reach.pin_problems(first, pinned, unpinned)
+    assert not problems, "; ".join(problems)
 
 
 @pytest.mark.eval

@@ -39,26 +39,39 @@ from ..engines import (
     EngineOptions,
     KnownCrash,
     Ports,
-    WorkerCommand,
-    held_command,
 )
 from ..errors import ConfigError, StartupError, UpstreamBug, WorkerDied
 from ..lifecycle import ports, reaper, teardown
-from ..lifecycle.launcher import Baseline, Handle, Launcher, LocalLauncher
+from ..lifecycle.launcher import (
+    Baseline,
+    Handle,
+    Launcher,
+    LocalLauncher,
+    WorkerCommand,
+    held_command,
+)
 from ..lifecycle.process import StopReport, classify_log
 from ..lifecycle.ray_launcher import RayLauncher
+from ..lifecycle.readiness import (
+    GATEWAY_READY_S,
+    POLL_S,
+    AllOf,
+    HttpGet,
+    ModelServed,
+    Step,
+    legs_to_warm,
+)
 from ..load.load import Watchdog
 from ..specs import plan as planner
 from ..specs import settings
 from ..specs import topology as topologies
 from ..specs.model_specs import DEFAULT_MODEL, ModelSpec, get_spec
-from ..specs.models import cache_dir, weights_path
+from ..specs.models import cache_dir, check_config_json, weights_path
 from ..specs.plan import Plan, PlanEntry
 from ..specs.topology import Topology
 from . import gateway as gw
 from . import idle, metrics, progress
 from .diagnostics import diagnose_stall, stack_dumps
-from .readiness import GATEWAY_READY_S, POLL_S, AllOf, HttpGet, ModelServed, Step, legs_to_warm
 
 PORT_RETRIES = 2
 STOP_GRACE_S = 15.0
@@ -139,6 +152,9 @@ class Timing:
     # The gateway's readiness probes that failed once it listed the model, each {"after_s",
     # "error"} (readiness.ModelServed.failures): why a gateway took long to be ready.
     gateway_probe_failures: list = field(default_factory=list)
+    # [name, seconds from launch to ready] of every second gateway (extra_gateway; pinned ones
+    # included): what a pass through one of them paid before its first request.
+    extra_gateways: list = field(default_factory=list)
     total_ready_s: float | None = None
     teardown_s: float | None = None
     # Epoch seconds, for the lane's time report (time_report.py): when the boot and the
@@ -192,7 +208,7 @@ class Cluster:
                  name: str | None = None, gateway_args: tuple[str, ...] = (),
                  launcher: Launcher | None = None, plan: Plan | None = None,
                  shared_devices: bool = False, hold_restarts: bool = False,
-                 need_weights: bool = True):
+                 need_weights: bool = True, model_path: Path | str | None = None):
         self.spec: ModelSpec = model if isinstance(model, ModelSpec) else get_spec(model)
         self.engine = engine
         self.topology = topologies.parse(topology)     # a Topology is taken as it is
@@ -209,8 +225,14 @@ class Cluster:
             startup.check_devices(devices, self.backend, "devices")
         # need_weights=False: a plan only (`python -m e2e_test plan`), whose commands name the
         # folder the weights will be in
-        self.model_path = (weights_path(self.spec) if need_weights
-                           else weights_path(self.spec, must_exist=False))
+        # `model_path`: a folder to load instead of the registry's, served under the model's
+        # name (a perturbed copy of its weights: test_perturbed.py)
+        if model_path is not None:
+            self.model_path = Path(model_path)
+            check_config_json(self.spec, self.model_path, f"model_path={model_path}")
+        else:
+            self.model_path = (weights_path(self.spec) if need_weights
+                               else weights_path(self.spec, must_exist=False))
         self.launcher: Launcher = launcher or make_launcher()
         # `plan`: placed already by the caller (the pytest plugin's check at collection, with
         # the same model, backend, devices, engine and this launcher's nodes): not placed again.
@@ -251,7 +273,7 @@ class Cluster:
         # still hold (launcher.Baseline).
         self.shared_devices = shared_devices
         # Each worker's next restart started ahead, with the boot, and held until restart()
-        # releases it (engines.held_command: its imports done beside the boot, not after the
+        # releases it (launcher.held_command: its imports done beside the boot, not after the
         # loss). Chosen by the caller where restarts will come and cores are to spare; on this
         # host only.
         self.hold_restarts = hold_restarts and isinstance(self.launcher, LocalLauncher)
@@ -369,7 +391,7 @@ class Cluster:
         """Start `w`'s next restart ahead, held (hold_restarts)."""
         cmd = held_command(w.command)
         if cmd is None:
-            self.timing.held[w.name] = "not held: its command cannot be (engines.held_command)"
+            self.timing.held[w.name] = "not held: its command cannot be (launcher.held_command)"
             return
         w.held_at = time.time()
         w.held = self.launcher.start(w.name, cmd, self._log_path(w, w.restarts + 1),
@@ -480,22 +502,26 @@ class Cluster:
                                 model_path=str(self.model_path))
 
     def _spawn_gateway(self, port: int, prometheus_port: int, admission: gw.Admission | None,
-                       name: str) -> tuple[list[str], Handle, list]:
-        """A gateway in front of every serving worker, started: (argv, handle, the workers
-        it must be sent through POST /workers)."""
+                       name: str, only: Worker | None = None) -> tuple[list[str], Handle, list]:
+        """A gateway in front of every serving worker (`only`: that one alone, gateway.pinned),
+        started: (argv, handle, the workers it must be sent through POST /workers)."""
         cfg = self._gateway_config(port, prometheus_port, admission)
+        if only is not None:
+            cfg = gw.pinned(cfg, only.url)
         argv = gw.build_argv(cfg)
         handle = self.launcher.start(name, WorkerCommand(argv, {}),
                                      self.dir / "logs" / f"{name}.log")
         return argv, handle, cfg.dynamic()
 
-    def _await_gateway(self, port: int, handle: Handle, name: str, dynamic: list) -> list:
+    def _await_gateway(self, port: int, handle: Handle, name: str, dynamic: list,
+                       pinned: bool = False) -> list:
         """Until the gateway is ready: workers registered where the mode registers them, the
         model served; StartupError when it dies or the time is up. Returns the probes that
-        failed on the way (readiness.ModelServed.failures)."""
+        failed on the way (readiness.ModelServed.failures). `pinned`: it fronts one worker,
+        which one probe reaches."""
         t0 = time.monotonic()
         url = f"http://127.0.0.1:{port}"
-        served = ModelServed(url, self.model_name, legs_to_warm(
+        served = ModelServed(url, self.model_name, 1 if pinned else legs_to_warm(
             w.command.worker_type for w in self.workers if w.command.worker_type != "none"))
         ready = AllOf(HttpGet(port, "/health"),
                       *([Step("registering workers", lambda: gw.register_workers(
@@ -517,23 +543,36 @@ class Cluster:
                 time.sleep(POLL_S)
 
     @contextmanager
-    def extra_gateway(self, admission: gw.Admission | None, name: str = "gateway-2"):
+    def extra_gateway(self, admission: gw.Admission | None, name: str = "gateway-2",
+                      only: str | None = None):
         """A second gateway in front of the same running workers, configured differently
-        (admission, for the window bursts): the workers need no restart for a gateway
-        setting. Yields an ExtraGateway; stopped at the end, and its stop report and ports
-        join this topology's teardown verification."""
+        (admission, for the window bursts), or in front of worker `only` alone (pinned): the
+        workers need no restart for a gateway setting. Yields an ExtraGateway; stopped at the
+        end, and its stop report and ports join this topology's teardown verification."""
+        one = self.worker(only) if only is not None else None
         port, prom = ports.allocate(2)
         self._extra_ports.update((port, prom))
-        argv, handle, dynamic = self._spawn_gateway(port, prom, admission, name)
+        argv, handle, dynamic = self._spawn_gateway(port, prom, admission, name, one)
         self._extra_gateways.append(handle)          # stop() stops it if we never get back
         try:
-            self._await_gateway(port, handle, name, dynamic)
+            t0 = time.monotonic()
+            self._await_gateway(port, handle, name, dynamic, pinned=one is not None)
+            self.timing.extra_gateways.append([name, round(time.monotonic() - t0, 2)])
             yield ExtraGateway(name, f"http://127.0.0.1:{port}",
                                f"http://127.0.0.1:{prom}/metrics", argv, handle)
         finally:
             if handle in self._extra_gateways:        # (not when stop() has stopped it)
                 self._extra_gateways.remove(handle)
                 self._extra_stops.append(handle.stop(grace=STOP_GRACE_S))
+
+    @contextmanager
+    def pinned(self, worker: str):
+        """A gateway in front of worker `worker` alone (gateway.pinned), for a pass that must
+        reach that worker only: every worker has an endpoint there, whatever protocol it
+        serves the topology's gateway with. Yields an ExtraGateway; stopped at the end, its
+        teardown verified with the topology's (extra_gateway)."""
+        with self.extra_gateway(None, name=f"gateway-{worker}", only=worker) as g:
+            yield g
 
     def stop(self, verify_strict: bool | None = None) -> teardown.TeardownReport:
         if self.stopped:

@@ -5,14 +5,14 @@ Regular/DP: `--worker-urls` (GatewayConfig.dynamic says why gRPC workers stay th
 PD: `--pd-disaggregation`; vLLM+NIXL workers are registered through `POST /workers` with their
 `kv_connector` (with static --prefill/--decode smg runs in passthrough and the decode worker
 silently recomputes the prompt). EPD: `--epd-disaggregation` with gRPC TokenSpeed workers. AFD:
-the attention endpoint is the only worker.
+the attention endpoint is the only worker. `pinned`: a gateway in front of one worker alone.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 
@@ -112,6 +112,26 @@ class GatewayConfig:
         --backend names the startup workers' runtime only over ZMQ (main.rs
         startup_worker_runtime_type)."""
         return [w for w in self.workers if w.register_dynamically]
+
+
+def pinned(cfg: GatewayConfig, url: str) -> GatewayConfig:
+    """`cfg`'s gateway in front of its worker at `url` alone: every request it routes reaches
+    that worker, over the worker's own protocol (http or grpc, from the URL). The worker is a
+    regular one there (a disaggregated leg too: no bootstrap port, no kv_connector, so it
+    serves a plain request itself); the rest (policy, dp_aware, model path, extra args,
+    admission, ports) is `cfg`'s.
+
+    A second gateway rather than a per-request target on `cfg`'s: smg's only one,
+    X-SMG-Target-Worker, is read by the consistent_hashing policy alone and names an index
+    into the workers available at that moment (policies/consistent_hashing.rs,
+    routers/http/router.rs select_worker_for_model), so a worker that drops out shifts the
+    indices and a pinned request reaches another worker, answered as if nothing happened."""
+    mine = [w for w in cfg.workers if w.url == url]
+    if not mine:
+        raise ConfigError(f"no worker {url} behind this gateway (workers: "
+                          f"{', '.join(w.url for w in cfg.workers) or 'none'})")
+    return replace(cfg, kind="regular",
+                   workers=(GatewayWorker(url, runtime_type=mine[0].runtime_type),))
 
 
 def build_argv(cfg: GatewayConfig) -> list[str]:

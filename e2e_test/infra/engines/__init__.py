@@ -2,9 +2,9 @@
 
 Each engine module (vllm.py, tokenspeed.py, afd.py) holds everything the harness knows about
 that engine: its pure command builder (spec, topology, plan entry, ports, options) ->
-WorkerCommand (argv, env, readiness, metrics folder, start stage, ...), the extra ports it
-needs, the counters that show it working, whether its workers may share a GPU and how they
-must start when they do, and its proof hooks. It exposes them as `ENGINE`, an `Engine`.
+lifecycle.launcher.WorkerCommand (argv, env, readiness, metrics folder, start stage, ...), the
+extra ports it needs, the counters that show it working, whether its workers may share a GPU
+and how they must start when they do, and its proof hooks. It exposes them as `ENGINE`, an `Engine`.
 The Cluster asks the registry for the engine of a topology and never names one.
 
 Adding an engine = one module defining `ENGINE` + one line in `REGISTRY` (or `register()`
@@ -23,9 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..cluster.readiness import Alive, HttpGet, Readiness
 from ..errors import ConfigError
-from ..specs.devices import core_list  # noqa: F401 (the builders' name for it)
 
 # Programs that run inside a worker's own processes (launchers/), put on its PYTHONPATH.
 LAUNCHERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launchers")
@@ -82,49 +80,6 @@ class KnownCrash:
         return f"known upstream bug: {self.summary} ({'; '.join(self.refs)})"
 
 
-@dataclass(frozen=True)
-class WorkerCommand:
-    argv: list[str]
-    env: dict[str, str]                # overrides on top of the inherited environment
-    protocol: str = "http"             # http | grpc
-    readiness: Readiness = Alive()     # noqa: RUF009  (frozen) how the Cluster tells it is up
-    worker_type: str = "regular"       # as smg calls the role: regular | prefill | decode | encode
-    bootstrap_port: int | None = None  # PD bootstrap port smg must know (TokenSpeed)
-    kv_connector: str | None = None    # smg POST /workers kv_connector (vLLM NIXL)
-    start_stage: int = 0               # workers start stage by stage, each stage all at once
-    metrics_dir: str | None = None     # Prometheus multiprocess files instead of /metrics
-    unset_env: tuple[str, ...] = ()    # dropped from the inherited environment
-    owned_ports: tuple[int, ...] = ()  # ports it binds beyond Ports (checked at teardown)
-    stop_grace_s: float | None = None  # SIGTERM -> SIGKILL at stop; None: the cluster's
-
-    @property
-    def health_path(self) -> str | None:
-        """The HTTP path its readiness asks, None when it is not an HTTP check."""
-        return self.readiness.path if isinstance(self.readiness, HttpGet) else None
-
-
-def held_command(command: WorkerCommand) -> WorkerCommand | None:
-    """The same worker started ahead and held (launchers/e2e_warm_spawn.py `--hold`): its
-    interpreter runs the imports of the module it would run, then waits for `go` on its
-    standard input (Cluster.restart). None where that cannot be: a command that is not
-    `PYTHON -m MODULE ...`, or one whose engine writes Prometheus multiprocess files
-    (`metrics_dir`), which are per process in a folder the live worker still writes. Pure
-    but for the inherited PYTHONPATH, which the launchers' folder goes ahead of. Its imports
-    run with the garbage collector off, the launcher's default (a command that already runs
-    through the launcher keeps its own flags)."""
-    from ..lifecycle.reaper import extend_pythonpath   # lifecycle imports this module
-    argv = command.argv
-    if command.metrics_dir or len(argv) < 3 or argv[1] != "-m":
-        return None
-    if argv[2] == "e2e_warm_spawn":
-        held = [*argv[:3], "--hold", *argv[3:]]
-    else:
-        held = [argv[0], "-m", "e2e_warm_spawn", "--hold", "--run", argv[2], "--", *argv[3:]]
-    env = {**command.env,
-           "PYTHONPATH": extend_pythonpath(LAUNCHERS, command.env.get("PYTHONPATH"))}
-    return replace(command, argv=held, env=env)
-
-
 # -- the engine interface ------------------------------------------------------------------
 
 class Engine:
@@ -132,8 +87,9 @@ class Engine:
     an instance as ENGINE. Everything here is pure except where a method says otherwise.
 
     Arguments by name: `spec` a model_specs.ModelSpec, `topology` a topology.Topology,
-    `entry` a plan.PlanEntry (not imported here: this module sits below them all, so that
-    model_specs can ask it for the engine names)."""
+    `entry` a plan.PlanEntry; a builder returns a lifecycle.launcher.WorkerCommand. None is
+    imported here: this module imports no part of the harness but errors.py, so that specs/
+    (settings, model_specs) can ask the registry (pyproject.toml [tool.importlinter])."""
 
     name: str = ""                      # registry key ("vllm", "tokenspeed", "afd")
     runtime: str = ""                   # the --engine name it serves; "" = its own name
@@ -201,13 +157,14 @@ class Engine:
         `run_dir` (the cluster's results folder)."""
         return options
 
-    def build(self, spec, topology, entry, ports: Ports,
-              model_path: str, options: EngineOptions) -> WorkerCommand:
+    def build(self, spec, topology, entry, ports: Ports, model_path: str,
+              options: EngineOptions):
+        """The WorkerCommand that starts one worker (lifecycle.launcher)."""
         raise NotImplementedError
 
     def worker_command(self, spec, topology, entry,
                        ports: Ports, model_path: str, options: EngineOptions,
-                       run_dir: Path) -> WorkerCommand:
+                       run_dir: Path):
         """The command the cluster launches: `build` plus what depends on the run folder."""
         return self.build(spec, topology, entry, ports, model_path, options)
 

@@ -50,8 +50,9 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..cluster.readiness import Alive, HttpGet, PortBound
 from ..errors import ConfigError, HarnessError, SettingError
+from ..lifecycle.launcher import WorkerCommand
+from ..lifecycle.readiness import Alive, HttpGet, PortBound
 from ..specs import settings
 from ..specs.devices import check_gpu_ids
 from ..specs.model_specs import ModelSpec
@@ -60,7 +61,7 @@ from ..specs.settings import Bool, Choice, DeviceList, Executable, Int, PathKind
 from ..specs.topology import Topology
 from ..verdicts.oracle import verdict_line
 from ..verdicts.proof import long_unique_prompt, post_all, scrape_all, sum_delta
-from . import Engine, EngineOptions, Ports, WorkerCommand, vllm
+from . import Engine, EngineOptions, Ports, vllm
 from .vllm import WORK_COUNTERS as VLLM_WORK_COUNTERS
 
 CONNECTOR = "P2pNcclAFDConnector"

@@ -39,8 +39,9 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
 
-from ..cluster.readiness import GrpcHealth
 from ..errors import ConfigError, HarnessError
+from ..lifecycle.launcher import WorkerCommand
+from ..lifecycle.readiness import GrpcHealth
 from ..lifecycle.reaper import extend_pythonpath
 from ..specs.model_specs import ModelSpec
 from ..specs.plan import PlanEntry
@@ -65,7 +66,6 @@ from . import (
     EngineOptions,
     KnownCrash,
     Ports,
-    WorkerCommand,
     kv_corrupt,
     kv_corrupt_tokenspeed,
 )

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import httpx
 
-from ..cluster.readiness import HttpGet
 from ..errors import ConfigError, HarnessError
+from ..lifecycle.launcher import WorkerCommand
+from ..lifecycle.readiness import HttpGet
 from ..specs.devices import rank_core_lists
 from ..specs.model_specs import ModelSpec
 from ..specs.plan import PlanEntry
@@ -35,7 +36,7 @@ from ..verdicts.proof import (
     sum_delta,
     verdict,
 )
-from . import Engine, EngineOptions, Ports, WorkerCommand, kv_corrupt
+from . import Engine, EngineOptions, Ports, kv_corrupt
 
 # vLLM's own options (EngineOptions.engine_opts), with their defaults:
 #   kv_connector      nixl | example | mooncake (PD)

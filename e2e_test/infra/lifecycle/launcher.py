@@ -1,5 +1,5 @@
-"""The launcher seam: how a WorkerCommand becomes a running process, and how its host is
-checked afterwards.
+"""The launcher seam: how a WorkerCommand (what an engine builds for a worker) becomes a
+running process, and how its host is checked afterwards.
 
 The Cluster asks a Launcher to start each worker and the gateway and gets back a Handle
 (alive, exit code, log, stop, kill). Teardown verification runs where the processes ran, so
@@ -14,14 +14,59 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from ..engines import WorkerCommand
+from ..engines import LAUNCHERS
 from ..specs.plan import LOCAL_NODES, Node, PlanEntry
 from . import ports, teardown
 from .process import ManagedProcess, StopReport
+from .readiness import Alive, HttpGet, Readiness
+from .reaper import extend_pythonpath
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    """What a worker runs: an engine's builder (engines/) makes it, a Launcher starts it."""
+    argv: list[str]
+    env: dict[str, str]                # overrides on top of the inherited environment
+    protocol: str = "http"             # http | grpc
+    readiness: Readiness = Alive()     # noqa: RUF009  (frozen) how the Cluster tells it is up
+    worker_type: str = "regular"       # as smg calls the role: regular | prefill | decode | encode
+    bootstrap_port: int | None = None  # PD bootstrap port smg must know (TokenSpeed)
+    kv_connector: str | None = None    # smg POST /workers kv_connector (vLLM NIXL)
+    start_stage: int = 0               # workers start stage by stage, each stage all at once
+    metrics_dir: str | None = None     # Prometheus multiprocess files instead of /metrics
+    unset_env: tuple[str, ...] = ()    # dropped from the inherited environment
+    owned_ports: tuple[int, ...] = ()  # ports it binds beyond Ports (checked at teardown)
+    stop_grace_s: float | None = None  # SIGTERM -> SIGKILL at stop; None: the cluster's
+
+    @property
+    def health_path(self) -> str | None:
+        """The HTTP path its readiness asks, None when it is not an HTTP check."""
+        return self.readiness.path if isinstance(self.readiness, HttpGet) else None
+
+
+def held_command(command: WorkerCommand) -> WorkerCommand | None:
+    """The same worker started ahead and held (launchers/e2e_warm_spawn.py `--hold`): its
+    interpreter runs the imports of the module it would run, then waits for `go` on its
+    standard input (Cluster.restart). None where that cannot be: a command that is not
+    `PYTHON -m MODULE ...`, or one whose engine writes Prometheus multiprocess files
+    (`metrics_dir`), which are per process in a folder the live worker still writes. Pure
+    but for the inherited PYTHONPATH, which the launchers' folder goes ahead of. Its imports
+    run with the garbage collector off, the launcher's default (a command that already runs
+    through the launcher keeps its own flags)."""
+    argv = command.argv
+    if command.metrics_dir or len(argv) < 3 or argv[1] != "-m":
+        return None
+    if argv[2] == "e2e_warm_spawn":
+        held = [*argv[:3], "--hold", *argv[3:]]
+    else:
+        held = [argv[0], "-m", "e2e_warm_spawn", "--hold", "--run", argv[2], "--", *argv[3:]]
+    env = {**command.env,
+           "PYTHONPATH": extend_pythonpath(LAUNCHERS, command.env.get("PYTHONPATH"))}
+    return replace(command, argv=held, env=env)
 
 
 class Handle(Protocol):
@@ -106,7 +151,7 @@ class LocalLauncher:
     def start(self, name: str, command: WorkerCommand, log_path: Path,
               cores: tuple[int, ...] = (), node: int | None = None,
               held: bool = False) -> ManagedProcess:
-        """`held`: started ahead, waiting for its release() (engines.held_command; a held
+        """`held`: started ahead, waiting for its release() (held_command; a held
         command has no metrics folder, which the live worker would still be writing)."""
         if command.metrics_dir:   # must exist, and start empty (a restart starts counters anew)
             if held:

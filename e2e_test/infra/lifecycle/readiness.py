@@ -23,7 +23,7 @@ from typing import Protocol
 
 import httpx
 
-from ..lifecycle import ports
+from . import ports
 
 POLL_S = 0.25                 # between two polls of a starting process
 GATEWAY_READY_S = 120.0       # gateway start -> /health, worker registration, a real completion
