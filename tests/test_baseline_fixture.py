@@ -2,16 +2,18 @@
 topologies (Cluster.start/stop and the evidence's compute replaced; nothing boots): a test
 judged against `1` run alone boots `1` first and gets its evidence, measured once for every
 test that needs it; where `1` boots for its own tests its evidence is measured right after
-the boot; a failed `1` boot fails its dependants with its error without booting again; a test
-must declare what it reads."""
+the boot; a failed `1` boot fails its dependants with its error without booting again; missing
+eval data fails a test judged on an eval before anything boots; a test must declare what it
+reads."""
 
 import types
 
 import pytest
 
 from e2e_test.infra.cluster import cluster as cluster_mod
-from e2e_test.infra.errors import StartupError
+from e2e_test.infra.errors import ConfigError, StartupError
 from e2e_test.infra.verdicts import baseline as evidence
+from e2e_test.infra.verdicts import datasets
 
 pytest_plugins = ["pytester"]
 
@@ -64,6 +66,7 @@ def log(monkeypatch, tmp_path):
     monkeypatch.setattr(cluster_mod.Cluster, "wait_idle",
                         lambda self, **kw: types.SimpleNamespace(seconds=0.0))
     monkeypatch.setattr(evidence, "compute", compute)
+    monkeypatch.setattr(datasets, "dataset_dir", lambda name: tmp_path / name)
     FAIL.clear()
     return events
 
@@ -114,6 +117,22 @@ def test_a_failed_baseline_boot_fails_its_dependants_at_once(pytester, monkeypat
     assert [e for e in log if e[0] == "start"] == [("start", "1")], log   # not booted again
     text = "\n".join(result.outlines)
     assert text.count("worker-0 of 1 exited while starting") >= 2, text
+
+
+def test_missing_eval_data_fails_a_judged_test_before_1_boots(pytester, monkeypatch, log):
+    """GSM8K's evidence needs its data: missing, the test errors with the data's message and
+    nothing boots; `recall`, which needs none, still boots `1` (the control)."""
+    def missing(name):
+        raise ConfigError(f"no {name} data here")
+    monkeypatch.setattr(datasets, "dataset_dir", missing)
+    result = _run(pytester, monkeypatch, TESTS, "1p1d", "-k", "test_b")
+    result.assert_outcomes(errors=1)
+    assert "no gsm8k data here" in "\n".join(result.outlines)
+    assert log == [], log
+    result = _run(pytester, monkeypatch, TESTS.replace('"gsm8k", "recall"', '"recall"')
+                  .replace('baseline("gsm8k").what == "gsm8k"', 'True'), "1p1d", "-k", "test_c")
+    result.assert_outcomes(passed=1)
+    assert ("start", "1") in log, log
 
 
 def test_reading_what_the_test_did_not_declare_is_an_error(pytester, monkeypatch, log):

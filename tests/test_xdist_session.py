@@ -1,8 +1,9 @@
 """A session under pytest-xdist (`-n 2 --dist loadgroup`) with stand-in topologies (a nested
-pytest in a subprocess whose conftest replaces Cluster.start/stop and the evidence's compute:
-nothing boots): each topology's tests run on one worker and it boots once; `1`'s evidence is
-measured once for both workers (the worker judged against it waits for the one that claimed
-it); the controller writes every worker's records; the scratch folder is gone afterwards."""
+pytest in a subprocess whose conftest replaces Cluster.start/stop, the evidence's compute and
+the eval data's folders: nothing boots): each topology's tests run on one worker and it boots
+once; `1`'s evidence is measured once for both workers (the worker judged against it waits for
+the one that claimed it); the controller writes every worker's records; the scratch folder is
+gone afterwards."""
 
 import json
 import os
@@ -21,6 +22,7 @@ from e2e_test.infra.cluster import cluster as cluster_mod
 from e2e_test.infra.cluster import progress
 from e2e_test.infra.specs import devices
 from e2e_test.infra.verdicts import baseline as evidence
+from e2e_test.infra.verdicts import datasets
 
 LOG = Path(os.environ["STAND_IN_LOG"])
 
@@ -48,6 +50,7 @@ cluster_mod.Cluster.start = start
 cluster_mod.Cluster.stop = stop
 cluster_mod.Cluster.wait_idle = lambda self, **kw: types.SimpleNamespace(seconds=0.0)
 evidence.compute = compute
+datasets.dataset_dir = lambda name: Path(os.environ["STAND_IN_LOG"]).parent / name
 devices.affinity = lambda: tuple(range(8))
 '''
 
