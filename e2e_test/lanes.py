@@ -133,7 +133,9 @@ class Lane:
         part = "" if engines is None or tuple(engines) == self.engines else \
             "-" + "-".join(engines)
         need = self.min_tests if not part else sum(self.min_by_engine[e] for e in engines)
-        args = [*self.selection,
+        # -n auto with loadgroup: as many topologies at once as the devices hold, one
+        # pytest-xdist worker each (pytest_xdist.py); one process where that is one (CPU)
+        args = [*self.selection, "-n", "auto", "--dist", "loadgroup",
                 "--junitxml", str(Path(results_dir) / f"junit-{self.name}{part}.xml"),
                 "--e2e-min-tests", str(need)]
         if self.min_engine_tests is not None and not part:

@@ -1,51 +1,43 @@
-"""pytest glue, a few lines over the library: options, parametrized cluster fixture with
-engine/topology markers per case, result records, signal handling and the summary table.
-Lane guards and selection accounting: pytest_lanes.py (loaded from here). Session state:
-`config.stash` (pytest_state.py)."""
+"""pytest glue over the library: options, the parametrized cluster fixture with engine/topology
+markers per case, the tests' order and their pytest-xdist groups, the topologies of a process
+(one at a time), the fixtures a test takes them by, and signal handling.
+Lanes: pytest_lanes.py; the baseline's evidence: pytest_baseline.py; pytest-xdist:
+pytest_xdist.py; records and result files: pytest_results.py (all loaded from here).
+Session state: `config.stash` (pytest_state.py)."""
 
 from __future__ import annotations
 
+import itertools
 import os
-import sys
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
-pytest.register_assert_rewrite("e2e_test.pytest_lanes")
+pytest.register_assert_rewrite("e2e_test.pytest_lanes", "e2e_test.pytest_baseline",
+                               "e2e_test.pytest_xdist", "e2e_test.pytest_results")
 
 from .infra import startup
-from .infra.cluster import progress
 from .infra.cluster import signals as lifecycle
-from .infra.cluster.cluster import Cluster, waiting_on_boot
+from .infra.cluster.cluster import Cluster
 from .infra.cluster.idle import IdleError
-from .infra.engines import (
-    DEFAULT_ENGINE,
-    EngineOptions,
-    engine_names,
-    for_topology,
-    kind_engines,
-)
+from .infra.engines import DEFAULT_ENGINE, EngineOptions, engine_names, kind_engines
 from .infra.errors import HarnessError
-from .infra.lifecycle import teardown
-from .infra.lifecycle.launcher import Baseline, LocalLauncher
-from .infra.reports import results, time_report
-from .infra.specs import coboot, devices, settings
+from .infra.lifecycle import exclusive as device_lock
+from .infra.specs import settings
 from .infra.specs import topology as topologies
 from .infra.specs.model_specs import DEFAULT_MODEL, get_spec
 from .infra.specs.settings import options_from_env
 from .infra.specs.topology import Topology
 from .infra.verdicts import datasets
+from .pytest_baseline import baselines_of, scratch_dir
 from .pytest_lanes import device_shortfall, require_devices, reusable_plan  # noqa: F401  (public helpers)
-from .pytest_state import OUTCOME, RECORD, RECORDED, state
+from .pytest_state import RECORD, state
+from .pytest_xdist import cluster_kw
 
-pytest_plugins = ["e2e_test.pytest_lanes"]
+pytest_plugins = ["e2e_test.pytest_lanes", "e2e_test.pytest_baseline", "e2e_test.pytest_xdist",
+                  "e2e_test.pytest_results"]
 DEFAULT_TOPOLOGIES = ",".join(settings.SETTINGS["E2E_TOPOLOGIES"].default)
 
 
@@ -63,15 +55,13 @@ def pytest_addoption(parser):
                 help="ordered device list, e.g. 0,1 (env E2E_DEVICES)")
     g.addoption("--backend", default=settings.raw("E2E_BACKEND"),
                 help="cpu or cuda (default: cuda when NVML sees a GPU)")
+    g.addoption("--e2e-shuffle", type=int, default=None, metavar="SEED",
+                help="run the tests of each topology's group (and those with none) in a random "
+                     "order from SEED: the check that no test leans on another's leftovers")
     g.addoption("--launcher", default=None,
                 help="local (processes on this host) or ray (roles as Ray actors on the nodes "
                      "of the Ray cluster at E2E_RAY_ADDRESS; docs/multinode.md); env "
                      "E2E_LAUNCHER")
-    g.addoption("--e2e-boot-schedule", choices=("serial", "together"), default=None,
-                help="boot the session's shared topologies one after another (serial: the "
-                     "baseline an A/B measures booting together against) or all at once "
-                     "(together: the CPU lane's test of the machinery), instead of as the "
-                     "machine allows (coboot.py, docs/lanes.md)")
 
 
 def _csv(v: str) -> list[str]:
@@ -101,64 +91,9 @@ _DEFAULTS = {"--engine": ",".join(engine_names()), "--topology": DEFAULT_TOPOLOG
              "--model": settings.DEFAULT_MODEL}
 
 
-_PENDING: list[tuple] = []     # (config, line) of other threads, for the main thread to write
-
-
-def _live_lines(config):
-    """Progress lines (infra/cluster/progress.py) past pytest's output capture: a lane's log shows
-    them while a topology boots or an eval runs, not only when a test fails. Only the main
-    thread may suspend the capture (pytest's capture is not thread-safe): a line from a boot
-    or a pass ahead waits in _PENDING until the main thread writes it (flush_lines: at each
-    test's start and end, and every second while it waits for a boot or a pass)."""
-    def write(line: str) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            _PENDING.append((config, line))
-            return
-        flush_lines()
-        _write_line(config, line)
-    return write
-
-
-def flush_lines() -> None:
-    """Write the other threads' pending progress lines (main thread only)."""
-    while _PENDING:
-        _write_line(*_PENDING.pop(0))
-
-
-def wait_flushing(fut):
-    """fut.result(), writing the other threads' progress lines every second meanwhile."""
-    while True:
-        try:
-            return fut.result(timeout=1.0)
-        except FutureTimeout:
-            if threading.current_thread() is threading.main_thread():
-                flush_lines()
-
-
-def _write_line(config, line: str) -> None:
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    if capman is None or tr is None:
-        print(line, file=sys.stderr, flush=True)
-        return
-    with capman.global_and_fixture_disabled():
-        tr.write_line(line)
-
-
-def pytest_runtest_logstart(nodeid, location):
-    flush_lines()
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    flush_lines()
-
-
 def pytest_configure(config):
     lifecycle.install()
     state(config)
-    previous = progress.sink            # a nested session (pytester) gives it back at its end
-    progress.set_sink(_live_lines(config))
-    config.add_cleanup(lambda: progress.set_sink(previous))
     # Bad input: one line per problem, exit 2, before anything starts (settings.py).
     try:
         startup.startup(backend=_given(config, "--backend", "E2E_BACKEND"),
@@ -226,15 +161,32 @@ def cluster_key(request):
     return request.param
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Tests on a shared topology run grouped by its key (engine, topology, profile), so each
-    key boots once; within a group, tests marked `breaks_cluster` run last (after them the
-    topology is stopped), after a test marked `restarting` (it leaves a worker restarting in
-    the background for them). Tests that bring up their own topology (own_cluster) run after
-    every shared one, so a private topology never overlaps with a shared one."""
+    """Every test of a shared topology joins its pytest-xdist group (the key's name): under
+    `--dist loadgroup` one worker runs them all, so each key boots once per session. Marked
+    first: xdist's worker names the groups in the node ids from these marks."""
+    for item in items:
+        ck = _shared_key(item)
+        if ck:
+            item.add_marker(pytest.mark.xdist_group(name=group_name(ck)))
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_order(session, config, items):
+    """The order a process runs the tests in (and the order of the groups pytest-xdist hands
+    out): tests with no topology, then the shared topologies, those whose evidence other tests
+    need (a baseline topology: pytest_baseline.py) first, then the rest in the selected
+    order, each profile of a topology after its plain group; within a group the tests judged
+    against a baseline after the others and those that break it (disposable_cluster) last;
+    then the tests with topologies of their own (own_cluster). Only
+    efficiency hangs on it (each key boots once, a baseline before its judges): no test
+    reads what another left. --e2e-shuffle SEED shuffles the tests within each group (the
+    shuffle check, e2e_test/router/test_shuffle.py)."""
     selected = _topologies(config)
     engines = _csv(config.getoption("--engine"))
+    b = baselines_of(config)
+    b.collected(items, selected)
     pos = {id(i): n for n, i in enumerate(items)}
     # pytest's fixture reordering may move a whole module ahead within a group; file order
     # (module path, then position) is what the suites are written for.
@@ -243,130 +195,45 @@ def pytest_collection_modifyitems(session, config, items):
 
     def key(item):
         ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key")
+        at = (mod[id(item)], pos[id(item)])
         if "own_cluster" in getattr(item, "fixturenames", ()):
-            return (2, 0, 0, "", 0, mod[id(item)], pos[id(item)])
+            return (2, 0, 0, 0, "", 0, 0, *at)
         if not ck:
-            return (0, 0, 0, "", 0, mod[id(item)], pos[id(item)])
+            return (0, 0, 0, 0, "", 0, 0, *at)
         engine, topo, *profile = ck
-        # Shared topologies in the selected order (so `1` has run before a test compares
-        # with it), each profile of a topology right after its plain group, each group in
-        # file order with the tests that break it at its end.
-        breaks = 1 if item.get_closest_marker("breaks_cluster") else 0
-        restarting = 1 if item.get_closest_marker("restarting") else 0
         return (1, engines.index(engine) if engine in engines else 99,
-                selected.index(topo) if topo in selected else 99,
-                profile[0] if profile else "", breaks, restarting, mod[id(item)], pos[id(item)])
+                0 if not profile and (engine, topo.name) in b.needs else 1,
+                selected.index(topo) if topo in selected else 99, profile[0] if profile else "",
+                1 if "disposable_cluster" in item.fixturenames else 0,
+                1 if item.get_closest_marker("baseline") else 0, *at)
 
     items.sort(key=key)
-    # The shared topologies in the order their tests run: what the lane-level placement
-    # (coboot.py, decide_schedule) decides over.
-    keys = []
-    for item in items:
-        ck = _shared_key(item)
-        if ck and ck not in keys:
-            keys.append(ck)
-    st = state(config)
-    st.cluster_keys = keys
-    st.restarting_keys = {ck for i in items
-                          if (ck := _shared_key(i)) and i.get_closest_marker("restarting")}
-    if not keys:
-        return
-    try:
-        sched = st.schedule = decide_schedule(config)
-    except HarnessError:    # e.g. cuda asked of a machine with no GPU: the tests' own fixtures
-        return              # say it (the pool decides again at the first test, and raises)
-    # Traffic ahead (coboot.py): a regular topology booted together with topologies judged
-    # against it sends its tests' passes from a thread while their tests run.
-    steps: dict = {}
-    for item in items:
-        ck, m = _shared_key(item), item.get_closest_marker("ahead")
-        if ck and m:
-            steps.setdefault(ck, []).append((item.nodeid, m.args[0], _test_params(item)))
-    ahead = coboot.ahead_keys(sched, {k: k[1].kind for k in steps})
-    if ahead:
-        early = {_shared_key(i) for i in items if i.get_closest_marker("restarting")}
-
-        def wave_key(item):
-            ck = _shared_key(item)
-            if not ck or ck not in keys:
-                return key(item)
-            w = sched.wave_of(ck)
-            return (1, w, *coboot.wave_order(
-                ck, sched.waves[w], ahead, breaks=bool(item.get_closest_marker("breaks_cluster")),
-                needs_baseline=bool(item.get_closest_marker("needs_baseline")),
-                quiet=bool(item.get_closest_marker("quiet")),
-                early=ck in early, restarting=bool(item.get_closest_marker("restarting"))),
-                mod[id(item)], pos[id(item)])
-        items.sort(key=wave_key)
-    st.ahead = {k: steps[k] for k in ahead}
-    st.key_items = {}
-    for item in items:
-        if (ck := _shared_key(item)):
-            st.key_items.setdefault(ck, []).append(item.nodeid)
-
-
-def _test_params(item) -> dict:
-    """A test's own parameters (its callspec less the shared topology's key): what its
-    `ahead` function is called with."""
-    return {k: v for k, v in item.callspec.params.items() if k != "cluster_key"}
+    seed = config.getoption("--e2e-shuffle")
+    if seed is not None:
+        rng = random.Random(seed)
+        out = []
+        for _, group in itertools.groupby(items, key=lambda i: key(i)[:5]):
+            group = list(group)
+            rng.shuffle(group)
+            out += group
+        items[:] = out
 
 
 def _shared_key(item):
-    """The shared topology's key of a test (engine, topology, profile...); None for a test
-    with no shared topology or with its own (own_cluster)."""
+    """The key of a test's topology (engine, topology, profile...): its group's, which a
+    test that breaks it (disposable_cluster) takes last; None for a test with no topology or
+    with topologies of its own (own_cluster)."""
     ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key")
     if not ck or "own_cluster" in getattr(item, "fixturenames", ()):
         return None
     return ck
 
 
-def decide_held(config, sched: coboot.BootSchedule) -> tuple[tuple, str]:
-    """Which shared topologies start their workers' restarts ahead, held (coboot.
-    held_restarts; Cluster.hold_restarts), and why."""
-    st = state(config)
-    if settings.get("E2E_LAUNCHER") != "local":
-        return (), "a held interpreter starts on this host only (E2E_LAUNCHER=local)"
-    backend = startup.resolve_backend(config.getoption("--backend"))
-    keyed = []
-    for k in st.cluster_keys:
-        engine, topo, *_ = k
-        plan = reusable_plan(config, topologies.parse(topo), backend, engine)
-        if plan is not None:
-            keyed.append((k, plan))
-    return coboot.held_restarts(sched, keyed, st.restarting_keys, backend,
-                                len(devices.affinity()))
-
-
-def decide_schedule(config) -> coboot.BootSchedule:
-    """The lane-level placement of the session's shared topologies (coboot.py), from the keys
-    collected, their plans, the backend, the GPUs' free memory and the cores;
-    --e2e-boot-schedule overrides. Decided at collection: the order of the tests follows it."""
-    keys = list(state(config).cluster_keys)
-    backend = startup.resolve_backend(config.getoption("--backend"))
-    how = config.getoption("--e2e-boot-schedule")
-    if how == "serial":
-        return coboot.serial(keys, "--e2e-boot-schedule=serial")
-    keyed = []
-    for k in keys:
-        engine, topo, *_ = k
-        plan = None
-        if settings.get("E2E_LAUNCHER") == "local":
-            plan = reusable_plan(config, topologies.parse(topo), backend, engine)
-        if plan is None:
-            return coboot.serial(keys, f"{coboot.key_name(k)} is placed when it boots "
-                                       "(nodes, launcher or too few devices): one at a time")
-        keyed.append((k, plan))
-    cores = len(devices.affinity())
-    if how == "together":
-        return coboot.BootSchedule("together", (tuple(keys),) if keys else (),
-                                   "--e2e-boot-schedule=together")
-    gpus = sorted({g for _, p in keyed for g in p.devices}) if backend == "cuda" else []
-    free = devices.gpu_free_share(gpus) if backend == "cuda" else None
-    spec = get_spec(config.getoption("--model"))
-    drivers = {k: for_topology(k[0], topologies.parse(k[1])) for k in keys}
-    alone = {k: why for k in keys if (why := drivers[k].alone_reason(spec))}
-    held = {k: h for k, p in keyed if (h := drivers[k].held_share(p))}
-    return coboot.schedule(keyed, backend, free, cores, alone=alone, held=held)
+def group_name(key) -> str:
+    """engine/topology[/profile]: the pytest-xdist group of a shared key (no `]`: xdist reads
+    the group after the last `@` of a node id only where it follows the parameters' `]`)."""
+    engine, topo, *profile = key
+    return "/".join([engine, topo.name, *profile])
 
 
 @dataclass(frozen=True)
@@ -406,58 +273,19 @@ def e2e_backend(request) -> str:
 
 
 class ClusterPool:
-    """The session's shared topologies. Tests are grouped by their session-scoped
-    `cluster_key`, so each key boots once. A key whose start failed fails its other tests at
-    once with the same error instead of booting again.
-
-    How they boot is the lane-level placement's (coboot.py, decided at the first request from
-    every key the session collected, their plans, the backend, the GPUs' free memory and the
-    cores; --e2e-boot-schedule overrides): serial keeps one topology alive at a time (memory and
-    cores are scarce, the CPU lane); together or in waves, the first request of a wave starts
-    every topology of that wave at once, each in its own thread, and each test waits only for
-    its own topology, which fails alone with its own error. A topology is stopped when the
-    tests move on to the next key, as in serial; the next wave starts once the earlier ones
-    are stopped, and once a wave's last topology has stopped its devices must be back at the
-    wave's baseline (each topology's own teardown checked only its own processes)."""
+    """The shared topologies of this process, one at a time: a test gets its key's topology,
+    booted where another key's was up (that one is stopped first), and the topology stops
+    after its group's last test here (pytest_runtest_teardown). A key whose start failed fails
+    its other tests at once with the same error instead of booting again. Under pytest-xdist
+    each worker has its own pool; a key's group runs on one worker (`--dist loadgroup`)."""
 
     def __init__(self, config):
         self.config = config
         self.key = None
         self.current: Cluster | None = None
         self.failed: dict = {}
-        self.schedule: coboot.BootSchedule | None = None
-        self.boots: dict = {}             # key -> (Cluster, Future) booting or up, co-booted
-        self.waves_started: set[int] = set()
-        self.wave_base: dict[int, Baseline] = {}
-        self.wave_left: dict[int, set] = {}      # wave -> keys not yet stopped
-        self._executor: ThreadPoolExecutor | None = None
-        self._ahead_executor: ThreadPoolExecutor | None = None
 
-    # -- the schedule ---------------------------------------------------------------------------
-    def boot_schedule(self) -> coboot.BootSchedule:
-        if self.schedule is None:
-            st = state(self.config)
-            if st.schedule is None:        # keys known only now (a nested or partial session)
-                st.schedule = decide_schedule(self.config)
-            self.schedule = st.schedule
-            st.boot_schedule = self.schedule.to_dict()
-            if st.ahead:
-                st.boot_schedule["ahead"] = {coboot.key_name(k): len(v)
-                                             for k, v in st.ahead.items()}
-            st.held_keys, why = decide_held(self.config, self.schedule)
-            st.boot_schedule["held"] = {"keys": [coboot.key_name(k) for k in st.held_keys],
-                                        "reason": why}
-            print(f"\nboot schedule: {self.schedule.mode}: {self.schedule.reason}"
-                  + (f"; passes ahead: {', '.join(coboot.key_name(k) for k in st.ahead)}"
-                     if st.ahead else "") + f"; restarts {why}")
-        return self.schedule
-
-    def _cobooted(self, key) -> bool:
-        sched = self.boot_schedule()
-        return sched.together and any(key in w and len(w) > 1 for w in sched.waves)
-
-    # -- getting a topology -----------------------------------------------------------------------
-    def get(self, key, make) -> Cluster:
+    def get(self, key, make=None) -> Cluster:
         if key in self.failed:
             raise self.failed[key]
         if self.current is not None and self.key == key and not self.current.stopped:
@@ -468,15 +296,11 @@ class ClusterPool:
                 self.release()
                 raise
             return self.current
-        if self._cobooted(key) and self._wave_open(key):
-            self._set_aside()
-            return self._get_cobooted(key)
         self.release()
-        self._stop_waves_before(None)
-        c = make()
+        c = (make or (lambda: _make_for_key(self.config, key)))()
         state(self.config).clusters[c.name] = c
         try:
-            c.start()
+            baselines_of(self.config).booting(key, c.start)   # its evidence, if a baseline
         except BaseException as e:
             c.stop(verify_strict=False)
             if isinstance(e, HarnessError):
@@ -486,204 +310,49 @@ class ClusterPool:
         print(f"\n{c.plan.describe()}\nready: {c.timing}")
         return c
 
-    def _wave_open(self, key) -> bool:
-        """Its wave is still to start, or something of it is still up (a topology stopped
-        after a test broke it is then booted again beside the others; when nothing of its
-        wave is up any more it boots alone, as in serial)."""
-        w = self.schedule.wave_of(key)
-        return w not in self.waves_started or bool(self.wave_left.get(w))
-
-    def tests_left(self, key) -> bool:
-        """Whether a test of `key` is still to run (the plugin's final order)."""
-        st = state(self.config)
-        return any(n not in st.finished for n in st.key_items.get(key, ()))
-
-    def _set_aside(self) -> None:
-        """Moving to another co-booted topology: the current one stays up while a test of it
-        is still to come (a wave's tests interleave where passes run ahead), else stopped."""
-        if self.current is not None and not self.current.stopped and self.tests_left(self.key):
-            self.current, self.key = None, None
-        else:
-            self.release()
-
-    def finished(self, item) -> None:
-        """After each test: a shared topology whose last test this was is stopped now."""
-        st = state(self.config)
-        st.finished.add(item.nodeid)
-        key = _shared_key(item)
-        if key is None or self.tests_left(key):
-            return
-        if self.key == key:
-            self.release()
-        elif key in self.boots and not self.boots[key][0].stopped:
-            c, fut = self.boots[key]
-            if fut.done():
-                self._stop(key, c)
-
-    def _get_cobooted(self, key) -> Cluster:
-        w = self.schedule.wave_of(key)
-        if w not in self.waves_started:
-            self._start_wave(w)
-        c, fut = self.boots[key]
-        if not c.stopped and fut.done() and fut.exception() is None and c.gateway is not None:
-            try:                        # up since an earlier test of it: a worker may have died
-                c.check_alive()
-            except HarnessError as e:
-                self.failed[key] = e
-                self._stop(key, c)
-                raise
-        if c.stopped:      # stopped after a test broke it or leaked: a fresh one, beside the rest
-            c = _make_for_key(self.config, key, shared_devices=True,
-                              plan=self._wave_plan(key, w))
-            state(self.config).clusters[c.name] = c
-            fut = self._executor.submit(c.start)
-            self.boots[key] = (c, fut)
-            self.wave_left[w].add(key)
-        try:
-            with waiting_on_boot(c.timing):
-                wait_flushing(fut)
-        except BaseException as e:
-            self._stop(key, c)
-            if isinstance(e, HarnessError):
-                self.failed[key] = e
-            raise
-        self.key, self.current = key, c
-        chain = oracle_store_of(self.config).chains.get(key)
-        if chain is not None:           # its own tests start once its passes ahead are done
-            wait_flushing(chain)
-        print(f"\n{c.plan.describe()}\nready: {c.timing} (booted with "
-              f"{', '.join(coboot.key_name(k) for k in self.schedule.waves[w] if k != key)})")
-        return c
-
-    def _wave_plan(self, key, w: int):
-        """The session's plan of `key`, as its engine takes it beside the rest of wave `w`
-        (Engine.beside: e.g. TokenSpeed's utilization is the wave's total share)."""
-        engine, topo, *_ = key
-        t = topologies.parse(topo)
+    def get_baseline(self, engine: str, topology: str) -> Cluster:
+        """The baseline topology `topology` of `engine` (its evidence: pytest_baseline.py),
+        as a shared topology: the one this pool holds, or booted now."""
+        topo = next((t for t in _topologies(self.config) if t.name == topology),
+                    None) or topologies.parse(topology)
         backend = startup.resolve_backend(self.config.getoption("--backend"))
-        plan = reusable_plan(self.config, t, backend, engine)
-        if plan is None:
-            return None
-        return for_topology(engine, t).beside(plan, self.schedule.shares.get(w, {}))
+        require_devices(self.config, topo, backend, engine)
+        return self.get((engine, topo))
 
-    def _start_wave(self, w: int) -> None:
-        """Every topology of wave `w` at once: constructed here (ports, plans), started each
-        in a thread. Earlier waves are stopped first: the waves were packed to fit one by one."""
-        self._stop_waves_before(w)
-        self.waves_started.add(w)
-        keys = self.schedule.waves[w]
-        st = state(self.config)
-        clusters = []
-        for k in keys:
-            c = _make_for_key(self.config, k, shared_devices=True, plan=self._wave_plan(k, w))
-            st.clusters[c.name] = c
-            clusters.append((k, c))
-        gpus = tuple(sorted({g for _, c in clusters for g in
-                             (c.plan.devices if c.backend == "cuda" else ())}))
-        self.wave_base[w] = LocalLauncher().baseline(gpus)
-        self.wave_left[w] = set(keys)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="e2e-boot")
-        for k, c in clusters:
-            self.boots[k] = (c, self._executor.submit(c.start))
-        print(f"\nbooting together: {', '.join(coboot.key_name(k) for k in keys)}")
-        for k, c in clusters:
-            if k in st.ahead:
-                self._start_ahead(k, c, self.boots[k][1])
-
-    def _start_ahead(self, key, c: Cluster, booted) -> None:
-        """The passes of `key`'s tests, in their order, from a thread once `key` is ready
-        (coboot.py: traffic ahead). Each test's result or error waits in the session's
-        OracleStore under its node id; the `ahead` fixture hands it to the test."""
-        store = oracle_store_of(self.config)
-        steps = state(self.config).ahead[key]
-        for nodeid, _, _ in steps:
-            store.ahead[nodeid] = Future()
-        if self._ahead_executor is None:
-            self._ahead_executor = ThreadPoolExecutor(max_workers=4,
-                                                      thread_name_prefix="e2e-ahead")
-
-        def run():
-            try:
-                booted.result()
-            except BaseException as e:     # noqa: BLE001 - each test says it as its own error
-                for nodeid, _, _ in steps:
-                    store.ahead[nodeid].set_exception(e)
-                return
-            t0 = time.time()
-            for nodeid, fn, params in steps:
-                try:
-                    store.ahead[nodeid].set_result(fn(c, store, **params))
-                except BaseException as e:  # noqa: BLE001 - the test raises it
-                    store.ahead[nodeid].set_exception(e)
-            store.ahead_spans[coboot.key_name(key)] = (t0, time.time())
-        store.chains[key] = self._ahead_executor.submit(run)
-
-    # -- stopping -----------------------------------------------------------------------------------
-    def _stop(self, key, c: Cluster):
-        """Stop one topology; for a co-booted one, once its wave's last is down, the wave's
-        devices against the wave's baseline (added to this last topology's report)."""
-        rep = c.stop(verify_strict=False)     # violations fail the session at its end
-        if key in self.boots:
-            w = self.schedule.wave_of(key)
-            left = self.wave_left.get(w, set())
-            left.discard(key)
-            if not left and w in self.wave_base:
-                self._check_wave(w, c)
-        return rep
-
-    def _check_wave(self, w: int, last: Cluster) -> None:
-        base = self.wave_base.pop(w)
-        rep = last.teardown_report
-        if rep is None:
-            return
-        wave = teardown.TeardownReport()
-        teardown.check_gpu(wave, base.gpu_mib)
-        missing = sorted(set(base.gpus) - set(base.gpu_mib))
-        if missing:          # a GPU check over nothing: never clean
-            wave.unverified.append(f"GPU memory of GPU(s) {missing}: NVML read nothing before "
-                                   "the wave, so there was no baseline to compare with")
-        rep.unverified = rep.unverified + wave.unverified
-        removed, left = teardown.clean_shm(base.shm)
-        rep.shm_removed, rep.shm_left = rep.shm_removed + removed, rep.shm_left + left
-        if wave.gpu_checked:
-            rep.gpu_checked, rep.gpu_wait_s = True, wave.gpu_wait_s
-            rep.gpu_settle_s = wave.gpu_settle_s
-            rep.gpu_leaks = {**rep.gpu_leaks, **wave.gpu_leaks}
-            rep.gpu_holders = {**(rep.gpu_holders or {}), **(wave.gpu_holders or {})}
-
-    def _stop_waves_before(self, w: int | None) -> None:
-        """Stop what is still up of the waves before `w` (None: of every wave)."""
-        for k, (c, fut) in list(self.boots.items()):
-            if (w is None or self.schedule.wave_of(k) < w) and not c.stopped:
-                try:
-                    fut.result()              # still booting: let it finish, then stop it
-                except BaseException:         # noqa: BLE001 - its own test names it
-                    pass
-                self._stop(k, c)
+    def take(self, key) -> Cluster:
+        """The topology of `key` out of the pool, for a test that breaks it (the caller stops
+        it): the current one, else one booted now, on a GPU with its restarts held (their
+        imports done with the boot: 9 s of an 18 s restart on an H200; not on CPU, whose cores
+        a held interpreter would take)."""
+        backend = startup.resolve_backend(self.config.getoption("--backend"))
+        c = self.get(key, lambda: _make_for_key(self.config, key,
+                                                hold_restarts=backend == "cuda"))
+        self.current, self.key = None, None
+        return c
 
     def release(self):
         """Stop the current topology; its teardown report (None when none was up)."""
         if self.current is not None:
-            c, key, self.current, self.key = self.current, self.key, None, None
-            return self._stop(key, c)
+            c, self.current, self.key = self.current, None, None
+            return c.stop(verify_strict=False)      # violations fail the session at its end
         return None
-
-    def release_all(self):
-        # passes still running ahead: done before the stops (run() never raises)
-        futures_wait(oracle_store_of(self.config).chains.values())
-        self.release()
-        self._stop_waves_before(None)
-        for ex in (self._ahead_executor, self._executor):
-            if ex is not None:
-                ex.shutdown(wait=True)
 
 
 @pytest.fixture(scope="session")
 def cluster_pool(request):
-    pool = ClusterPool(request.config)
+    pool = state(request.config).pool = ClusterPool(request.config)
     yield pool
-    pool.release_all()
+    pool.release()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's fixtures are torn down: the shared topology is stopped where the next
+    test of this process asks for another (or none): its group ended here."""
+    pool = state(item.config).pool
+    if pool is not None and pool.key is not None and (
+            nextitem is None or _shared_key(nextitem) != pool.key):
+        pool.release()
 
 
 def _make_for_key(config, key, **kw) -> Cluster:
@@ -692,7 +361,6 @@ def _make_for_key(config, key, **kw) -> Cluster:
     engine, topo, *profile = key
     if profile:
         kw["options"] = cluster_profile(profile[0]).options()
-    kw.setdefault("hold_restarts", key in state(config).held_keys)
     backend = startup.resolve_backend(config.getoption("--backend"))
     return make_cluster(config, engine, topo, backend, **kw)
 
@@ -705,6 +373,7 @@ def make_cluster(config, engine: str, topology: Topology | str, backend: str,
     topology = topologies.parse(topology)
     if "launcher" not in kw and settings.get("E2E_LAUNCHER") == "local":
         kw.setdefault("plan", reusable_plan(config, topology, backend, engine))
+    kw.update(cluster_kw(config, engine, topology, kw.get("plan")))
     return Cluster(model=config.getoption("--model"), engine=engine, topology=topology,
                    backend=backend, devices=config.getoption("--devices"), options=opts, **kw)
 
@@ -714,17 +383,32 @@ def cluster(request, cluster_key, e2e_backend, cluster_pool):
     """A running topology behind the gateway, shared by every test of the same key."""
     if cluster_key is None:
         pytest.skip("no topology")
+    if "baseline" in request.fixturenames:      # its evidence first: booting the baseline
+        request.getfixturevalue("baseline")     # topology would stop this test's
     engine, topo, *_ = cluster_key
     require_devices(request.config, topo, e2e_backend, engine)
-    c = cluster_pool.get(cluster_key, lambda: _make_for_key(request.config, cluster_key))
+    c = cluster_pool.get(cluster_key)
     # For the idle check after the test (_idle_after): by then this fixture is torn down and
     # pytest (8 and later) refuses its value ("not available ... already been torn down").
     request.node._e2e_cluster = c
-    if request.node.get_closest_marker("quiet"):
-        # timed against an engine's own pace: no worker boots beside it (a fault test's
-        # restart in the background, marker `restarting`)
-        Cluster.settle_restarts()
     return c
+
+
+@pytest.fixture
+def disposable_cluster(request, cluster_key, e2e_backend, cluster_pool):
+    """A topology of the test's key that no test gets after it: for a test that breaks it.
+    The group's topology where this process holds it (such a test runs after its group's
+    other tests), else one booted for it; stopped after the test either way (the test may
+    stop it first, to judge its teardown)."""
+    if cluster_key is None:
+        pytest.skip("no topology")
+    engine, topo, *_ = cluster_key
+    require_devices(request.config, topo, e2e_backend, engine)
+    c = cluster_pool.take(cluster_key)
+    request.node._e2e_cluster = c           # for its record
+    yield c
+    if not c.stopped:
+        c.stop(verify_strict=False)
 
 
 @pytest.fixture(autouse=True)
@@ -734,20 +418,36 @@ def _e2e_idle_after(request):
     the next test gets a fresh one instead of inheriting the leak."""
     yield
     if "cluster" in request.fixturenames:
-        try:
-            _idle_after(request)
-        finally:       # the topology's last test: it is stopped now (its order: the plugin's)
-            request.getfixturevalue("cluster_pool").finished(request.node)
+        _idle_after(request)
+
+
+@pytest.fixture(autouse=True)
+def _e2e_device_shared(request):
+    """Every test on a device (a topology or the baseline's evidence) holds the session's
+    device lock shared for its setup, call and teardown; a test that takes `exclusive` holds
+    it alone (infra/lifecycle/exclusive.py)."""
+    names = set(request.fixturenames)
+    if "exclusive" in names or not {"cluster", "baseline", "own_cluster",
+                                    "disposable_cluster"} & names:
+        yield
+        return
+    with device_lock.DeviceLock(scratch_dir(request.config)).shared():
+        yield
+
+
+@pytest.fixture
+def exclusive(request):
+    """The device to this test alone: no other process's test runs (or boots) during its
+    call, for what is timed against an engine's own pace (a cancel, an idle check). Its own
+    topology is booted first, beside the others."""
+    for name in ("cluster", "disposable_cluster"):
+        if name in request.fixturenames:
+            request.getfixturevalue(name)
+    with device_lock.DeviceLock(scratch_dir(request.config)).exclusive():
+        yield
 
 
 def _idle_after(request) -> None:
-    if request.node.get_closest_marker("restarting"):
-        return      # a worker of its topology boots again in the background: not idle-able
-    if request.node.get_closest_marker("breaks_cluster"):
-        # It broke its topology on purpose (and may have stopped it to check the teardown):
-        # no idle check; stopped here in any case, so the next test gets a fresh one.
-        request.getfixturevalue("cluster_pool").release()
-        return
     if not settings.get("E2E_IDLE_AFTER_TEST"):
         return
     # The test's topology, as its `cluster` fixture handed it out. Asking the fixture again
@@ -757,11 +457,6 @@ def _idle_after(request) -> None:
     c = getattr(request.node, "_e2e_cluster", None)
     if c is None or c.stopped or c.gateway is None:
         return              # the topology did not start (or was skipped): nothing to check
-    # Booted together, a regular topology's passes may still run ahead in a thread beside
-    # this test (coboot.py): that traffic is its own, not this test's leak. Judged once it ends.
-    ahead = oracle_store_of(request.config).chains.get(_shared_key(request.node))
-    if ahead is not None:
-        wait_flushing(ahead)
     try:
         rep = c.wait_idle()
     except IdleError as e:
@@ -776,6 +471,8 @@ def _idle_after(request) -> None:
 def own_cluster(request, e2e_backend, cluster_pool):
     """For tests that break their topology (fault injection): the shared one is stopped
     first; returns a factory; every cluster it made is stopped after the test."""
+    if "baseline" in request.fixturenames:      # its evidence first (it may boot `1`)
+        request.getfixturevalue("baseline")
     cluster_pool.release()
     made: list[Cluster] = []
 
@@ -801,158 +498,3 @@ def eval_data():
         pytest.fail(str(e), pytrace=False)
 
 
-@dataclass
-class OracleStore:
-    """What the comparison suites share in a session (test_evals and test_oracle fill it; the
-    PD, DP, AFD and EPD comparisons read it)."""
-    # (engine, topology, eval) -> index -> oracle steps (None where the request failed)
-    passes: dict = field(default_factory=dict)
-    # (engine, eval) -> oracle.ControlArm measured on the regular topology in this session
-    control: dict = field(default_factory=dict)
-    # (engine, eval) -> oracle.PathArm of the regular topology (Engine.first_step_path_arm),
-    # where its engine has one: what a disaggregated comparison's first steps are held to
-    path: dict = field(default_factory=dict)
-    # (engine, topology) -> indices of the recall prompts whose pass code came back
-    recall: dict = field(default_factory=dict)
-    # traffic ahead (coboot.py): test node id -> Future of its `ahead` function's result
-    ahead: dict = field(default_factory=dict)
-    # key -> Future of a regular topology's passes ahead; key name -> (start, end) epoch s
-    chains: dict = field(default_factory=dict)
-    ahead_spans: dict = field(default_factory=dict)
-
-    def baseline_coming(self, engine: str) -> bool:
-        """Whether `engine`'s regular topology still has passes running ahead (booted
-        together): a judged test may send its own traffic first and wait for them after."""
-        return any(key[0] == engine and not fut.done() for key, fut in self.chains.items())
-
-    def settled(self, engine: str) -> OracleStore:
-        """This store, once `engine`'s passes ahead (if any) are done: what a test judged
-        against the regular topology reads (its tests are marked needs_baseline)."""
-        for key, fut in list(self.chains.items()):
-            if key[0] == engine:
-                wait_flushing(fut)      # never raises: each step's error is its own test's
-        return self
-
-
-def oracle_store_of(config) -> OracleStore:
-    st = state(config)
-    if st.oracle is None:
-        st.oracle = OracleStore()
-    return st.oracle
-
-
-@pytest.fixture(scope="session")
-def oracle_store(request) -> OracleStore:
-    return oracle_store_of(request.config)
-
-
-@pytest.fixture
-def ahead(request, cluster, oracle_store):
-    """A callable that gives the result of the test's traffic (`@pytest.mark.ahead.with_args(fn)`)
-    in the test's body: what the passes ahead measured where they ran (waited for; their error
-    raised as the test's own), else fn(cluster, oracle_store, **params) run now."""
-    m = request.node.get_closest_marker("ahead")
-    if m is None:
-        raise HarnessError(f"{request.node.name}: the `ahead` fixture needs "
-                           "@pytest.mark.ahead.with_args(fn)")
-    params = _test_params(request.node)
-
-    def result():
-        fut = oracle_store.ahead.get(request.node.nodeid)
-        if "record" in request.fixturenames:      # where the traffic ran, in the test's record
-            request.getfixturevalue("record")["traffic_ahead"] = fut is not None
-        if fut is not None:
-            return wait_flushing(fut)
-        return m.args[0](cluster, oracle_store, **params)
-    return result
-
-
-@pytest.fixture
-def record(request):
-    """A dict the test fills; written as results/tests/<test>.json with the cluster's facts."""
-    rec: dict = {"test": request.node.nodeid, "started": time.time()}
-    request.node.stash[RECORDED] = True
-    request.node.stash[RECORD] = rec
-    yield rec
-    rec["outcome"] = request.node.stash.get(OUTCOME, "unknown")
-    if "cluster" in request.fixturenames:
-        # as handed out (torn down already where the test named `record` first)
-        c = getattr(request.node, "_e2e_cluster", None) or request.getfixturevalue("cluster")
-        rec.setdefault("cluster", c.name)
-        rec.update(results.cluster_facts(c))
-    state(request.config).records.append(rec)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    if rep.when == "call" or (rep.when == "setup" and rep.outcome != "passed"):
-        item.stash[OUTCOME] = rep.outcome
-    if rep.when == "call":     # the test body's interval, for the time report
-        state(item.config).calls.append((rep.start, rep.stop))
-    if rep.when == "teardown" and rep.failed and RECORD in item.stash:
-        # Failed after its record was taken (the idle check after the test, which runs last):
-        # the result files say so too, not only pytest's exit code and junit.
-        rec = item.stash[RECORD]
-        rec["outcome"] = "error"
-        rec["teardown_error"] = _error_line(rep)
-    if (rep.when == "setup" and rep.failed and "record" in getattr(item, "fixturenames", ())
-            and not item.stash.get(RECORDED, False)):
-        # A fixture before `record` failed (a topology that did not start): still leave a
-        # result record, so the failure is in the result files and not only in the log.
-        ck = getattr(getattr(item, "callspec", None), "params", {}).get("cluster_key") or ()
-        state(item.config).records.append({
-            "test": item.nodeid, "outcome": "error", "started": time.time(),
-            **({"engine": ck[0], "topology": str(ck[1])} if len(ck) == 2 else {}),
-            "error": _error_line(rep)})
-
-
-def _error_line(rep) -> str:
-    crash = getattr(rep.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(rep.longrepr)
-    return text.strip().splitlines()[0][:500] if text and text.strip() else ""
-
-
-def pytest_sessionfinish(session, exitstatus):
-    lifecycle.teardown_all()
-    st = state(session.config)
-    bad = [f"{n}: {c.teardown_report.verdict()}" for n, c in st.clusters.items()
-           if c.teardown_report is not None and not c.teardown_report.ok]
-    st.teardown_violations = bad
-    if bad and settings.ci():
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if not st.records and not st.clusters:
-        return   # nothing end-to-end ran (e.g. unit tests only): no summary to write
-    st.summary = results.write_session(st.records, st.clusters,
-                                       wall_s=time.monotonic() - st.t0)
-    spans = dict(st.oracle.ahead_spans) if st.oracle is not None else {}
-    st.time_report = time_report.with_schedule(
-        time_report.compute([time_report.cluster_entry(c) for c in st.clusters.values()],
-                            st.calls + list(spans.values()), st.t0_epoch, time.time()),
-        st.boot_schedule)
-    if spans:
-        st.time_report["ahead"] = time_report.ahead_entry(spans, st.calls)
-    time_report.write(st.time_report, Path(st.summary["dir"]))
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    st = state(config)
-    for line in st.teardown_violations:
-        terminalreporter.write_line(f"TEARDOWN VIOLATION {line}", red=True, bold=True)
-    out = st.summary
-    if out and out.get("table"):
-        terminalreporter.section("e2e results")
-        terminalreporter.write_line(out["table"])
-        terminalreporter.write_line(f"results: {out['dir']}")
-    if st.time_report:
-        terminalreporter.write_line(f"time: {time_report.headline(st.time_report)}", bold=True)
-        if st.time_report.get("boot_schedule"):
-            terminalreporter.write_line(f"boot schedule: {st.time_report['boot_schedule']['reason']}")
-            held = st.time_report["boot_schedule"].get("held")
-            if held and held.get("keys"):
-                terminalreporter.write_line(f"restarts: {held['reason']}")
-        for line in (time_report.phases_line(st.time_report),
-                     time_report.warm_line(st.time_report)):
-            if line:
-                terminalreporter.write_line(line)

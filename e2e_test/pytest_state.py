@@ -24,15 +24,12 @@ class SessionState:
     deselected: dict = field(default_factory=dict)         # reason -> [items]
     collect_skips: list = field(default_factory=list)      # "nodeid: reason"
     min_tests_line: str | None = None                      # --e2e-min-tests: too few ran
-    cluster_keys: list = field(default_factory=list)       # shared topologies, in test order
-    boot_schedule: dict | None = None                      # coboot.BootSchedule.to_dict()
-    schedule: object | None = None                         # coboot.BootSchedule (collection)
-    ahead: dict = field(default_factory=dict)              # key -> [(nodeid, fn, params)] ahead
-    restarting_keys: set = field(default_factory=set)      # keys a `restarting` test restarts
-    held_keys: tuple = ()                                  # ... whose restarts are held ahead
-    key_items: dict = field(default_factory=dict)          # key -> its tests' nodeids, in order
-    finished: set = field(default_factory=set)             # nodeids of the tests that ended
-    oracle: object | None = None                           # the session's OracleStore
+    pool: object | None = None                             # pytest_plugin.ClusterPool
+    baselines: object | None = None                        # pytest_baseline.Baselines
+    assignment: object | None = None                       # coboot.Assignment (-n auto)
+    worker_parts: list = field(default_factory=list)       # pytest-xdist workers' results
+    devices_before: object | None = None                   # launcher.Baseline (controller)
+    devices_report: object | None = None                   # teardown.TeardownReport (ditto)
 
 
 STATE = pytest.StashKey[SessionState]()

@@ -3,8 +3,7 @@
 #
 #   bash scripts/gpu_runs.sh ENGINE SPEC [SPEC ...] [-- ARGS FOR EVERY RUN]
 #   SPEC = NAME:LANE[:VAR=VALUE[,VAR=VALUE ...]]
-#   e.g. bash scripts/gpu_runs.sh tokenspeed together:e2e-1gpu-pd \
-#          serial:e2e-1gpu-pd:PYTEST_ADDOPTS=--e2e-boot-schedule=serial
+#   e.g. bash scripts/gpu_runs.sh tokenspeed plain:e2e-1gpu-pd n64:e2e-1gpu-pd:E2E_GSM8K_N=64
 #
 # A device call returns at most 8 files and stops at 10 minutes; a lane run is 1-3 minutes. So:
 #   - each run's results folder (E2E_RESULTS_DIR=/tmp/res/NAME), its lane log and what
@@ -16,7 +15,7 @@
 #     (default 60) left is not started and is named as skipped;
 #   - NAME is letters, digits, '.', '_' and '-' (a file name the device returns), unique;
 #     VAR must be an E2E_*, TOKENSPEED_* or VLLM_* variable, or PYTEST_ADDOPTS (pytest options
-#     of that run alone: an A/B of --e2e-boot-schedule). Bad specs stop it before any run.
+#     of that run alone, e.g. --e2e-shuffle=1). Bad specs stop it before any run.
 # Prints one line per run (`gpu_runs: NAME rc=R wall=Ws`) and exits 1 if any run failed or was
 # skipped.
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then    # usage and the comment above

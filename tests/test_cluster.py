@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -23,7 +23,7 @@ from e2e_test.infra import engines
 from e2e_test.infra.cluster import cluster as cluster_mod
 from e2e_test.infra.cluster import reach
 from e2e_test.infra.cluster.cluster import Cluster
-from e2e_test.infra.errors import ConfigError, HarnessError, StartupError, WorkerDied
+from e2e_test.infra.errors import ConfigError, HarnessError, StartupError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_engine
@@ -292,44 +292,10 @@ def test_a_held_process_unused_is_stopped_and_a_dead_one_replaced(fake_module, w
     assert c.teardown_report.ok, c.teardown_report.verdict()
 
 
-def test_a_restart_in_the_background_boots_while_the_caller_goes_on(fake, weights, tmp_path):
-    """Cluster.restart_in_background (a fault test's lost leg, booting beside other tests):
-    it returns before the worker is back; await_restart gives the worker (once);
-    settle_restarts waits for every one in flight; stop() waits for one still booting, so the
-    process it launches is stopped with the rest."""
-    fake.env = {"worker-0": {"FAKE_ENGINE_DELAY_S": "1.0"}}
-    c = make(weights, tmp_path)
-    with c:
-        old = c.workers[0].process.pid
-        os.kill(old, signal.SIGKILL)                        # the leg lost
-        assert _gone([old])
-        with pytest.raises(WorkerDied, match="worker-0"):
-            c.check_alive()
-        c._restarting["worker-0"] = Future()                # while its restart is in flight,
-        c.check_alive()                                     # its old process is no death
-        c._restarting.clear()
-        fut = c.restart_in_background("worker-0")
-        assert not fut.done() and c.restarts_in_flight() == ["worker-0"]
-        with pytest.raises(HarnessError, match="in flight already"):
-            c.restart_in_background("worker-0")
-        assert Cluster.settle_restarts() == [f"{c.name}/worker-0"]
-        assert c.restarts_in_flight() == []
-        w = c.await_restart("worker-0")
-        assert w.process.pid != old and w.restarts == 1
-        assert c.await_restart("worker-0") is None         # taken: none left
-        assert c.chat("x")["choices"]
-        assert len(c.timing.restart_boots) == 1 and c.timing.restart_boots[0][1] >= 1.0
-        c.restart_in_background("worker-0")                  # still booting at the stop
-    assert c.workers[0].restarts == 2
-    assert c.teardown_report.ok, c.teardown_report.verdict()
-    assert _gone([c.workers[0].process.pid])
-
-
 def test_the_main_thread_records_what_it_waited_on_a_boot(fake, weights, tmp_path):
     """Timing.boot_waits (the time report's boot_waited_s): a boot the main thread runs is
-    waited on in full; one booting in a thread is not, until something waits for it (a
-    background restart settled). Negative control: the threaded start and the threaded
-    restart themselves record nothing."""
+    waited on in full, and so is a restart it runs. Negative control: a start run in a
+    thread records nothing."""
     fake.env = {"worker-0": {"FAKE_ENGINE_DELAY_S": "1.0"}}
     threaded = make(weights, tmp_path / "t")
     with ThreadPoolExecutor(1) as ex:
@@ -344,12 +310,9 @@ def test_the_main_thread_records_what_it_waited_on_a_boot(fake, weights, tmp_pat
         epoch, s = c.timing.boot_waits[0]
         assert epoch == pytest.approx(c.timing.boot_started, abs=0.5)
         assert 1.0 <= s <= c.timing.total_ready_s + 0.1
-        c.restart_in_background("worker-0")
-        time.sleep(0.3)                                      # the caller went on meanwhile
-        Cluster.settle_restarts()
-        assert len(c.timing.boot_waits) == 2                 # the settle, not the restart
-        assert c.timing.boot_waits[1][1] >= 0.5              # the 1 s boot less the 0.3 s
-        assert c.await_restart("worker-0").restarts == 1
+        assert c.restart("worker-0").restarts == 1
+        assert len(c.timing.boot_waits) == 2
+        assert c.timing.boot_waits[1][1] >= 1.0
 
 
 def test_stop_report_names_a_worker_that_needed_sigkill(fake, weights, tmp_path, monkeypatch):

@@ -1,15 +1,15 @@
-"""The lane-level placement (e2e_test/infra/specs/coboot.py): which of a session's shared topologies
-boot together, from their plans, the backend, the GPUs' free memory and the cores. Pure: real
-plans of the default model, no engine starts."""
+"""The device-aware assignment (e2e_test/infra/specs/coboot.py): how many of a session's
+topologies run at once (pytest-xdist workers), from their plans, the backend, the GPUs' free
+memory and the cores. Pure: real plans of the default model, no engine starts."""
 
 from dataclasses import replace
 
 import pytest
 
+from e2e_test.infra.engines import for_topology
 from e2e_test.infra.specs import coboot
 from e2e_test.infra.specs import plan as planner
 from e2e_test.infra.specs import topology as topologies
-from e2e_test.infra.engines import for_topology
 from e2e_test.infra.specs.model_specs import DEFAULT_MODEL, get_spec
 
 SPEC = get_spec(DEFAULT_MODEL)
@@ -35,96 +35,67 @@ def pd_lane(frac: float | None = None):
     return [(k, with_fraction(p, frac) if frac else p) for k, p in plans]
 
 
-def test_the_cpu_lane_keeps_todays_order_and_says_why():
+def test_the_cpu_lane_runs_one_topology_at_a_time_and_says_why():
     keyed = [(ONE, placed("1", "cpu")), (("vllm", "dp2"), placed("dp2", "cpu")),
              (PD, placed("1p1d", "cpu"))]
-    s = coboot.schedule(keyed, "cpu", None, cores=2)
-    assert s.mode == "serial" and not s.together
-    assert s.waves == ((ONE,), (("vllm", "dp2"),), (PD,))
-    assert "backend cpu" in s.reason and "68-74 %" in s.reason
+    a = coboot.assign(keyed, "cpu", None, cores=2)
+    assert a.workers == 1 and a.shares == {}
+    assert "backend cpu" in a.reason and "68-74 %" in a.reason
 
 
-def test_the_registry_fractions_boot_the_pd_lane_at_once_on_an_h200():
-    """SmolLM2 takes 0.1 of a GPU per worker (its KV pinned by kv_budget_tokens): `1`, 1p1d
-    and the window 1p1d (5 workers, 0.5) fit under 0.9 together."""
-    s = coboot.schedule(pd_lane(), "cuda", {0: 1.0}, cores=16)
-    assert s.mode == "together" and s.waves == ((ONE, PD, WINDOW),)
-    assert s.shares == {0: {0: 0.5}}
+def test_the_registry_fractions_run_four_pd_lane_topologies_at_once_on_an_h200():
+    """SmolLM2 takes 0.1 of a GPU per worker (its KV pinned by kv_budget_tokens): the largest
+    topology (1p1d, 0.2) fits four times under 0.9, and 16 cores boot four 2-worker topologies
+    at once (the lane's `1`, 1p1d and window 1p1d, and a disposable one, all up together)."""
+    a = coboot.assign(pd_lane(), "cuda", {0: 1.0}, cores=16)
+    assert a.workers == 4 and a.shares == {0: 0.8}
+    assert a.reason.startswith("4 topologies at once: the largest takes GPU 0 0.20")
 
 
-def test_shares_that_do_not_fit_at_once_wave():
-    """At 0.2 a worker (SmolLM2's share while vLLM sized its KV from it): `1` (0.2) and 1p1d
-    (0.4) fit together under 0.9; the window 1p1d (0.4 more) does not, so it waves."""
-    s = coboot.schedule(pd_lane(0.2), "cuda", {0: 1.0}, cores=16)
-    assert s.mode == "waves"
-    assert s.waves == ((ONE, PD), (WINDOW,))
-    assert s.shares == {0: {0: 0.6}, 1: {0: 0.4}}
-    assert "2 waves" in s.reason
-
-
-def test_small_shares_boot_every_topology_at_once():
-    s = coboot.schedule(pd_lane(0.05), "cuda", {0: 0.99}, cores=16)
-    assert s.mode == "together" and s.waves == ((ONE, PD, WINDOW),)
-    assert "every topology fits at once" in s.reason and "GPU 0 0.25" in s.reason
+def test_larger_shares_fewer_workers():
+    """At 0.2 a worker (1p1d 0.4): two fit under 0.9."""
+    a = coboot.assign(pd_lane(0.2), "cuda", {0: 1.0}, cores=16)
+    assert a.workers == 2 and a.shares == {0: 0.8}
 
 
 def test_memory_held_by_others_keeps_them_apart():
-    s = coboot.schedule(pd_lane(0.2), "cuda", {0: 0.5}, cores=16)
-    assert s.mode == "serial" and s.waves == ((ONE,), (PD,), (WINDOW,))
-    assert "no two topologies fit at once" in s.reason and "GPU 0 0.50 free" in s.reason
+    a = coboot.assign(pd_lane(0.2), "cuda", {0: 0.5}, cores=16)
+    assert a.workers == 1 and a.shares == {}
+    assert a.reason.startswith("one topology at a time") and "GPU 0 0.50 free" in a.reason
 
 
 def test_too_few_cores_keep_boots_apart():
-    """Five workers at 2 cores each need 10; 4 cores boot two workers at a time."""
-    s = coboot.schedule(pd_lane(0.05), "cuda", {0: 1.0}, cores=4)
-    assert s.waves == ((ONE,), (PD,), (WINDOW,))
-    s = coboot.schedule(pd_lane(0.05), "cuda", {0: 1.0}, cores=6)
-    assert s.waves == ((ONE, PD), (WINDOW,))
+    """A 2-worker topology at 2 cores a booting worker needs 4 cores; 4 cores run one."""
+    assert coboot.assign(pd_lane(0.05), "cuda", {0: 1.0}, cores=4).workers == 1
+    assert coboot.assign(pd_lane(0.05), "cuda", {0: 1.0}, cores=8).workers == 2
 
 
-def test_a_topology_that_does_not_fit_alone_is_its_own_wave():
-    keyed = [(ONE, with_fraction(placed("1"), 0.05)), (PD, with_fraction(placed("1p1d"), 0.6)),
-             (("vllm", "dp2"), with_fraction(placed("dp2"), 0.05))]
-    s = coboot.schedule(keyed, "cuda", {0: 1.0}, cores=16)
-    # 1p1d at 0.6 + 0.6 exceeds the device even alone: planned for it as it is today
-    assert s.waves == ((ONE,), (PD,), (("vllm", "dp2"),))
-
-
-def test_devices_are_counted_apart():
-    """Two GPUs: a topology on GPU 0 and one on GPU 1 fit together even at 0.85 each."""
-    a = with_fraction(placed("1", devices=(0,)), 0.85)
-    b = with_fraction(placed("1", devices=(1,)), 0.85)
-    s = coboot.schedule([(("vllm", "1"), a), (("tokenspeed", "1"), b)], "cuda",
-                        {0: 1.0, 1: 1.0}, cores=16)
-    assert s.mode == "together"
-    s = coboot.schedule([(("vllm", "1"), a), (("tokenspeed", "1"), a)], "cuda",
-                        {0: 1.0, 1: 1.0}, cores=16)
-    assert s.mode == "serial"
+def test_a_topology_that_does_not_fit_twice_runs_alone():
+    keyed = [(ONE, with_fraction(placed("1"), 0.05)), (PD, with_fraction(placed("1p1d"), 0.3))]
+    assert coboot.assign(keyed, "cuda", {0: 1.0}, cores=16).workers == 1
+    keyed = [(ONE, with_fraction(placed("1"), 0.05)), (PD, with_fraction(placed("1p1d"), 0.6))]
+    assert coboot.assign(keyed, "cuda", {0: 1.0}, cores=16).workers == 1
 
 
 @pytest.mark.parametrize("keyed, free, why", [
-    ([], {0: 1.0}, "0 shared topology"),
-    ([(ONE, placed("1"))], {0: 1.0}, "1 shared topology"),
+    ([], {0: 1.0}, "no topology"),
     (None, None, "GPU free memory unknown"),
 ])
-def test_nothing_to_decide_is_serial_with_its_reason(keyed, free, why):
-    s = coboot.schedule(pd_lane() if keyed is None else keyed, "cuda", free, cores=16)
-    assert s.mode == "serial" and why in s.reason
+def test_nothing_to_decide_is_one_worker_with_its_reason(keyed, free, why):
+    a = coboot.assign(pd_lane() if keyed is None else keyed, "cuda", free, cores=16)
+    assert a.workers == 1 and why in a.reason
 
 
-def test_the_record_names_the_keys():
-    s = coboot.schedule(pd_lane(0.2), "cuda", {0: 1.0}, cores=16)
-    d = s.to_dict()
-    assert d["waves"] == [["vllm/1", "vllm/1p1d"], ["vllm/1p1d[window]"]]
-    assert d["mode"] == "waves" and d["reason"] == s.reason
-    assert s.wave_of(WINDOW) == 1 and s.wave_of(ONE) == 0
-    with pytest.raises(KeyError):
-        s.wave_of(("vllm", "dp2"))
+def test_the_record_round_trips():
+    a = coboot.assign(pd_lane(), "cuda", {0: 1.0}, cores=16)
+    assert coboot.Assignment.from_dict(a.to_dict()) == a
+    assert a.to_dict()["shares"] == {"0": 0.8}
+    assert coboot.key_name(WINDOW) == "vllm/1p1d[window]"
 
 
-def test_an_engine_that_sizes_from_free_memory_boots_alone_and_says_why():
+def test_an_engine_that_sizes_from_free_memory_runs_alone_and_says_why():
     """TokenSpeed sizes its KV pool from the device's free memory at start
-    (Engine.boots_beside_others): its topologies boot one at a time, with its reason."""
+    (Engine.boots_beside_others): one topology at a time, with its reason."""
     from e2e_test.infra.engines.tokenspeed import ENGINE as TS
     assert TS.boots_beside_others and "free memory" in TS.boots_beside_others
     assert for_topology("vllm", topologies.parse("1")).boots_beside_others is None
@@ -132,14 +103,11 @@ def test_an_engine_that_sizes_from_free_memory_boots_alone_and_says_why():
     assert TS.alone_reason(unbounded) == TS.boots_beside_others
     lane = [(("tokenspeed",) + k[1:], p) for k, p in pd_lane(0.05)]
     alone = {k: TS.boots_beside_others for k, _ in lane}
-    s = coboot.schedule(lane, "cuda", {0: 1.0}, cores=16, alone=alone)
-    assert s.mode == "serial" and len(s.waves) == 3
-    assert s.reason.startswith("tokenspeed boots alone: TokenSpeed sizes its KV pool")
-    # one such key among others: the others still share a wave
-    mixed = pd_lane(0.05) + [(("tokenspeed", "1"), with_fraction(placed("1"), 0.05))]
-    s = coboot.schedule(mixed, "cuda", {0: 1.0}, cores=16,
-                        alone={("tokenspeed", "1"): TS.boots_beside_others})
-    assert s.waves == ((ONE, PD, WINDOW), (("tokenspeed", "1"),)) and s.mode == "waves"
+    a = coboot.assign(lane, "cuda", {0: 1.0}, cores=16, alone=alone)
+    assert a.workers == 1
+    assert a.reason.startswith("tokenspeed boots alone: TokenSpeed sizes its KV pool")
+    # the negative control: with no engine alone, the same lane runs four at once
+    assert coboot.assign(lane, "cuda", {0: 1.0}, cores=16).workers == 4
 
 
 def test_vllm_boots_beside_others_only_with_its_kv_pinned():
@@ -153,11 +121,12 @@ def test_vllm_boots_beside_others_only_with_its_kv_pinned():
     assert "profiling device-wide memory" in vl.alone_reason(llama)
 
 
-def test_tokenspeed_with_its_pool_bounded_boots_beside_others_at_the_waves_share():
+def test_tokenspeed_with_its_pool_bounded_runs_beside_others_at_their_total_share():
     """With kv_budget_tokens (--max-total-tokens) a TokenSpeed worker holds about its share,
-    so it may co-boot; each of its workers then runs at the wave's total share on its device
-    (its pool budget is free_now - total x (1 - utilization): at least its own share whatever
-    the others hold), inside one topology as across topologies."""
+    so its topologies may run beside others; each of its workers then runs at the total share
+    the workers may hold on its device (its pool budget is free_now - total x (1 -
+    utilization): at least its own share whatever the others hold), inside one topology as
+    across topologies."""
     from e2e_test.infra.engines.tokenspeed import ENGINE as TS
     assert SPEC.kv_budget_tokens and TS.alone_reason(SPEC) is None
     pd = placed("1p1d", engine="tokenspeed")
@@ -166,14 +135,14 @@ def test_tokenspeed_with_its_pool_bounded_boots_beside_others_at_the_waves_share
             (("tokenspeed", "1p1d"), pd), (("tokenspeed", "1p1d", "window"), pd)]
     # what 1p1d holds is its largest cumulative share (0.2), not their sum (0.3)
     assert TS.held_share(pd) == {0: 0.2} and coboot.device_share(pd) == {0: 0.3}
-    s = coboot.schedule(lane, "cuda", {0: 1.0}, cores=16,
-                        alone={k: w for k, _ in lane if (w := TS.alone_reason(SPEC))},
-                        held={k: TS.held_share(p) for k, p in lane})
-    assert s.mode == "together" and s.shares == {0: {0: 0.5}}
-    got = TS.beside(pd, s.shares[0])
-    assert [e.mem_fraction for e in got.entries] == [0.5, 0.5]
+    a = coboot.assign(lane, "cuda", {0: 1.0}, cores=16,
+                      alone={k: TS.alone_reason(SPEC) for k, _ in lane},
+                      held={k: TS.held_share(p) for k, p in lane})
+    assert a.workers == 4 and a.shares == {0: 0.8}
+    got = TS.beside(pd, a.shares)
+    assert [e.mem_fraction for e in got.entries] == [0.8, 0.8]
     assert TS.beside(pd, {}) is pd
-    # a worker on a device the wave does not share keeps its own
+    # a worker on a device the others do not share keeps its own
     other = placed("1", devices=(1,), engine="tokenspeed")
     assert TS.beside(other, {0: 0.7}).entries == other.entries
     # vLLM's workers hold their own planned share (KV pinned): unchanged beside others
@@ -190,91 +159,3 @@ def test_tokenspeed_serving_a_hybrid_model_boots_alone():
     vlm = get_spec("tiny-random/Qwen3.5-VL")
     assert vlm.kv_budget_tokens and "hybrid" in vlm.features
     assert "hybrid" in TS.alone_reason(vlm)
-
-
-# -- traffic ahead -------------------------------------------------------------------------------
-ONE, PD, WIN, DP = ("vllm", "1"), ("vllm", "1p1d"), ("vllm", "1p1d", "window"), ("vllm", "dp2")
-KINDS = {ONE: "regular", PD: "pd", WIN: "pd", DP: "dp", ("tokenspeed", "1"): "regular"}
-
-
-def test_the_regular_topology_runs_ahead_only_beside_topologies_of_its_engine():
-    together = coboot.BootSchedule("together", ((ONE, PD, WIN),), "")
-    assert coboot.ahead_keys(together, KINDS) == (ONE,)
-    # serial: nothing booted beside it, its tests run first as today
-    assert coboot.ahead_keys(coboot.serial([ONE, PD, WIN], ""), KINDS) == ()
-    # another engine's `1` judges nothing of vLLM's: not ahead
-    mixed = coboot.BootSchedule("together", ((("tokenspeed", "1"), PD),), "")
-    assert coboot.ahead_keys(mixed, KINDS) == ()
-    # a key with no pass marked ahead is not in `kinds` (the plugin's filter): not ahead
-    assert coboot.ahead_keys(together, {k: v for k, v in KINDS.items() if k != ONE}) == ()
-
-
-def test_a_waves_order_puts_the_others_beside_the_passes_and_breaking_tests_last():
-    wave, ahead = (ONE, PD, WIN), (ONE,)
-
-    def order(key, breaks=False, needs=False, quiet=False):
-        return coboot.wave_order(key, wave, ahead, breaks=breaks, needs_baseline=needs,
-                                 quiet=quiet)
-    tests = {"pd plain": order(PD), "window plain": order(WIN), "1 pass": order(ONE),
-             "pd judged": order(PD, needs=True), "pd timed": order(PD, quiet=True),
-             "pd breaks": order(PD, breaks=True, needs=True),
-             "window breaks": order(WIN, breaks=True), "1 breaks": order(ONE, breaks=True)}
-    # judged tests before `1`'s own: their topology's traffic overlaps the passes ahead, then
-    # they wait for the baseline; timed ones after: no pass beside them
-    assert sorted(tests, key=tests.get) == ["pd plain", "window plain", "pd judged", "1 pass",
-                                            "pd timed", "1 breaks", "pd breaks",
-                                            "window breaks"]
-    # a test both judged and timed is timed
-    assert order(PD, needs=True, quiet=True) == tests["pd timed"]
-    # no key ahead in the wave: grouped by key, breaking tests at each group's end (today)
-    plain = {(k, b): coboot.wave_order(k, (PD, WIN), (), breaks=b, needs_baseline=False)
-             for k in (PD, WIN) for b in (False, True)}
-    assert sorted(plain.values()) == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
-
-
-def test_a_topology_with_a_restarting_test_runs_it_first_and_breaks_last():
-    """A test that leaves a worker restarting in the background (the window's lost decode
-    leg): its topology's tests up to it run first (`early`), so the restart boots beside the
-    others' tests; its breaking test (the rejoin) still runs last."""
-    wave, ahead = (ONE, PD, WIN), (ONE,)
-
-    def order(key, breaks=False, quiet=False, restarting=False):
-        return coboot.wave_order(key, wave, ahead, breaks=breaks, needs_baseline=False,
-                                 quiet=quiet, early=key == WIN, restarting=restarting)
-    tests = {"pd plain": order(PD), "window plain": order(WIN),
-             "window restarting": order(WIN, restarting=True), "1 pass": order(ONE),
-             "pd timed": order(PD, quiet=True), "pd breaks": order(PD, breaks=True),
-             "window breaks": order(WIN, breaks=True)}
-    assert sorted(tests, key=tests.get) == ["window plain", "window restarting", "pd plain",
-                                            "1 pass", "pd timed", "pd breaks", "window breaks"]
-    # the ahead key itself is never early (its tests wait for its passes)
-    assert (coboot.wave_order(ONE, wave, ahead, breaks=False, needs_baseline=False, early=True)
-            == order(ONE))
-    # no key ahead: today's order, the restarting test after its key's others, before its
-    # breaking ones
-    today = {r: coboot.wave_order(WIN, (PD, WIN), (), breaks=b, needs_baseline=False,
-                                  early=True, restarting=r == "restarting")
-             for r, b in (("plain", False), ("restarting", False), ("breaks", True))}
-    assert sorted(today, key=today.get) == ["plain", "restarting", "breaks"]
-
-
-def test_the_window_topology_holds_its_restarts_where_the_cores_allow():
-    """coboot.held_restarts: on the H200 (16 cores, 8 booting) the lane's five workers and
-    the window topology's two held interpreters boot at once; on the CPU lane none, said so;
-    with 12 cores (6 booting) a wave of five has no room for two more (negative control)."""
-    keyed = pd_lane()
-    s = coboot.schedule(keyed, "cuda", {0: 1.0}, cores=16)
-    keys, why = coboot.held_restarts(s, keyed, {WINDOW}, "cuda", cores=16)
-    assert keys == (WINDOW,)
-    assert why == ("held for vllm/1p1d[window] (2 interpreter(s) importing with the boot; at "
-                   "most 8 booting on 16 cores)")
-    keys, why = coboot.held_restarts(s, keyed, {WINDOW}, "cuda", cores=12)
-    assert keys == () and "not for vllm/1p1d[window]: its wave has no cores to spare" in why
-    cpu = coboot.serial([k for k, _ in keyed], "cpu")
-    keys, why = coboot.held_restarts(cpu, keyed, {WINDOW}, "cpu", cores=2)
-    assert keys == () and why.startswith("backend cpu: a held interpreter's imports")
-    assert coboot.held_restarts(s, keyed, set(), "cuda", cores=16) == (
-        (), "no test restarts a worker")
-    # Serial on a GPU: the window's wave is itself alone (2 workers + 2 held).
-    ser = coboot.serial([k for k, _ in keyed], "--e2e-boot-schedule=serial")
-    assert coboot.held_restarts(ser, keyed, {WINDOW}, "cuda", cores=8)[0] == (WINDOW,)

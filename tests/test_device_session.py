@@ -153,9 +153,9 @@ def test_a_bad_spec_stops_it_before_any_run(tmp_path, spec, says):
 
 
 def test_a_spec_may_give_its_run_pytest_options(tmp_path):
-    """PYTEST_ADDOPTS in a spec: that run's pytest options (an A/B of --e2e-boot-schedule);
+    """PYTEST_ADDOPTS in a spec: that run's pytest options (e.g. --e2e-shuffle);
     PATH=/x above is the negative control."""
-    r, out = _runs(tmp_path, "vllm", "serial:bench:PYTEST_ADDOPTS=--e2e-boot-schedule=serial",
+    r, out = _runs(tmp_path, "vllm", "serial:bench:PYTEST_ADDOPTS=--e2e-shuffle=1",
                    "--", "--a", "1", "--b", "1")
     assert r.returncode == 1 and "gpu_runs: serial rc=" in r.stdout, r.stdout + r.stderr
     assert [p.name for p in out.iterdir()] == ["serial.tar.xz"]

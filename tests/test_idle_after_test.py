@@ -97,47 +97,6 @@ def test_the_test_that_leaves_its_topology_busy_fails_and_the_next_gets_a_fresh_
     assert rec["outcome"] == "passed" and rec["idle_after_s"] == 0.01   # the check ran
 
 
-AHEAD = '''
-import time
-from concurrent.futures import ThreadPoolExecutor
-
-import pytest
-
-from e2e_test.pytest_plugin import oracle_store_of
-
-@pytest.mark.topology_kinds("regular")
-def test_beside_passes_ahead(request, cluster):
-    """Passes of this topology still running in a thread when the test ends."""
-    key = request.node.callspec.params["cluster_key"]
-    oracle_store_of(request.config).chains[key] = ThreadPoolExecutor(1).submit(time.sleep, 0.5)
-'''
-
-
-def test_passes_running_ahead_are_waited_for_not_taken_for_a_leak(pytester, monkeypatch,
-                                                                  stand_ins):
-    """Booted together, a regular topology's passes run ahead beside its tests (coboot.py):
-    the check waits for them before it reads the roles, else their requests would fail an
-    innocent test."""
-    from e2e_test import pytest_plugin
-    seen = []
-    monkeypatch.setattr(cluster_mod.Cluster, "wait_idle", lambda self, **kw: seen.append(
-        all(f.done() for f in pytest_plugin.oracle_store_of(config[0]).chains.values()))
-        or types.SimpleNamespace(seconds=0.0))
-    config = []
-    real = pytest_plugin.oracle_store_of
-    monkeypatch.setattr(pytest_plugin, "oracle_store_of",
-                        lambda c: config.append(c) or real(c))
-    monkeypatch.setenv("E2E_RESULTS_DIR", str(pytester.path / "res"))
-    monkeypatch.setenv("E2E_BACKEND", "cpu")
-    monkeypatch.delenv("E2E_TOPOLOGIES", raising=False)
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_y=AHEAD)
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "--engine", "vllm",
-                                          "--topology", "1")
-    result.assert_outcomes(passed=1)
-    assert seen == [True]
-
-
 def test_without_the_check_the_leak_passes_and_is_handed_on(pytester, monkeypatch,
                                                              stand_ins):
     """The negative control: E2E_IDLE_AFTER_TEST=0, the same leak, no failure, one topology

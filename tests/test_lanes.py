@@ -555,6 +555,7 @@ def test_run_lane_command_and_env(tmp_path):
     assert argv[0] == (str(venv_py) if venv_py.is_file() else sys.executable)
     assert argv[1:3] == ["-m", "pytest"]
     assert argv[3:] == [*lane.paths,                  # no -m: every test under its paths
+                        "-n", "auto", "--dist", "loadgroup",
                         "--junitxml", str(tmp_path / "junit-e2e-cpu.xml"),
                         "--e2e-min-tests", str(lane.min_tests),
                         "--e2e-min-engine-tests", str(lane.min_engine_tests), "-x", "-k", "chat"]

@@ -40,6 +40,9 @@ KIND = {
     "python -m e2e_test report docs/validation/h100-e2e-1gpu-pd-vllm-vpd-633b31c": RUN,
     "pytest -m tokenspeed --collect-only": COLLECT,
     'pytest e2e_test/router -m "pd and vllm" --topology 1,1p1d --backend cpu': COLLECT,
+    "pytest e2e_test/router -n auto --dist loadgroup": COLLECT,
+    'pytest "e2e_test/router/test_pd.py::test_pd_answers_match_regular[vllm-1p1d-gsm8k]"':
+        COLLECT,
     "python -m e2e_test run e2e-cpu -- -x": EXISTS,
 }
 

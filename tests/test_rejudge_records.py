@@ -170,7 +170,7 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
          for run in ("kvc-d9eef98", "kvcb-6636b59", "kvcs-c51ef95")]
       + [(f"h100-e2e-1gpu-pd-{eng}-{name}-d9eef98", t.format(eng=eng))
          for eng, name in [("tokenspeed", "pd"), ("vllm", "vpd")] for t in PD_LANE]
-      # one H100, both engines staged, at 633b31c: the chat, PD, sweep and KV corruption
+      # one H100, both engines staged, another SHA: the chat, PD, sweep and KV corruption
       # lanes, and TokenSpeed's default topologies (run tsrouter)
       + [(f"h100-e2e-1gpu-chat-{eng}-{name}-633b31c", f"test_oracle_negative_control[{eng}-1]")
          for eng, name in [("tokenspeed", "chat"), ("vllm", "vchat")]]

@@ -3,7 +3,6 @@
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -95,10 +94,9 @@ def test_write_session_default_root(tmp_path, monkeypatch):
 
 
 def test_write_session_takes_teardown_from_the_cluster(tmp_path):
-    # A stand-in with just the two attributes write_session reads from a cluster.
-    cluster = SimpleNamespace(teardown_report=TeardownReport(seconds=2.0, busy_ports=[20001]),
-                              timing=SimpleNamespace(workers={"prefill-0": 1.0},
-                                                     gateway_ready_s=2.5))
+    # A cluster as the plugin hands it over (from this process or a pytest-xdist worker).
+    cluster = {"teardown": TeardownReport(seconds=2.0, busy_ports=[20001]).to_dict(),
+               "timing": {"workers": {"prefill-0": 1.0}, "gateway_ready_s": 2.5}}
     r = rec()
     results.write_session([r], clusters={"vllm-1p1d": cluster}, wall_s=1.0, root=tmp_path)
     assert r["teardown"]["verdict"] == "NOT clean: ports still listening: [20001]"

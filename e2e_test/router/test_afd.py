@@ -11,24 +11,14 @@ the requests (Engine.ffn_proof: engines/afd.afd_ffn_served, from the plugin's FF
 import pytest
 
 from e2e_test.infra.engines import afd
-from e2e_test.infra.load import load
 from e2e_test.infra.specs import settings
+from e2e_test.infra.verdicts import baseline as evidence
 from e2e_test.infra.verdicts import comparisons, oracle
 from e2e_test.infra.verdicts.evals import gsm8k
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("afd")]
 GSM8K_N = settings.get("E2E_AFD_GSM8K_N")
 GSM8K_MAX_TOKENS = settings.get("E2E_AFD_GSM8K_MAX_TOKENS")
-PROMPTS = [
-    "The capital of France is",
-    "Write one sentence about the sea.",
-    "1 + 1 =",
-    "List three colors:",
-    "Once upon a time",
-    "The quick brown fox",
-    "Translate 'good morning' to Spanish:",
-    "def fibonacci(n):",
-]
 MAX_TOKENS = 16
 
 
@@ -64,42 +54,34 @@ def test_afd_gsm8k_completes(eval_data, cluster, record):
     assert all(i.get("output") for i in res.items), "a GSM8K item came back with empty text"
 
 
-def _prompt_requests(cluster) -> list:
-    return [load.Request("/v1/completions", {
-        "model": cluster.model_name, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logprobs": cluster.driver.top_logprobs}, tag=i) for i, p in enumerate(PROMPTS)]
-
-
-def test_afd_outputs_vs_native(cluster, record, oracle_store):
+@pytest.mark.baseline("afd-prompts")
+def test_afd_outputs_vs_native(baseline, cluster, record):
     """The same greedy prompts on the native baseline and on AFD, judged by the comparison
     oracle (token by token with top-k logprobs). On the native baseline this measures the
     control arm (a second pass and a serial pass against the first): with random weights
     near-ties are everywhere, and the control arm is what says how many flips that noise
-    makes. AFD is then held to that budget, with no mismatch allowed. Native topologies come
-    first in a session (the lanes list them first)."""
-    reqs = _prompt_requests(cluster)
+    makes. AFD is then held to that budget, with no mismatch allowed (the native baseline:
+    the session's native-dpN, booted for it where no other test did)."""
+    label = f"{cluster.engine}/{cluster.topology.name}"
+    if cluster.topology.native_baseline:
+        ev = baseline("afd-prompts")
+        failed = [i for i, steps in ev.passes.items() if steps is None]
+        assert not failed, f"prompts without an answer on {cluster.topology.name}: {failed}"
+        assert all(ev.passes.values()), "a completion without tokens"
+        arm = ev.control
+        record["oracle_control"] = {"afd-prompts": arm.to_dict()}
+        print("; ".join(c.line() for c in arm.comparisons))
+        assert not arm.problems(), arm.problems()[0]
+        return
+    reqs = evidence.afd_requests(cluster)
     mine = comparisons.run_pass(cluster.gateway_url, reqs, concurrency=len(reqs),
                                 watchdog=cluster.watchdog("afd prompts"))
     failed = [i for i, steps in mine.items() if steps is None]
     assert not failed, f"prompts without an answer on {cluster.topology.name}: {failed}"
     assert all(mine.values()), "a completion without tokens"
-    key = (cluster.engine, "afd-prompts")
-    label = f"{cluster.engine}/{cluster.topology.name}"
-    if cluster.topology.native_baseline:
-        arm = comparisons.control_arm_of(cluster.gateway_url, reqs, mine, label, "afd-prompts",
-                                         len(reqs))
-        oracle_store.passes[(cluster.engine, "native", "afd-prompts")] = mine
-        oracle_store.control[key] = arm
-        record["oracle_control"] = {"afd-prompts": arm.to_dict()}
-        print("; ".join(c.line() for c in arm.comparisons))
-        assert not arm.problems(), arm.problems()[0]
-        return
-    base = oracle_store.passes.get((cluster.engine, "native", "afd-prompts"))
-    if base is None:
-        pytest.skip("needs a native-dpN topology earlier in the same session (e.g. "
-                    "--topology native-dp2,1a1f)")
-    verdict = oracle.judge(oracle.compare("afd-prompts", f"{cluster.engine}/native", label,
-                                          base, mine), oracle_store.control[key])
+    ev = baseline("afd-prompts")
+    verdict = oracle.judge(oracle.compare("afd-prompts", ev.label, label, ev.passes, mine),
+                           ev.control)
     record[afd.NATIVE_COMPARISON_KEY] = verdict.to_dict()
     record["oracle"] = verdict.to_dict()
     print(verdict.message)

@@ -7,6 +7,7 @@ import pytest
 
 from e2e_test.infra.errors import HarnessError
 from e2e_test.infra.load import load
+from e2e_test.infra.verdicts import baseline as evidence
 from e2e_test.infra.verdicts import comparisons, oracle, proof
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("epd")]
@@ -50,49 +51,31 @@ def test_epd_image_chat_streams(cluster, record):
     record["epd_image_stream"] = res.to_dict()
 
 
-IMAGE_SEEDS = range(8)
-IMAGE_MAX_TOKENS = 16
-
-
-def _image_requests(cluster) -> list:
-    reqs = []
-    for seed in IMAGE_SEEDS:
-        body = proof.image_chat_body(cluster.model_name, "Describe this picture.",
-                                     proof.random_png_data_uri(seed), max_tokens=IMAGE_MAX_TOKENS)
-        body.update(logprobs=True, top_logprobs=cluster.driver.top_logprobs)
-        reqs.append(load.Request("/v1/chat/completions", body, tag=seed))
-    return reqs
-
-
 @pytest.mark.epd
 @pytest.mark.engines("tokenspeed")
 @pytest.mark.topology_kinds("regular", "epd")
-def test_epd_image_outputs_match_aggregated(cluster, record, oracle_store):
+@pytest.mark.baseline("image-prompts")
+def test_epd_image_outputs_match_aggregated(baseline, cluster, record):
     """The same images, greedy, on aggregated `1` (baseline and control arm) and on EPD,
     judged by the comparison oracle: the encoder output that EPD moved must give the same
     computation as the aggregated worker's own tower. Different images give different outputs
     (checked on the baseline), so a wrong or missing image shows as a mismatch."""
-    reqs = _image_requests(cluster)
+    if cluster.topology.kind == "regular":
+        ev = baseline("image-prompts")
+        assert all(ev.passes.values()), f"image requests without an answer: {ev.passes}"
+        distinct = len({tuple(s.token for s in steps) for steps in ev.passes.values()})
+        assert distinct > 1, "every image gave the same output: the image does not reach the model"
+        record["oracle_control"] = {"image-prompts": ev.control.to_dict()}
+        assert not ev.control.problems(), ev.control.problems()[0]
+        return
+    reqs = evidence.image_requests(cluster)
     mine = comparisons.run_pass(cluster.gateway_url, reqs, concurrency=len(reqs),
                                 watchdog=cluster.watchdog("image prompts"))
     assert all(mine.values()), f"image requests without an answer: {mine}"
     label = f"{cluster.engine}/{cluster.topology.name}"
-    key = (cluster.engine, "image-prompts")
-    if cluster.topology.kind == "regular":
-        distinct = len({tuple(s.token for s in steps) for steps in mine.values()})
-        assert distinct > 1, "every image gave the same output: the image does not reach the model"
-        arm = comparisons.control_arm_of(cluster.gateway_url, reqs, mine, label, "image-prompts",
-                                         len(reqs))
-        oracle_store.passes[(cluster.engine, "1", "image-prompts")] = mine
-        oracle_store.control[key] = arm
-        record["oracle_control"] = {"image-prompts": arm.to_dict()}
-        assert not arm.problems(), arm.problems()[0]
-        return
-    base = oracle_store.passes.get((cluster.engine, "1", "image-prompts"))
-    if base is None:
-        pytest.skip("needs aggregated `1` of the same model earlier in the session")
-    verdict = oracle.judge(oracle.compare("image-prompts", f"{cluster.engine}/1", label, base,
-                                          mine), oracle_store.control[key])
+    ev = baseline("image-prompts")
+    verdict = oracle.judge(oracle.compare("image-prompts", ev.label, label, ev.passes, mine),
+                           ev.control)
     record["oracle"] = verdict.to_dict()
     print(verdict.message)
     assert verdict.ok, verdict.message

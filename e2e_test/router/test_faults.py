@@ -36,11 +36,11 @@ def _kill_later(proc_tree_pids, sig, delay, stamp):
     return t
 
 
-@pytest.mark.breaks_cluster
 @pytest.mark.topology_kinds("regular")
-def test_worker_killed_mid_burst(cluster, cluster_pool, record):
-    """The last test on the shared regular topology (it breaks it): no boot of its own."""
-    c = cluster
+def test_worker_killed_mid_burst(disposable_cluster, record):
+    """It breaks its topology: the shared regular one after its other tests, where this
+    process holds it (no boot of its own)."""
+    c = disposable_cluster
     w = c.workers[0]
     stamp = {}
     # kill -9 the API server process only: its engine children become orphans that
@@ -53,7 +53,7 @@ def test_worker_killed_mid_burst(cluster, cluster_pool, record):
     msg = str(exc.value)
     assert "worker-0" in msg and "signal 9" in msg, msg
     assert detected_s <= 5.0, f"worker death noticed after {detected_s:.1f} s"
-    rep = cluster_pool.release()
+    rep = c.stop(verify_strict=False)
     record.update(fault="kill -9 worker mid-burst", message=msg.splitlines()[0],
                   detected_s=round(detected_s, 2), teardown=rep.to_dict())
     print(f"kill -9: failed after {detected_s:.2f} s: {msg.splitlines()[0]}; "
@@ -61,11 +61,11 @@ def test_worker_killed_mid_burst(cluster, cluster_pool, record):
     assert rep.ok, rep.verdict()
 
 
-@pytest.mark.breaks_cluster
 @pytest.mark.topology_kinds("pd")
-def test_decode_stalled(cluster, cluster_pool, record):
-    """The last test on the shared PD topology (it breaks it): no boot of its own."""
-    c = cluster
+def test_decode_stalled(disposable_cluster, record):
+    """It breaks its topology: the shared PD one after its other tests, where this process
+    holds it (no boot of its own)."""
+    c = disposable_cluster
     d = c.role("decode")[0]
     stamp = {}
     _kill_later(lambda: [p.pid for p in d.process.tree()], signal.SIGSTOP, 3.0, stamp)
@@ -77,7 +77,7 @@ def test_decode_stalled(cluster, cluster_pool, record):
     msg = str(exc.value)
     assert "decode-0" in msg.splitlines()[0], msg
     assert detected_s <= STALL_WINDOW_S + 15, f"stall noticed after {detected_s:.1f} s"
-    rep = cluster_pool.release()
+    rep = c.stop(verify_strict=False)
     record.update(fault="SIGSTOP decode", message=msg.splitlines()[0],
                   detected_s=round(detected_s, 2), window_s=STALL_WINDOW_S,
                   teardown=rep.to_dict())

@@ -6,8 +6,8 @@ path patched in the scheduler process, engines/kv_corrupt_tokenspeed.py), and ea
 switches the kind through the worker's control file, so one boot serves every kind. Per kind, through the gateway: the
 first 8 GSM8K items (64 tokens, the oracle's window) and the first 4 recall prompts of
 test_oracle.py,
-judged exactly as test_pd.py judges `1p1d`: against `1`'s passes and control arm of this
-session, thresholds unchanged. Then:
+judged exactly as test_pd.py judges `1p1d`: against `1`'s passes and control arm (the
+`baseline` fixture), thresholds unchanged. Then:
 
 - `none` (the same boot, nothing corrupted) must pass every verdict: the boot itself is
   healthy, so a failure below comes from the corruption;
@@ -28,8 +28,8 @@ import pytest
 
 from e2e_test.infra.engines import kv_corrupt
 from e2e_test.infra.verdicts import comparisons, oracle
+from e2e_test.infra.verdicts.baseline import CONCURRENCY
 from e2e_test.infra.verdicts.evals import recall
-from e2e_test.router.test_evals import CONCURRENCY
 
 # Marker kv_corrupt: the CPU lane runs it with everything else; on GPUs it is its own lane
 # (e2e-1gpu-kv-corrupt), out of e2e-1gpu-pd, whose 10-minute job has no room for a fourth boot.
@@ -86,19 +86,13 @@ def _message(v, counts):
     return v.message if v else f"all {counts['error']} requests failed"
 
 
-@pytest.mark.needs_baseline
+@pytest.mark.baseline("gsm8k", "recall")
 @pytest.mark.parametrize("kind", KINDS)
-def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
+def test_kv_corruption_fails_pd_verdicts(baseline, cluster, record, kind):
     eng = cluster.engine
-    oracle_store.settled(eng)
-    base = oracle_store.passes.get((eng, "1", "gsm8k"))
-    control = oracle_store.control.get((eng, "gsm8k"))
-    rbase = oracle_store.passes.get((eng, "1", "recall"))
-    rcontrol = oracle_store.control.get((eng, "recall"))
-    want = oracle_store.recall.get((eng, "1"))
-    if None in (base, control, rbase, rcontrol, want):
-        pytest.skip("needs `1`'s GSM8K pass and control arm and the recall baseline in this "
-                    "session (select `1` with the PD topology)")
+    gsm, rec = baseline("gsm8k"), baseline("recall")
+    base, control, path = gsm.passes, gsm.control, gsm.path
+    rbase, rcontrol, want = rec.passes, rec.control, rec.recall["copied"]
     # A valid baseline: the control arms of `1` have no mismatch of their own.
     assert not control.problems() and not rcontrol.problems(), \
         (control.problems() + rcontrol.problems())[0]
@@ -137,12 +131,11 @@ def test_kv_corruption_fails_pd_verdicts(cluster, record, oracle_store, kind):
     # asked here, on both sides. A kind not asserted may leave a pass with nothing answered
     # (bitflip: non-finite values, HTTP 400 on every request): that is recorded as request
     # errors; for `none` and the asserted kinds it stays the error it is.
-    path = oracle_store.path.get((eng, "gsm8k"))
     by_path = kind in CAUGHT_BY_PATH and path is not None and path.decides
     recorded_only = kind != "none" and kind not in CAUGHT | CAUGHT_BY_GSM8K and not by_path
     v_gsm, gc = _judged("gsm8k", f"{eng}/1", label, base, mine, control, recorded_only, path)
     v_rec, rc = _judged("recall", f"{eng}/1", label, rbase, rmine, rcontrol, recorded_only,
-                        oracle_store.path.get((eng, "recall")))
+                        rec.path)
     copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
     lost = sorted(set(want) & set(texts) - set(copied))
     record["kv_corrupt"] = {

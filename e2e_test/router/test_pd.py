@@ -2,8 +2,9 @@
 
 The answers are held against `1` by the comparison oracle (e2e_test/infra/verdicts/oracle.py): token by
 token with top-k logprobs, the first decode step's distribution included (it depends only on
-the transferred KV), within the numerics budget of the control arm that test_oracle.py measured
-on `1` in the same session. No tolerance is set by hand.
+the transferred KV), within the numerics budget of `1`'s control arm (the `baseline` fixture:
+measured once per session, on `1` booted for it where no other test did). No tolerance is set
+by hand.
 """
 
 import re
@@ -12,10 +13,10 @@ import pytest
 
 from e2e_test.infra.engines.vllm import pd_transfer
 from e2e_test.infra.errors import HarnessError
+from e2e_test.infra.verdicts import baseline as evidence
 from e2e_test.infra.verdicts import comparisons, oracle
+from e2e_test.infra.verdicts.baseline import RECALL_N
 from e2e_test.infra.verdicts.evals import recall
-from e2e_test.router.test_evals import oracle_pass
-from e2e_test.router.test_oracle import RECALL_N
 
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd")]
 
@@ -78,34 +79,15 @@ def test_pd_proof_fails_where_nothing_moved(cluster, record):
     assert "the gateway picked prefill 0 and decode 0 times" in legs, legs
 
 
-def _needs_baseline_of_one(store, engine: str, name: str, why: str) -> None:
-    """Skip now where `1`'s `name` pass neither ran nor is running ahead in this session."""
-    if (engine, "1", name) not in store.passes and not store.baseline_coming(engine):
-        pytest.skip(why)
-
-
-def _baseline_of_one(store, engine: str, name: str, why: str):
-    """`1`'s pass of `name` and its control arm, waited for where they run ahead: a judged
-    test sends its own topology's traffic first, so that it runs beside them (coboot.py)."""
-    store.settled(engine)
-    base, control = store.passes.get((engine, "1", name)), store.control.get((engine, name))
-    if base is None or control is None:
-        pytest.skip(why)
-    return base, control
-
-
 @pytest.mark.pd_sweep
-@pytest.mark.needs_baseline
+@pytest.mark.baseline("name")
 @pytest.mark.parametrize("name", ["gsm8k", "mmlu"])
-def test_pd_answers_match_regular(cluster, record, oracle_store, name):
-    why = (f"needs {name} results and the control arm of `1` in this session "
-           f"(select both topologies)")
-    _needs_baseline_of_one(oracle_store, cluster.engine, name, why)
-    mine = oracle_pass(cluster, oracle_store, name)
-    base, control = _baseline_of_one(oracle_store, cluster.engine, name, why)
-    verdict = oracle.judge(oracle.compare(name, f"{cluster.engine}/1",
-                                          f"{cluster.engine}/{cluster.topology.name}", base, mine),
-                           control, path=oracle_store.path.get((cluster.engine, name)))
+def test_pd_answers_match_regular(baseline, cluster, record, name):
+    mine = evidence.own_pass(cluster, name)     # its own traffic first, then `1`'s evidence
+    ev = baseline(name)
+    verdict = oracle.judge(oracle.compare(name, ev.label,
+                                          f"{cluster.engine}/{cluster.topology.name}",
+                                          ev.passes, mine), ev.control, path=ev.path)
     record["pd_vs_regular"] = {name: verdict.to_dict()}
     record["oracle"] = verdict.to_dict()
     print(verdict.message)
@@ -113,28 +95,27 @@ def test_pd_answers_match_regular(cluster, record, oracle_store, name):
 
 
 @pytest.mark.pd_sweep
-@pytest.mark.needs_baseline
-def test_pd_kv_recall(cluster, record, oracle_store):
-    """The long pass-code prompts of test_oracle.py through the disaggregated topology: the
-    oracle's verdict against `1` (first step included), and every pass code that `1` copied
-    must come back here too, where the decode sees it only in the transferred KV."""
-    why = "needs test_kv_recall_baseline on `1` in this session"
-    _needs_baseline_of_one(oracle_store, cluster.engine, "recall", why)
+@pytest.mark.baseline("recall")
+def test_pd_kv_recall(baseline, cluster, record):
+    """The long pass-code prompts of `1`'s recall baseline through the disaggregated topology:
+    the oracle's verdict against `1` (first step included), and every pass code that `1`
+    copied must come back here too, where the decode sees it only in the transferred KV."""
     texts: dict = {}
     reqs = comparisons.requests("recall", cluster.model_name, RECALL_N,
                                 logprobs=cluster.driver.top_logprobs,
                                 api=cluster.driver.logprobs_api)
     mine = comparisons.run_pass(cluster.gateway_url, reqs, 16, texts=texts,
                                 watchdog=cluster.watchdog("recall"))
-    base, control = _baseline_of_one(oracle_store, cluster.engine, "recall", why)
+    ev = baseline("recall")
+    base = ev.passes
     # the prompts `1` was asked (its baseline holds every index it sent, None where it failed)
     mine = mine.subset(base)
     texts = {i: t for i, t in texts.items() if i in base}
     copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
-    want = oracle_store.recall.get((cluster.engine, "1"), [])
-    verdict = oracle.judge(oracle.compare("recall", f"{cluster.engine}/1",
+    want = ev.recall["copied"]
+    verdict = oracle.judge(oracle.compare("recall", ev.label,
                                           f"{cluster.engine}/{cluster.topology.name}", base, mine),
-                           control, path=oracle_store.path.get((cluster.engine, "recall")))
+                           ev.control, path=ev.path)
     record["kv_recall"] = {"copied": copied, "baseline_copied": want, "of": len(base),
                            "outputs": texts, "oracle": verdict.to_dict()}
     print(f"recall: {len(copied)}/{len(base)} copied (`1`: {len(want)}); {verdict.message}")

@@ -8,7 +8,7 @@ a Ray head in the first and a Ray worker node in the second (`ray start` inside
 reaches them there; NIXL moves the KV over UCX TCP between the namespaces.
 
 Checked: the plan puts each role on its node; the KV proof across the nodes; the comparison
-oracle's recall verdict against `1` where this session has its baseline (test_oracle.py);
+oracle's recall verdict against `1`'s recall baseline (the `baseline` fixture);
 the decode worker killed mid-burst fails within seconds naming the role and the node; a
 second topology on node B fails within seconds naming the node when node B's raylet is
 killed mid-burst; teardown verified on both nodes (one report naming each); Ray stopped and
@@ -74,9 +74,15 @@ def _kill_mid_burst(c, kill, what: str) -> tuple[str, float]:
     return str(exc.value), time.monotonic() - stamp["t"]
 
 
-def test_pd_across_two_nodes(request, own_cluster, record, engine_name, oracle_store,
-                             e2e_backend):
+@pytest.fixture
+def simulated_hosts_possible(e2e_backend):
+    """Checked before `1`'s recall baseline boots for the test (fixture `baseline`)."""
     _require(e2e_backend)
+
+
+@pytest.mark.baseline("recall")
+def test_pd_across_two_nodes(request, simulated_hosts_possible, baseline, own_cluster, record,
+                             engine_name):
     import ray
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,7 +109,7 @@ def test_pd_across_two_nodes(request, own_cluster, record, engine_name, oracle_s
                 proof = c.driver.pd_proof(c)
                 record["pd_proof"] = proof.to_dict()
                 print(f"PD proof across nodes: {proof.to_dict()}")
-                _recall_against_one(c, record, oracle_store)
+                _recall_against_one(c, record, baseline("recall"))
                 pids = d.process.tree_pids()
                 msg, detected = _kill_mid_burst(
                     c, lambda: [os.kill(x, signal.SIGKILL) for x in pids
@@ -187,31 +193,18 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _recall_against_one(c, record, oracle_store) -> None:
-    """The oracle's verdict on the pass-code prompts against `1`, where this session has
-    `1`'s baseline (test_oracle.py runs before this file). Without it: under
-    E2E_REQUIRE_MULTINODE (.ci/run, whose lane selects `1`) an error, since the verdict the test
-    promises did not run; elsewhere (`-k multinode` alone) recorded as not run, with a warning."""
-    oracle_store.settled(c.engine)
-    base = oracle_store.passes.get((c.engine, "1", "recall"))
-    control = oracle_store.control.get((c.engine, "recall"))
-    if base is None or control is None:
-        why = "no `1` recall baseline in this session (select `1` too: test_oracle.py makes it)"
-        if settings.get("E2E_REQUIRE_MULTINODE"):
-            raise oracle.NoEvidenceError(f"oracle across nodes: {why}; E2E_REQUIRE_MULTINODE "
-                                         "asks for the whole test")
-        record["oracle"] = {"skipped": why}
-        warnings.warn(f"the oracle across nodes did not run: {why}")
-        return
+def _recall_against_one(c, record, ev) -> None:
+    """The oracle's verdict on the pass-code prompts against `1`'s recall baseline."""
+    base, control = ev.passes, ev.control
     texts: dict = {}
     reqs = comparisons.requests("recall", c.model_name, len(base),
                                 logprobs=c.driver.top_logprobs)
     mine = comparisons.run_pass(c.gateway_url, reqs, 16, texts=texts,
                                 watchdog=c.watchdog("recall"))
-    verdict = oracle.judge(oracle.compare("recall", f"{c.engine}/1",
+    verdict = oracle.judge(oracle.compare("recall", ev.label,
                                           f"{c.engine}/{c.topology.name}", base, mine), control)
     copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
-    want = oracle_store.recall.get((c.engine, "1"), [])
+    want = ev.recall["copied"]
     record["oracle"] = verdict.to_dict()
     record["kv_recall"] = {"copied": copied, "baseline_copied": want, "of": len(base)}
     print(f"oracle across nodes: {verdict.message}; recall {len(copied)}/{len(base)} "

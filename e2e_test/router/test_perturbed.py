@@ -2,11 +2,12 @@
 
 `1` booted again on a copy of the model whose every weight w is w * (1 + eps * z), z a fixed
 standard-normal draw (specs/models.py perturb_weights), its GSM8K pass judged against `1`'s
-pass and control arm of this session as a same-path comparison (oracle.judge same_path, as DP
-workers and engine versions are judged). At PERTURB_EPS every first step moves a little, and
+pass and control arm (the `baseline` fixture: measured once per session, booting `1` where no
+other test did) as a same-path comparison (oracle.judge same_path, as DP workers and engine
+versions are judged). At PERTURB_EPS every first step moves a little, and
 the verdict must fail on the rank test against the control arm; at eps 0 (the same weights,
-booted again) it must pass: the negative control of the negative control. Runs after the
-shared topologies (own_cluster); each case boots its own `1`.
+booted again) it must pass: the negative control of the negative control. Each case boots its
+own `1` on the copy (own_cluster), after `1`'s evidence is stored.
 """
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from e2e_test.infra.specs import models
 from e2e_test.infra.specs.model_specs import get_spec
 from e2e_test.infra.verdicts import comparisons, oracle
-from e2e_test.router.test_evals import CONCURRENCY, eval_n
+from e2e_test.infra.verdicts.baseline import CONCURRENCY, eval_n
 
 pytestmark = pytest.mark.e2e
 
@@ -26,15 +27,12 @@ PERTURB_EPS = 0.01
 SEED = 0
 
 
-@pytest.mark.needs_baseline
+@pytest.mark.baseline("gsm8k")
 @pytest.mark.parametrize("eps", [0.0, PERTURB_EPS], ids=["eps0", "perturbed"])
-def test_perturbed_weights_fail_the_same_path_rank_test(request, own_cluster, record,
-                                                         oracle_store, engine_name, eps):
-    oracle_store.settled(engine_name)
-    base = oracle_store.passes.get((engine_name, "1", "gsm8k"))
-    control = oracle_store.control.get((engine_name, "gsm8k"))
-    if base is None or control is None:
-        pytest.skip("needs `1`'s GSM8K pass and control arm in this session (select `1`)")
+def test_perturbed_weights_fail_the_same_path_rank_test(request, baseline, own_cluster, record,
+                                                         engine_name, eps):
+    ev = baseline("gsm8k")
+    base, control = ev.passes, ev.control
     assert not control.problems(), control.problems()[0]
     folder = models.perturbed(get_spec(request.config.getoption("--model")), eps, SEED)
     c = own_cluster("1", engine=engine_name, model_path=folder)
@@ -44,7 +42,7 @@ def test_perturbed_weights_fail_the_same_path_rank_test(request, own_cluster, re
                                      concurrency=CONCURRENCY,
                                      watchdog=c.watchdog(f"gsm8k, {label}"),
                                      logprobs=c.driver.top_logprobs, api=c.driver.logprobs_api)
-    v = oracle.judge(oracle.compare("gsm8k", f"{engine_name}/1", label, base.subset(mine), mine),
+    v = oracle.judge(oracle.compare("gsm8k", ev.label, label, base.subset(mine), mine),
                      control, same_path=True)
     same = v.same_path_rank_test or {}
     record["oracle_perturbed"] = {"eps": eps, "seed": SEED,

@@ -2,16 +2,17 @@
 idle, a lost leg errors fast, a restarted worker rejoins.
 
 The cancellation cases and the idle negative control run on the lane's shared `1` and `1p1d`
-topologies (no extra boot). Leg loss and restart-rejoin break their topology: they run last on
-the shared small-window `1p1d` (profile `window`, after its window burst; no boot of their
-own): decode killed mid-traffic and restarted in the background (booted together, the restart
-boots beside the other topologies' tests), then, as the topology's last test, it takes traffic
-again; then prefill frozen with requests waiting on it, and killed.
+topologies (no extra boot), with the device to themselves (fixture `exclusive`). Leg loss and
+restart-rejoin break their topology (`disposable_cluster`): the decode leg is killed
+mid-traffic on the small-window `1p1d` (profile `window`, the shared one after its burst: no
+boot of its own); the rejoin test takes another one, kills its decode and restarts it, sends
+traffic through the restarted worker, then freezes the prefill with requests waiting on it and
+kills it.
 Every bound is stated here and measured figures land in the result records
 (docs/lifecycle.md has them).
 """
 
-import time
+import signal
 
 import pytest
 
@@ -27,12 +28,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 CANCEL_IDLE_S = settings.get("E2E_CANCEL_IDLE_S")
 # Losing a leg: every request in flight must end with an error within this (smg's sweep: 20 s).
 LEG_LOSS_S = settings.get("E2E_LEG_LOSS_S")
+# The cancellation cases are timed against the engine's own pace (the probe's time to first
+# token, the decode rate): they take the device to themselves (fixture `exclusive`). Beside
+# other traffic the probe's first token is slower than the cancelled request's, so the cancel
+# comes after the prefill and the case cannot be made.
 SHARED = pytest.mark.topology_kinds("regular", "pd")
-# Timed against the engine's own pace (the probe's time to first token, the decode rate): with
-# nothing else on the device. Beside passes ahead the probe's first token is slower than the
-# cancelled request's, so the cancel comes after the prefill and the case cannot be made
-# (skipped, a failure on the lane; docs/lanes.md, "Passes ahead").
-QUIET = pytest.mark.quiet
 
 
 def _check_cancel(case: sf.CancelCase, record):
@@ -49,8 +49,7 @@ def _check_cancel(case: sf.CancelCase, record):
 
 
 @SHARED
-@QUIET
-def test_idle_negative_control_held_stream(cluster, record):
+def test_idle_negative_control_held_stream(cluster, exclusive, record):
     """Idle verification fails, naming the role and its numbers, while a stream is held
     open; and passes once the client lets go."""
     with sf.hold_stream(cluster), pytest.raises(IdleError) as exc:
@@ -64,20 +63,17 @@ def test_idle_negative_control_held_stream(cluster, record):
 
 
 @SHARED
-@QUIET
-def test_cancel_mid_stream(cluster, record):
+def test_cancel_mid_stream(cluster, exclusive, record):
     _check_cancel(sf.cancel_mid_stream(cluster, bound_s=CANCEL_IDLE_S), record)
 
 
 @SHARED
-@QUIET
-def test_cancel_during_prefill(cluster, record):
+def test_cancel_during_prefill(cluster, exclusive, record):
     _check_cancel(sf.cancel_during_prefill(cluster, bound_s=CANCEL_IDLE_S), record)
 
 
 @SHARED
-@QUIET
-def test_cancel_during_decode(cluster, record):
+def test_cancel_during_decode(cluster, exclusive, record):
     _check_cancel(sf.cancel_during_decode(cluster, bound_s=CANCEL_IDLE_S), record)
 
 
@@ -116,46 +112,32 @@ def _leg_loss(c, role: str, record, **kw) -> sf.LegLoss:
 @pytest.mark.engines("vllm")
 @pytest.mark.topology_kinds("pd")
 @pytest.mark.cluster_profile("window")
-@pytest.mark.restarting
-def test_pd_decode_leg_loss(cluster, record):
-    """On the shared small-window PD topology, after its window burst (no boot of its own):
-    kill the decode leg mid-traffic (every in-flight request errors within LEG_LOSS_S), then
-    start its restart on its ports in the background (marker `restarting`): booted together,
-    it boots beside the other topologies' tests; test_pd_restart_rejoin_prefill_loss, this
-    topology's last test, waits for it. The restart starts whatever the verdict: a failed
-    or void leg loss leaves test_pd_restart_rejoin_prefill_loss its own checks, not a dead
-    decode to fail at set-up on."""
-    c = cluster
-    try:
-        _leg_loss(c, "decode", record)
-    finally:
-        name = c.role("decode")[0].name
-        c.restart_in_background(name)
-        record["restart_started"] = {"worker": name, "epoch": round(time.time(), 2)}
+def test_pd_decode_leg_loss(disposable_cluster, record):
+    """On the small-window PD topology (the shared one after its burst, where this process
+    holds it): kill the decode leg mid-traffic; every in-flight request errors within
+    LEG_LOSS_S."""
+    _leg_loss(disposable_cluster, "decode", record)
 
 
 @pytest.mark.engines("vllm")
 @pytest.mark.topology_kinds("pd")
 @pytest.mark.cluster_profile("window")
-@pytest.mark.breaks_cluster
-def test_pd_restart_rejoin_prefill_loss(cluster, cluster_pool, record):
-    """The decode worker test_pd_decode_leg_loss restarted (re-registered with smg) takes
-    traffic again; then freeze the prefill leg, send requests to it and kill it."""
-    c = cluster
+def test_pd_restart_rejoin_prefill_loss(disposable_cluster, record):
+    """A decode worker lost (SIGKILL) and restarted on its ports, re-registered with smg,
+    takes traffic again; then freeze the prefill leg, send requests to it and kill it."""
+    c = disposable_cluster
     name = c.role("decode")[0].name
-    t0 = time.monotonic()
-    if c.await_restart(name) is None:     # the leg-loss test did not get as far: restart now
-        c.restart(name)
-    waited_s = round(time.monotonic() - t0, 2)
+    killed = sf.signal_role(c, "decode", signal.SIGKILL)
+    c.restart(name)
     restart_s = c.timing.restart_boots[-1][1]
     before = sf.selections(c)
     answers = [c.chat(f"After the restart {i}: say OK.", max_tokens=8) for i in range(4)]
     after = sf.selections(c)
     picked = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    record["restart"] = {"worker": name, "seconds": restart_s, "waited_s": waited_s,
+    record["restart"] = {"worker": name, "killed": killed, "seconds": restart_s,
                          "selections": picked, "answers": len(answers)}
-    print(f"restart {name}: ready and registered in {restart_s} s ({waited_s} s of it "
-          f"waited for here); selections since {picked}")
+    print(f"restart {name} after SIGKILL: ready and registered in {restart_s} s; "
+          f"selections since {picked}")
     assert all(a["choices"][0]["message"]["content"] for a in answers)
     # smg counts selections per worker type; the restarted worker is the only decode
     # worker, so every decode selection since the restart went to it.
@@ -170,6 +152,6 @@ def test_pd_restart_rejoin_prefill_loss(cluster, cluster_pool, record):
     # request is waiting on it at the kill, on any hardware.
     _leg_loss(c, "prefill", record, max_tokens=64, prompt_words=400, kill_after_s=1.0,
               freeze_first=True)
-    rep = cluster_pool.release()
+    rep = c.stop(verify_strict=False)
     record["teardown"] = rep.to_dict()
     assert rep.ok, rep.verdict()

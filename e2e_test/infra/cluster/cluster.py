@@ -25,8 +25,7 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,7 +40,7 @@ from ..engines import (
     KnownCrash,
     Ports,
 )
-from ..errors import ConfigError, HarnessError, StartupError, UpstreamBug, WorkerDied
+from ..errors import ConfigError, StartupError, UpstreamBug, WorkerDied
 from ..lifecycle import ports, reaper, teardown
 from ..lifecycle.launcher import (
     Baseline,
@@ -269,20 +268,17 @@ class Cluster:
         self.teardown_report: teardown.TeardownReport | None = None
         self.stop_reports: list[StopReport] = []
         self._baseline = Baseline()
-        # Booted together with other topologies on the same devices (coboot.py): teardown
+        # Sharing the devices with other processes' topologies (pytest-xdist workers): teardown
         # checks this topology's own processes, not the devices' memory, which the others
         # still hold (launcher.Baseline).
         self.shared_devices = shared_devices
         # Each worker's next restart started ahead, with the boot, and held until restart()
         # releases it (launcher.held_command: its imports done beside the boot, not after the
-        # loss). Chosen by the caller where restarts will come and cores are to spare
-        # (pytest_plugin.decide_held, coboot.held_restarts: a topology with `restarting` tests,
-        # on a GPU, its wave within the cores' limit); on this host only.
+        # loss). Chosen by the caller where restarts will come and cores are to spare; on this
+        # host only.
         self.hold_restarts = hold_restarts and isinstance(self.launcher, LocalLauncher)
         self.stopped = False
         self._client: httpx.Client | None = None
-        # worker name -> Future of its restart_in_background (await_restart takes it)
-        self._restarting: dict = {}
         self._work_seen: dict[str, float] = {}     # engine_work: each worker's last answer
         self._extra_ports: set[int] = set()          # extra_gateway's
         self._extra_gateways: list[Handle] = []      # ... running
@@ -362,7 +358,10 @@ class Cluster:
     def start(self) -> Cluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         # What a dead earlier run left, and GPU memory held by others: before anything starts.
-        reaper.preflight(self.plan.devices if self.backend == "cuda" else (), self.dir)
+        # (GPU memory held by others: not checked where other processes' topologies share the
+        # devices by design, pytest-xdist workers; their controller checked it before them)
+        reaper.preflight(self.plan.devices if self.backend == "cuda" and not self.shared_devices
+                         else (), self.dir)
         (self.dir / "plan.txt").write_text(self.plan.describe() + "\n")
         with Cluster.live_lock:
             Cluster.live.add(self)
@@ -579,9 +578,6 @@ class Cluster:
         if self.stopped:
             return self.teardown_report
         self.stopped = True
-        # A restart in flight launches its process at any moment: waited for (it ends by its
-        # own deadline), so the tree collected below is the whole tree.
-        futures_wait(list(self._restarting.values()))
         t0 = time.monotonic()
         self.timing.teardown_started = time.time()
         if self._client:
@@ -650,14 +646,12 @@ class Cluster:
 
     def _dead(self) -> list[tuple[str, KnownCrash | None]]:
         """(line, the known upstream crash it shows or None) for every worker (or gateway)
-        that exited; not a worker restarting in the background (its old process is gone on
-        purpose, and its restart fails by itself if the new one dies: await_restart)."""
+        that exited."""
         out = []
         roles = {id(w.process): w.entry.role for w in self.workers}
-        booting = set(self.restarts_in_flight())
         handles = [(name, p) for name, p in
                    ([("gateway", self.gateway)] + [(h.name, h) for h in self._extra_gateways]
-                    + [(w.name, w.process) for w in self.workers if w.name not in booting])
+                    + [(w.name, w.process) for w in self.workers])
                    if p is not None and p.started_at is not None]
         # asked at once: on a busy host a remote handle's answer may take its whole status
         # timeout (ray_launcher.STATUS_TIMEOUT_S, 5 s), and asked one after the other the
@@ -740,29 +734,6 @@ class Cluster:
         raise ConfigError(f"topology {self.topology.name}: no worker {name!r} "
                           f"(workers: {', '.join(w.name for w in self.workers)})")
 
-    def restart_in_background(self, name: str) -> Future:
-        """restart(name) in a thread: the worker boots while the caller goes on (a fault test
-        that lost a leg lets it boot beside other topologies' tests). Its result or its error
-        is await_restart(name)'s; stop() waits for it first, so no process starts after the
-        teardown collected the tree; a test timed against an engine's own pace waits for every
-        restart in flight (settle_restarts)."""
-        fut = self._restarting.get(name)
-        if fut is not None and not fut.done():
-            raise HarnessError(f"restart {name}: a restart of it is in flight already")
-        ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"restart-{name}")
-        fut = self._restarting[name] = ex.submit(self.restart, name)
-        ex.shutdown(wait=False)
-        return fut
-
-    def await_restart(self, name: str) -> Worker | None:
-        """The worker its background restart brought back (its StartupError raised here);
-        None where none was started."""
-        fut = self._restarting.pop(name, None)
-        if fut is None:
-            return None
-        with waiting_on_boot(self.timing):
-            return fut.result()
-
     def _release_or_launch(self, w: Worker) -> None:
         """Release `w`'s held process as its new one, or launch one where none is held or the
         held one is gone (stopped, its end recorded)."""
@@ -777,24 +748,6 @@ class Cluster:
             h.stop(grace=2.0)
             print(f"{self.name}: {w.name}'s held process {why}", flush=True)
         self._launch(w)
-
-    def restarts_in_flight(self) -> list[str]:
-        return [n for n, f in self._restarting.items() if not f.done()]
-
-    @classmethod
-    def settle_restarts(cls) -> list[str]:
-        """Wait for every live topology's background restarts (their errors stay theirs, for
-        await_restart); the names of the workers waited for."""
-        with cls.live_lock:
-            live = list(cls.live)
-        waited = []
-        for c in live:
-            for n, f in list(c._restarting.items()):
-                if not f.done():
-                    waited.append(f"{c.name}/{n}")
-                    with waiting_on_boot(c.timing):
-                        futures_wait([f])
-        return waited
 
     def restart(self, name: str, timeout: float | None = None) -> Worker:
         """Stop worker `name` (dead or alive), start it again with the same command and ports,

@@ -184,7 +184,7 @@ class Engine:
     proof_misses: dict[str, str] = {}
     # None: its workers may boot beside another topology's on the same device (their memory
     # is the planned fraction, whatever the others hold). Else why not, in one line: the
-    # lane-level placement (coboot.py) then boots its topologies one at a time.
+    # assignment (coboot.assign) then runs one topology at a time.
     boots_beside_others: str | None = None
 
     def alone_reason(self, spec) -> str | None:
@@ -198,9 +198,10 @@ class Engine:
         return None
 
     def beside(self, plan, device_shares: dict):
-        """The plan of one of its topologies booting beside others (coboot.py), where
-        `device_shares` (device -> share) is what the whole wave planned on each device. The
-        default: unchanged (a worker's memory is its own planned share). Pure."""
+        """The plan of one of its topologies booting beside others (coboot.assign), where
+        `device_shares` (device -> share) is what the topologies running at once may hold
+        together on each device. The default: unchanged (a worker's memory is its own planned
+        share). Pure."""
         return plan
 
     def pd_proof(self, cluster, roles=None):

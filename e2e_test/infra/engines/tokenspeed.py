@@ -161,7 +161,7 @@ def aux_ports(topology: Topology, entry: PlanEntry, options: EngineOptions) -> l
     (233), and the TCPStore of torch.distributed at --port + randint(100, 1000) (`nccl_port`,
     checked free when drawn, bound later: execution/distributed_initializer.py uses it where
     no --dist-init-addr was given), ports in the harness's range that the harness may have
-    handed to another server: with topologies booted together, such a worker dies binding its
+    handed to another server: with topologies booting at once, such a worker dies binding its
     TCPStore (EADDRINUSE) and is relaunched on the lane's critical path (docs/decisions.md).
     Given the address, the TCPStore binds the block's base.
     """
@@ -480,14 +480,14 @@ def packed_schedule(entries, spec: ModelSpec | None = None) -> dict[str, tuple[i
 
 
 def beside(plan, device_shares: dict):
-    """The plan of a topology booting beside others (coboot.py), where `device_shares` is the
-    memory share that the whole wave planned on each device. Every worker on a shared device
-    gets that wave total as its --gpu-memory-utilization: TokenSpeed's pool budget is
-    free_now - total x (1 - utilization), and with every worker of the wave holding at most
-    its own planned share (the pool bounded by --max-total-tokens), free_now >= total x (1 -
-    W) + the worker's own share whatever the others have allocated yet, so the budget it sees
-    is at least its own share (W: the wave total). The cumulative shares of packed_schedule
-    are the same rule inside one topology. Pure."""
+    """The plan of a topology booting beside others (coboot.assign), where `device_shares` is
+    the memory share that the topologies running at once may hold together on each device.
+    Every worker on a shared device gets that total as its --gpu-memory-utilization:
+    TokenSpeed's pool budget is free_now - total x (1 - utilization), and with every worker
+    holding at most its own planned share (the pool bounded by --max-total-tokens), free_now >=
+    total x (1 - W) + the worker's own share whatever the others have allocated yet, so the
+    budget it sees is at least its own share (W: the total). The cumulative shares of
+    packed_schedule are the same rule inside one topology. Pure."""
     if not device_shares:
         return plan
     out = []
@@ -838,7 +838,7 @@ class TokenSpeedEngine(Engine):
         # beside() gives each the utilization of everything booting on its device. Not for a
         # hybrid model: its recurrent-state pool is the budget's share beside the KV
         # (runtime/layers/attention/utils.py profile_cache_budget: mamba_memory = budget x
-        # ratio / (1 + ratio)), which --max-total-tokens does not bound, so at the wave's
+        # ratio / (1 + ratio)), which --max-total-tokens does not bound, so at the shared
         # utilization it would take what the others were promised.
         if spec is not None and "hybrid" in spec.features:
             return (f"model {spec.id!r} is hybrid: TokenSpeed sizes its recurrent-state pool "

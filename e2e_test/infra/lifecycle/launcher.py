@@ -106,12 +106,12 @@ class Handle(Protocol):
 class Baseline:
     """What the host looked like before the start (compared at teardown).
 
-    A topology booted together with others on the same devices (coboot.py) is `shared`: its
-    teardown cannot compare device memory or /dev/shm with a baseline while the others run.
-    It checks its own processes instead: none of `own_pids` (its processes and every
-    descendant seen) may still hold memory on `own_gpus` (NVML's per-process list). The
-    device-level check and the /dev/shm clean-up run once the last topology of its wave has
-    stopped (pytest_plugin.ClusterPool), against the wave's baseline."""
+    A topology that shares the devices with other processes' topologies (pytest-xdist workers:
+    pytest_xdist.py) is `shared`: its teardown cannot compare device memory or /dev/shm with
+    a baseline while the others run. It checks its own processes instead: none of `own_pids`
+    (its processes and every descendant seen) may still hold memory on `own_gpus` (NVML's
+    per-process list). The device-level check and the /dev/shm clean-up run once every worker
+    has ended (pytest_xdist.devices_after), against the session's baseline."""
     shm: set[str] = field(default_factory=set)
     gpu_mib: dict[int, float] = field(default_factory=dict)
     shared: bool = False

@@ -764,7 +764,7 @@ def gpu_holders(devices) -> list[GpuHolder] | None:
     return out
 
 
-_PREFLIGHT_LOCK = threading.Lock()     # topologies booted together run it one at a time
+_PREFLIGHT_LOCK = threading.Lock()     # threads of one process run it one at a time
 
 
 def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None = None,

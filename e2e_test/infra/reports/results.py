@@ -91,12 +91,13 @@ def table(records: list[dict]) -> str:
 
 def write_session(records: list[dict], clusters: dict, wall_s: float,
                   root: Path | None = None) -> dict:
+    """The session's result files: one record per test (tests/), summary.json and summary.md.
+    `clusters`: name -> {"timing": Timing as a dict, "teardown": TeardownReport.to_dict()}."""
     root = Path(root or results_root())
     (root / "tests").mkdir(parents=True, exist_ok=True)
     settings.mark_latest(root)
-    teardowns = {name: c.teardown_report.to_dict() for name, c in clusters.items()
-                 if c.teardown_report}
-    timings = {name: vars(c.timing) for name, c in clusters.items()}
+    teardowns = {name: c["teardown"] for name, c in clusters.items() if c.get("teardown")}
+    timings = {name: c["timing"] for name, c in clusters.items()}
     for r in records:
         if r.get("cluster") in teardowns:
             r["teardown"] = teardowns[r["cluster"]]

@@ -13,9 +13,8 @@ Inputs are plain data, so the arithmetic is pure (tests/test_time_report.py):
 The four shares partition the session's wall time, each second counted once, in this order:
 boot (any cluster booting, a worker restarting, or a restart's held interpreter importing
 ahead: Cluster.hold_restarts), teardown (any cluster stopping, outside a
-boot), traffic (a test body running or a regular topology's passes running ahead of its tests
-(coboot.py), outside boots and teardowns: the window tests and the fault tests boot inside
-their body; that part is a boot), idle (the rest: collection, fixture and idle-verification
+boot), traffic (a test body running, outside boots and teardowns: the window tests and the
+fault tests boot inside their body; that part is a boot), idle (the rest: collection, fixture and idle-verification
 waits, unit tests, result files).
 
 Apart from that partition, `boot_waited_s` (and `boot_waited_pct`) counts the seconds the
@@ -220,27 +219,8 @@ def headline(rep: dict) -> str:
             f"{s['teardown']:.0f} %, idle {s['idle']:.0f} % of {rep['wall_s']:.0f} s "
             f"({rep['boots']} boots, {rep['boot_s']:.0f} s"
             + (f"; compile cache: {cache}" if cache else "") + ")"
-            + (f"; booted {rep['boot_schedule']['mode']}" if rep.get("boot_schedule") else "")
-            + "".join(f"; passes of {k} ahead {v['s']:.0f} s ({v['overlap_s']:.0f} s beside "
-                      f"other tests)" for k, v in (rep.get("ahead") or {}).items()))
-
-
-def with_schedule(rep: dict, schedule: dict | None) -> dict:
-    """The lane-level placement's decision and its reason (coboot.BootSchedule.to_dict())
-    in the report: `boot_schedule`."""
-    if schedule:
-        rep["boot_schedule"] = schedule
-    return rep
-
-
-def ahead_entry(spans: dict, tests: list[Interval]) -> dict:
-    """key name -> {"s": how long its passes ran ahead, "overlap_s": the part of it during
-    which a test body ran}. Pure."""
-    out = {}
-    for name, (a, b) in spans.items():
-        out[name] = {"s": round(b - a, 1),
-                     "overlap_s": round(length(clip(tests, a, b)), 1)}
-    return out
+            + (f"; {rep['assignment']['workers']} topologies at once"
+               if (rep.get("assignment") or {}).get("workers", 1) > 1 else ""))
 
 
 # The warm child's line when it takes the request, and the line of calls made beside the

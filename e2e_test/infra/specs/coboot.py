@@ -1,35 +1,35 @@
-"""Lane-level placement: which of a session's shared topologies boot together.
+"""How many of a session's topologies run at once: the device-aware assignment of the
+pytest-xdist workers (`pytest -n auto --dist loadgroup`).
 
-A lane spends most of its wall time waiting for workers, one topology after another (issue 30;
-docs/lanes.md, "Booting a lane's topologies together"). Where the machine has room, every
-topology the session selected can boot at once and each test waits only for its own. This
-module decides that from data, purely (tests/test_coboot.py):
+Each worker runs one topology at a time (its tests form one xdist group per topology: the
+pytest plugin), so the number of workers is the number of topologies that may be up together.
+This module decides it from data, purely (tests/test_coboot.py):
 
-- the session's shared topologies in the order their tests run (the pytest plugin's keys:
-  (engine, topology name, profile...)), each with the Plan it was placed with;
+- the session's topologies (keys (engine, topology), each with the Plan it is placed with);
 - the backend, the GPUs' free memory as a share of each device (NVML; None: unknown), and the
   cores this process may use.
 
-The answer is a BootSchedule: waves of keys, in test order, each wave booted at once; "serial"
-is one key per wave (the tests' order), "together" one wave holding every key. Rules:
-
-- not cuda: serial. On CPU the workers share the cores: overlapping boots on 2 cores lost
+Rules:
+- not cuda: one worker. On CPU the workers share the cores: overlapping boots on 2 cores lost
   68-74 % against serial (scripts/bench_overlap.py), and the CPU lane is that machine.
-- GPU memory unknown (no NVML): serial, said so.
-- a wave takes keys in order while, on every device, the planned memory shares of its workers
-  (PlanEntry.mem_fraction on each of its GPUs) add up to no more than the device's free share
-  minus HEADROOM (CUDA contexts, allocator slack: what no engine's fraction covers), and while
-  its workers number at most cores // CORES_PER_WORKER (a boot is CPU-bound: tokenizer, weights,
-  compilation); the next key starts the next wave. A key that does not fit alone is a wave of
-  its own, planned for the device as it is now, and so is a key whose engine sizes its
-  memory from what the device has free when it starts (Engine.alone_reason: another
-  topology booting beside it would change its budget).
+- GPU memory unknown (no NVML): one worker, said so.
+- an engine that sizes its memory from what the device has free when it starts
+  (Engine.alone_reason: another topology booting beside it would change its budget): one.
+- else as many workers as copies of the largest topology fit at once: on every device its
+  planned memory share (PlanEntry.mem_fraction on each of its GPUs; Engine.held_share where
+  the engine holds less than their sum) times the workers stays within the device's free
+  share minus HEADROOM (CUDA contexts, allocator slack: what no engine's fraction covers), and
+  its workers times the workers stay within cores // CORES_PER_WORKER (a boot is CPU-bound:
+  tokenizer, weights, compilation). Any topologies of the session then fit together.
+  `shares` is what they may hold together on each device (Engine.beside: TokenSpeed's
+  utilization is that total).
 
-The reason, in one line, goes into the session's time report (time_report.boot_schedule).
+The reason, in one line, goes into the session's time report (time_report `assignment`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # The share of each device no plan may take when topologies share it: CUDA contexts (about
@@ -41,26 +41,18 @@ CORES_PER_WORKER = 2
 
 
 @dataclass(frozen=True)
-class BootSchedule:
-    mode: str                                   # "serial" | "together" | "waves"
-    waves: tuple[tuple, ...]                    # keys, in test order, wave by wave
+class Assignment:
+    workers: int                                # topologies up at once (xdist workers)
     reason: str
-    shares: dict = field(default_factory=dict)  # device -> share planned per wave (for the record)
-
-    def wave_of(self, key) -> int:
-        for i, w in enumerate(self.waves):
-            if key in w:
-                return i
-        raise KeyError(key)
-
-    @property
-    def together(self) -> bool:
-        return any(len(w) > 1 for w in self.waves)
+    shares: dict = field(default_factory=dict)  # device -> share they hold together at most
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "reason": self.reason,
-                "waves": [[key_name(k) for k in w] for w in self.waves],
+        return {"workers": self.workers, "reason": self.reason,
                 "shares": {str(k): v for k, v in self.shares.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Assignment:
+        return cls(d["workers"], d["reason"], {int(k): v for k, v in d["shares"].items()})
 
 
 def key_name(key) -> str:
@@ -80,163 +72,42 @@ def device_share(plan) -> dict[int, float]:
     return out
 
 
-def serial(keys, reason: str) -> BootSchedule:
-    return BootSchedule("serial", tuple((k,) for k in keys), reason)
-
-
-def schedule(keyed_plans, backend: str, free_share: dict[int, float] | None,
-             cores: int, headroom: float = HEADROOM,
-             cores_per_worker: int = CORES_PER_WORKER,
-             alone: dict | None = None, held: dict | None = None) -> BootSchedule:
-    """keyed_plans: [(key, Plan)] in test order. `alone`: key -> why it must boot with no
-    other topology beside it (its engine's Engine.alone_reason). `held`: key -> the share
-    its workers hold on each device where that is not the sum of their planned fractions
-    (Engine.held_share; default device_share). See the module's doc for the rules."""
+def assign(keyed_plans, backend: str, free_share: dict[int, float] | None, cores: int,
+           headroom: float = HEADROOM, cores_per_worker: int = CORES_PER_WORKER,
+           alone: dict | None = None, held: dict | None = None) -> Assignment:
+    """keyed_plans: [(key, Plan)]. `alone`: key -> why it must boot with no other topology
+    beside it (its engine's Engine.alone_reason). `held`: key -> the share its workers hold
+    on each device where that is not the sum of their planned fractions (Engine.held_share;
+    default device_share). See the module's doc for the rules."""
     keyed_plans = list(keyed_plans)
-    keys = [k for k, _ in keyed_plans]
-    alone = alone or {}
+    alone = {k: w for k, w in (alone or {}).items() if w}
     held = held or {}
-    if len(keys) < 2:
-        return serial(keys, f"{len(keys)} shared topology: nothing to boot together")
+    if not keyed_plans:
+        return Assignment(1, "no topology")
     if backend != "cuda":
-        return serial(keys, f"backend {backend}: workers share {cores} core(s), and overlapping "
-                            "boots lost 68-74 % against serial on 2 cores "
-                            "(scripts/bench_overlap.py)")
+        return Assignment(1, f"backend {backend}: workers share {cores} core(s), and "
+                             "overlapping boots lost 68-74 % against serial on 2 cores "
+                             "(scripts/bench_overlap.py)")
     if free_share is None:
-        return serial(keys, "GPU free memory unknown (no NVML): booted one after another")
-    max_workers = max(1, cores // cores_per_worker)
-    waves: list[list] = []
-    used: list[dict[int, float]] = []
-    workers: list[int] = []
-    for i, (key, plan) in enumerate(keyed_plans):
-        need = held.get(key) or device_share(plan)
-        n = len(plan.entries)
-        room = {d: free_share.get(d, 0.0) - headroom for d in need}
-        fits = (waves and workers[-1] + n <= max_workers
-                and key not in alone and keyed_plans[i - 1][0] not in alone
-                and all(used[-1].get(d, 0.0) + s <= room[d] + 1e-9 for d, s in need.items()))
-        if fits:
-            waves[-1].append(key)
-            workers[-1] += n
-            for d, s in need.items():
-                used[-1][d] = round(used[-1].get(d, 0.0) + s, 6)
-        else:
-            waves.append([key])
-            workers.append(n)
-            used.append(dict(need))
-    shares = {i: u for i, u in enumerate(used)}
+        return Assignment(1, "GPU free memory unknown (no NVML): one topology at a time")
+    if alone:
+        return Assignment(1, "; ".join(sorted({f"{key_name(k).split('/')[0]} boots alone: {w}"
+                                              for k, w in alone.items()})))
+    big: dict[int, float] = {}
+    for key, plan in keyed_plans:
+        for d, s in (held.get(key) or device_share(plan)).items():
+            big[d] = max(big.get(d, 0.0), s)
+    by_memory = min((math.floor((free_share.get(d, 0.0) - headroom) / s + 1e-9)
+                     for d, s in big.items() if s > 0), default=len(keyed_plans))
+    most = max(len(p.entries) for _, p in keyed_plans)
+    by_cores = cores // (cores_per_worker * most)
+    n = max(1, min(by_memory, by_cores))
     frees = ", ".join(f"GPU {d} {s:.2f} free" for d, s in sorted(free_share.items()))
-    if len(waves) == 1:
-        return BootSchedule("together", (tuple(waves[0]),),
-                            f"every topology fits at once ({_shares(used[0])} of the device "
-                            f"planned; {frees}; headroom {headroom:g}; {workers[0]} worker(s), "
-                            f"{cores} cores)", shares)
-    why_alone = "; ".join(sorted({f"{key_name(k).split('/')[0]} boots alone: {w}"
-                                  for k, w in alone.items() if k in keys}))
-    if all(len(w) == 1 for w in waves):
-        return BootSchedule("serial", tuple(tuple(w) for w in waves),
-                            why_alone or
-                            f"no two topologies fit at once ({frees}; headroom {headroom:g}; "
-                            f"at most {max_workers} worker(s) booting on {cores} cores)", shares)
-    return BootSchedule("waves", tuple(tuple(w) for w in waves),
-                        f"{len(waves)} waves that fit ({frees}; headroom {headroom:g}; at most "
-                        f"{max_workers} worker(s) booting on {cores} cores)"
-                        + (f"; {why_alone}" if why_alone else ""), shares)
-
-
-def _shares(used: dict[int, float]) -> str:
-    return ", ".join(f"GPU {d} {s:.2f}" for d, s in sorted(used.items()))
-
-
-# -- traffic ahead: the order of a wave's tests ------------------------------------------------
-# Booted together, a lane would still run its traffic one topology after another: the
-# regular topology's passes (scored evals, the control arms' second and serial passes, the
-# negative control's pass, the recall baseline) are a large share of a lane while the other
-# topologies stand idle (docs/lanes.md, "Passes ahead"). Those passes are the session's
-# baseline: the disaggregated topologies are judged against them, so they run first in the
-# tests' order. In a wave that boots
-# together they can run ahead instead: a thread sends them, in their tests' order, as soon as
-# the regular topology is ready, while the tests of the wave's other topologies run; the
-# regular topology's own tests then read what the thread measured. No two passes ever share a
-# topology at once (its tests start once its passes are done), so what each pass measures,
-# a serial pass included, is what it measured before.
-
-# A wave's tests run in these phases (within a phase: the wave's key order, then file order).
-# EARLY: a topology with a test that leaves a worker restarting in the background (marker
-# `restarting`: a fault test that lost a leg) runs its tests up to that one first, so the
-# restart (most of a minute for vLLM on an H200) boots beside the other topologies' tests,
-# not last and alone; its breaking tests still run last.
-# JUDGED before AHEAD: a test judged against the regular topology's baseline sends its own
-# topology's traffic first and waits for the baseline only to judge (test_pd.py), so its
-# pass runs beside the passes ahead, not after all of `1`'s passes (docs/lanes.md, "Passes
-# ahead").
-EARLY, PLAIN, JUDGED, AHEAD, QUIET, BREAKS = range(6)
-
-
-def ahead_keys(schedule: BootSchedule, kinds: dict) -> tuple:
-    """The keys whose passes run ahead: a regular topology (kinds: key -> topology kind) in a
-    wave with another topology of its engine, the ones judged against it."""
-    out = []
-    for w in schedule.waves:
-        for k in w:
-            if kinds.get(k) == "regular" and any(o[0] == k[0] and o != k for o in w):
-                out.append(k)
-    return tuple(out)
-
-
-def wave_order(key, wave: tuple, ahead: tuple, *, breaks: bool, needs_baseline: bool,
-               early: bool = False, restarting: bool = False, quiet: bool = False) -> tuple:
-    """Where a test of `key` runs within its wave (sorts before file order). A wave with a key
-    that runs ahead:
-    1. the tests of a topology with a restarting test (`early`: the key has one; never the
-       ahead key, whose tests wait for its passes), up to that test (`restarting` last);
-    2. the other topologies' tests (their traffic overlaps the passes ahead and the restarts);
-    3. the tests judged against the ahead key's baseline (`needs_baseline`): their own
-       topology's traffic still overlaps the passes ahead, then they wait for the baseline;
-    4. the ahead key's own tests (its passes are done by then, or the wait is what is left);
-    5. the tests timed against an engine's own pace (`quiet`): no pass runs beside them, and
-       they wait for the restarts;
-    6. every test that breaks its topology, so a broken topology has no test after it.
-    Any other wave: the tests' order, grouped by key, a restarting test after its key's other
-    tests, the breaking tests at each group's end."""
-    idx = wave.index(key)
-    if not any(k in ahead for k in wave):
-        return (idx, int(breaks), int(restarting))
-    phase = (BREAKS if breaks else EARLY if early and key not in ahead else AHEAD if key in ahead
-             else QUIET if quiet else JUDGED if needs_baseline else PLAIN)
-    return (phase, idx, int(restarting))
-
-
-def held_restarts(sched: BootSchedule, keyed_plans, restarting, backend: str, cores: int,
-                  cores_per_worker: int = CORES_PER_WORKER) -> tuple[tuple, str]:
-    """Which topologies get their workers' restarts started ahead and held (Cluster.
-    hold_restarts): the keys of `restarting` (a test restarts a worker of theirs) whose
-    wave, counting every held interpreter as a booting worker, still keeps within
-    cores // cores_per_worker, as the waves themselves do. (keys, the reason in one line).
-    None on CPU: a held interpreter's imports would take a booting worker's cores. Pure."""
-    restarting = set(restarting)
-    wanted = [k for k, _ in keyed_plans if k in restarting]
-    if not wanted:
-        return (), "no test restarts a worker"
-    if backend != "cuda":
-        return (), (f"backend {backend}: a held interpreter's imports would take a booting "
-                    f"worker's cores ({cores})")
-    max_workers = max(1, cores // cores_per_worker)
-    size = {k: len(p.entries) for k, p in keyed_plans}
-    booting = [sum(size[k] for k in w) for w in sched.waves]
-    held, refused = [], []
-    for k in wanted:
-        w = sched.wave_of(k)
-        if booting[w] + size[k] <= max_workers:
-            booting[w] += size[k]
-            held.append(k)
-        else:
-            refused.append(k)
-    names = ", ".join(key_name(k) for k in held)
-    why = (f"held for {names} ({sum(size[k] for k in held)} interpreter(s) importing with "
-           f"the boot; at most {max_workers} booting on {cores} cores)" if held else "")
-    if refused:
-        why += ("; " if why else "") + (
-            f"not for {', '.join(key_name(k) for k in refused)}: its wave has no cores to "
-            f"spare (at most {max_workers} booting on {cores} cores)")
-    return tuple(held), why
+    largest = ", ".join(f"GPU {d} {s:.2f}" for d, s in sorted(big.items()))
+    why = (f"{n} topologies at once: the largest takes {largest} ({frees}; headroom "
+           f"{headroom:g}) and boots {most} worker(s) ({cores} cores, {cores_per_worker} a "
+           f"booting worker)")
+    if n == 1:
+        return Assignment(1, why.replace("1 topologies at once", "one topology at a time"))
+    return Assignment(n, why, {d: round(min(n * s, free_share.get(d, 0.0) - headroom), 4)
+                               for d, s in big.items()})

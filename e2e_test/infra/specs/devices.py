@@ -145,11 +145,25 @@ def rank_core_lists(cores: tuple[int, ...], ranks: int) -> str:
     return "|".join(out)
 
 
+_SHARED = False
+
+
+def share_between_workers() -> None:
+    """This pytest-xdist worker takes the whole list, as every other worker does: its
+    topologies share the devices by memory (pytest -n auto --dist loadgroup; coboot.assign)
+    instead of taking a slice each."""
+    global _SHARED
+    _SHARED = True
+
+
 def xdist_share(devices: tuple[int, ...], environ: dict | None = None) -> tuple[int, ...]:
     """Under pytest-xdist (-n N) each worker leases its own slice of the ordered list:
     worker k of N gets every N-th device starting at k, so topologies tested in parallel
-    never share a device (or CPU core). Without xdist: the whole list."""
+    never share a device (or CPU core). Without xdist, or where the workers share the
+    devices by memory (share_between_workers): the whole list."""
     env = os.environ if environ is None else environ
+    if _SHARED:
+        return devices
     try:
         count = int(env.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         k = int(env.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw"))
