@@ -31,11 +31,11 @@ from e2e_test.infra.verdicts import comparisons, oracle
 from e2e_test.infra.verdicts.baseline import CONCURRENCY
 from e2e_test.infra.verdicts.evals import recall
 
-# Marker kv_corrupt: the CPU lane runs it with everything else; on GPUs it is its own lane
+# Marker mutant: the CPU lane runs it with everything else; on GPUs it is its own lane
 # (e2e-1gpu-kv-corrupt), out of e2e-1gpu-pd, whose 10-minute job has no room for a fourth boot.
 pytestmark = [pytest.mark.e2e, pytest.mark.topology_kinds("pd"),
               pytest.mark.engines("vllm", "tokenspeed"),
-              pytest.mark.cluster_profile("kv_corrupt"), pytest.mark.kv_corrupt]
+              pytest.mark.cluster_profile("kv_corrupt"), pytest.mark.mutant]
 
 GSM8K_N = 8
 RECALL_N = 4

