@@ -330,3 +330,59 @@ def test_prompts_queued_ahead_go_out_before_the_case_and_their_errors_are_errors
                                              10.0, ahead=3))
     finally:
         srv.shutdown()
+
+
+# --- TokenSpeed on an H100: prompts queued ahead, the prefill window, the generated count ----
+
+def test_fillers_count_as_queued_once_the_gateway_holds_them():
+    """smg answers a gRPC worker's request with headers only at its first token, so waiting
+    for the headers of 8 prompts queued ahead waited out their prefills (TokenSpeed 1p1d: the
+    case went out 2 s later, behind nothing). The gateway's in-flight gauge says they are
+    there before that."""
+    assert sf.fillers_queued(8, headers=8, done=0, in_flight=None)          # vLLM over HTTP
+    assert sf.fillers_queued(8, headers=0, done=0, in_flight=8.0)           # gRPC: the gauge
+    assert sf.fillers_queued(8, headers=0, done=3, in_flight=5.0)           # 3 already ended
+    # negative controls: some not yet at the gateway, or no gauge and no headers
+    assert not sf.fillers_queued(8, headers=0, done=0, in_flight=7.0)
+    assert not sf.fillers_queued(8, headers=2, done=1, in_flight=None)
+    assert not sf.fillers_queued(8, headers=0, done=0, in_flight=0.0)
+
+
+def test_a_prefill_window_under_one_tick_cannot_be_timed():
+    """TokenSpeed `1` on an H100: 21 prompts queued ahead of a 2214-word prompt left its
+    first token at 0.061 s, a short prompt's 0.063 s (chat lane), and 8 ahead at 0.039 s
+    against 0.039 s (router run): nothing to cancel inside. vLLM's 0.107 s against 0.043 s
+    leaves 64 ms."""
+    assert sf.prefill_window_problem(0.107, 0.043) is None
+    assert sf.prefill_window_problem(0.063 + sf.TICK_S, 0.063) is None
+    why = sf.prefill_window_problem(0.061, 0.063)
+    assert why and "-0.002 s past a short prompt's 0.063 s" in why
+    assert sf.prefill_window_problem(0.039, 0.039)
+    assert sf.prefill_window_problem(0.063 + 0.9 * sf.TICK_S, 0.063)
+
+
+def test_a_prefill_cancel_is_judged_by_the_generated_count_where_it_was_read():
+    """TokenSpeed 1p1d on an H100: idle 3.8 s after the cancel against a natural end of 2.4 s,
+    while the prefill worker logged the request's output 4 s after the cancel with its state
+    already deleted (the abort had reached it). The decode's generated-token count tells a
+    request that ran to its end from one held after its abort; timing only where it is
+    unknown."""
+    held = _done(idle=3.835, remaining=2.4)
+    held.max_tokens, held.queued_ahead, held.generated_tokens = 1381, 4, 5.0
+    assert sf.cancel_problems(held, 30.0) == []
+    # negative control: the whole max_tokens generated (besides one per prompt ahead)
+    ran = _done(idle=3.835, remaining=2.4)
+    ran.max_tokens, ran.queued_ahead, ran.generated_tokens = 1381, 4, 1385.0
+    msg = sf.cancel_problems(ran, 30.0)[0]
+    assert "generated 1385 tokens (4 of them for prompts queued ahead)" in msg
+    assert "the abort did not reach the engines" in msg
+    # the count unknown: the natural end decides, naming when the prompts ahead ended
+    timed = _done(idle=5.503, remaining=2.9)
+    timed.ahead_end_after_cancel_s = 4.5
+    msg = sf.cancel_problems(timed, 30.0)[0]
+    assert "not before the request's natural end (2.9 s; the prompts queued ahead ended " \
+        "4.5 s after the cancel)" in msg
+    # mid-stream reads no count: its natural end stays the rule
+    mid = _done(case="cancel mid-stream", idle=3.0, remaining=2.0)
+    mid.generated_tokens = 5.0
+    assert "not before the request's natural end" in sf.cancel_problems(mid, 30.0)[0]
