@@ -159,54 +159,44 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
                     raise HarnessError(f"{case.case}: a request queued ahead failed: {f}")
 
 
-# How long queue_ahead waits for the gateway to hold every prompt queued ahead.
+# How long queue_ahead waits for every prompt queued ahead to be sent.
 QUEUE_AHEAD_WAIT_S = 2.0
+# httpcore's trace event once a request's body is written to its connection.
+SENT_EVENT = "http11.send_request_body.complete"
 
 
-def fillers_queued(n: int, headers: int, done: int, in_flight: float | None) -> bool:
-    """Whether `n` requests sent ahead have all reached the gateway: each has its response
-    headers or has ended, or the gateway counts the rest in flight (`in_flight`, its gauge;
-    None where it exports none). smg sends a gRPC worker's headers only with its first token,
-    so there the headers come after the prefill they were to queue the case behind. Pure."""
-    if headers + done >= n:
-        return True
-    return in_flight is not None and in_flight + done >= n
-
-
-def gateway_in_flight(cluster) -> float | None:
-    """The gateway's in-flight gauge; None where it cannot be read."""
-    if getattr(cluster, "gateway", None) is None:
-        return None
-    ld = idle.gateway_load(cluster, timeout=1.0)
-    return None if ld.error else ld.active
+def fillers_queued(n: int, sent: int, done: int) -> bool:
+    """Whether `n` requests queued ahead are all with the gateway: each was written out whole
+    (`sent`, httpcore's SENT_EVENT) or has ended. Not their response headers: smg sends a gRPC
+    worker's headers only with its first token, after the prefill the case was to queue
+    behind. Pure."""
+    return sent + done >= n
 
 
 async def queue_ahead(client, cluster, n: int, case: CancelCase) -> list:
     """`n` streamed requests with unique prompts of the case's length and one new token,
     sent before the case's own request: its prefill waits behind theirs. Returns their tasks
-    once the gateway holds them all (fillers_queued), or after QUEUE_AHEAD_WAIT_S; records how
-    many had ended by then (`ahead_done_before`: they queued nothing)."""
+    once each was sent (fillers_queued), or after QUEUE_AHEAD_WAIT_S; records how many had
+    ended by then (`ahead_done_before`: they queued nothing)."""
     if n <= 0:
         return []
-    started = [asyncio.Event() for _ in range(n)]
+    sent = [asyncio.Event() for _ in range(n)]
 
     async def one(ev: asyncio.Event) -> None:
+        async def trace(name: str, _info: dict) -> None:
+            if name == SENT_EVENT:
+                ev.set()
         body = _body(cluster, long_unique_prompt(case.prompt_words), 1, True)
-        async with client.stream("POST", CHAT, json=body) as r:
-            ev.set()
+        async with client.stream("POST", CHAT, json=body, extensions={"trace": trace}) as r:
             text = await r.aread()
             if r.status_code != 200 or b'"error"' in text:
                 raise HarnessError(f"HTTP {r.status_code}: {text[:300]!r}")
 
-    tasks = [asyncio.ensure_future(one(ev)) for ev in started]
+    tasks = [asyncio.ensure_future(one(ev)) for ev in sent]
     t0 = time.monotonic()
-    while time.monotonic() - t0 < QUEUE_AHEAD_WAIT_S:
-        headers = sum(ev.is_set() for ev in started)
-        done = sum(t.done() for t in tasks)
-        gauge = await asyncio.to_thread(gateway_in_flight, cluster)
-        if fillers_queued(n, headers, done, gauge):
-            break
-        await asyncio.sleep(0.005)
+    while (not fillers_queued(n, sum(ev.is_set() for ev in sent), sum(t.done() for t in tasks))
+           and time.monotonic() - t0 < QUEUE_AHEAD_WAIT_S):
+        await asyncio.sleep(0.001)
     case.queued_ahead = n
     case.ahead_done_before = sum(t.done() for t in tasks)
     return tasks
