@@ -6,6 +6,8 @@ import contextlib
 import json
 import time
 
+import httpx
+
 from e2e_test.infra.errors import HarnessError
 from e2e_test.infra.load import serving_faults as sf
 
@@ -261,10 +263,11 @@ def test_a_prefill_still_short_at_the_whole_context_queues_prompts_ahead():
     assert sf.queue_ahead_count(0.0) == sf.QUEUE_AHEAD_MAX     # never unbounded
 
 
-def _sse_server(fail_every: int = 0):
+def _sse_server(fail_tokens: int = 0, headers_after_s: float = 0.0):
     """A stand-in gateway (a real HTTP server on 127.0.0.1) that streams a chunk a 50 ms
-    from 0.3 s on, max_tokens of them (40 at most), and records the order in which requests arrived; every
-    `fail_every`-th request gets a 500."""
+    from 0.3 s on, max_tokens of them (40 at most), and records the order in which requests arrived; a request
+    for `fail_tokens` new tokens gets a 500 (1: the prompts queued ahead). `headers_after_s`: the response headers wait that long
+    (smg over gRPC sends them with the first token)."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -277,7 +280,8 @@ def _sse_server(fail_every: int = 0):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append(body["max_tokens"])
-            if fail_every and len(seen) % fail_every == 0:
+            time.sleep(headers_after_s)
+            if fail_tokens and body["max_tokens"] == fail_tokens:
                 self.send_response(500)
                 self.end_headers()
                 self.wfile.write(b'{"error": "boom"}')
@@ -312,7 +316,9 @@ def test_prompts_queued_ahead_go_out_before_the_case_and_their_errors_are_errors
         case = sf.CancelCase("first token", "1", 999, 20)
         asyncio.run(sf._stream_then_drop(cluster, "prompt", 999, lambda n, t: n > 0, case,
                                          10.0, ahead=3))
-        assert seen == [1, 1, 1, 999] and case.queued_ahead == 3
+        # each prompt ahead was written out whole before the case's request was sent (the
+        # server's threads may record their arrival in another order)
+        assert sorted(seen) == [1, 1, 1, 999] and case.queued_ahead == 3
         assert case.first_token_s is not None
         # negative control: none ahead, only the case's own request
         seen.clear()
@@ -321,7 +327,7 @@ def test_prompts_queued_ahead_go_out_before_the_case_and_their_errors_are_errors
         assert seen == [999]
     finally:
         srv.shutdown()
-    srv, seen = _sse_server(fail_every=2)
+    srv, seen = _sse_server(fail_tokens=1)
     cluster.gateway_url = f"http://127.0.0.1:{srv.server_address[1]}"
     try:
         with pytest.raises(HarnessError, match="a request queued ahead failed: HTTP 500"):
@@ -330,3 +336,82 @@ def test_prompts_queued_ahead_go_out_before_the_case_and_their_errors_are_errors
                                              10.0, ahead=3))
     finally:
         srv.shutdown()
+
+
+# --- TokenSpeed on an H100: prompts queued ahead, the prefill window, the generated count ----
+
+def test_fillers_count_as_queued_once_sent():
+    """smg answers a gRPC worker's request with headers only at its first token, so waiting
+    for the headers of 8 prompts queued ahead waited out their prefills (TokenSpeed 1p1d: the
+    case went out 2 s later, behind nothing). A prompt is queued once its request was written
+    out whole, or has ended."""
+    assert sf.fillers_queued(8, sent=8, done=0)
+    assert sf.fillers_queued(8, sent=5, done=3)
+    # negative controls: one not yet written out, none at all
+    assert not sf.fillers_queued(8, sent=7, done=0)
+    assert not sf.fillers_queued(8, sent=0, done=0)
+
+
+def test_prompts_queued_ahead_release_the_case_before_their_headers(monkeypatch):
+    """A server that sends headers only with the first token, 0.5 s in (smg over gRPC): the
+    case's request goes out once the prompts ahead were sent, long before their headers."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(sf, "read_loads", lambda _cluster: {})
+    srv, seen = _sse_server(headers_after_s=0.5)
+    cluster = SimpleNamespace(gateway_url=f"http://127.0.0.1:{srv.server_address[1]}",
+                              model_name="m", topology=SimpleNamespace(name="1p1d"))
+
+    async def go():
+        async with httpx.AsyncClient(base_url=cluster.gateway_url, timeout=10.0) as client:
+            case = sf.CancelCase("first token", "1p1d", 999, 20)
+            t0 = time.monotonic()
+            tasks = await sf.queue_ahead(client, cluster, 3, case)
+            waited = time.monotonic() - t0
+            await asyncio.gather(*tasks)
+            return waited, case
+    try:
+        waited, case = asyncio.run(go())
+        assert waited < 0.4 and case.queued_ahead == 3 and case.ahead_done_before == 0
+        assert seen == [1, 1, 1]
+    finally:
+        srv.shutdown()
+
+
+def test_a_prefill_window_under_one_tick_cannot_be_timed():
+    """TokenSpeed `1` on an H100: 21 prompts queued ahead of a 2214-word prompt left its
+    first token at 0.061 s, a short prompt's 0.063 s (chat lane), and 8 ahead at 0.039 s
+    against 0.039 s (router run): nothing to cancel inside. vLLM's 0.107 s against 0.043 s
+    leaves 64 ms."""
+    assert sf.prefill_window_problem(0.107, 0.043) is None
+    assert sf.prefill_window_problem(0.063 + sf.TICK_S, 0.063) is None
+    why = sf.prefill_window_problem(0.061, 0.063)
+    assert why and "-0.002 s past a short prompt's 0.063 s" in why
+    assert sf.prefill_window_problem(0.039, 0.039)
+    assert sf.prefill_window_problem(0.063 + 0.9 * sf.TICK_S, 0.063)
+
+
+def test_a_prefill_cancel_is_judged_by_the_generated_count_where_it_was_read():
+    """TokenSpeed 1p1d on an H100: idle 3.8 s after the cancel against a natural end of 2.4 s,
+    while the prefill worker logged the request's output 4 s after the cancel with its state
+    already deleted (the abort had reached it). The decode's generated-token count tells a
+    request that ran to its end from one held after its abort; timing only where it is
+    unknown."""
+    held = _done(idle=3.835, remaining=2.4)
+    held.max_tokens, held.queued_ahead, held.generated_tokens = 1381, 4, 5.0
+    assert sf.cancel_problems(held, 30.0) == []
+    # negative control: the whole max_tokens generated (besides one per prompt ahead)
+    ran = _done(idle=3.835, remaining=2.4)
+    ran.max_tokens, ran.queued_ahead, ran.generated_tokens = 1381, 4, 1385.0
+    msg = sf.cancel_problems(ran, 30.0)[0]
+    assert "generated 1385 tokens (4 of them for prompts queued ahead)" in msg
+    assert "the abort did not reach the engines" in msg
+    # the count unknown: the natural end decides, naming when the prompts ahead ended
+    timed = _done(idle=5.503, remaining=2.9)
+    timed.ahead_end_after_cancel_s = 4.5
+    msg = sf.cancel_problems(timed, 30.0)[0]
+    assert "not before the request's natural end (2.9 s; the prompts queued ahead ended " \
+        "4.5 s after the cancel)" in msg
+    # mid-stream reads no count: its natural end stays the rule
+    mid = _done(case="cancel mid-stream", idle=3.0, remaining=2.0)
+    mid.generated_tokens = 5.0
+    assert "not before the request's natural end" in sf.cancel_problems(mid, 30.0)[0]

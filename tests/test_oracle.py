@@ -805,3 +805,51 @@ def test_a_comparison_of_some_items_is_held_to_the_controls_rate_on_those_items(
     elsewhere = _only(_noisy(n=40, seed=7), set(range(32, 40)))
     with pytest.raises(oracle.NoEvidenceError, match="compared none of the 8 items"):
         oracle.judge(elsewhere, control)
+
+
+# --- a numerics count that can fail (TokenSpeed on an H100) ----------------------------------
+
+def _tied(pattern_a, pattern_b):
+    """A control arm of two passes whose items are numerics where the pattern says 'n'."""
+    def one(p):
+        return _cmp(["numerics" if x == "n" else "identical" for x in p])
+    return oracle.ControlArm([one(pattern_a), one(pattern_b)])
+
+
+def test_the_items_compared_are_enough_for_the_numerics_count_to_fail():
+    """TokenSpeed GSM8K on an H100: the control arm tied on 10 of its 16 answers for the first
+    8 items, so their budget is 8 of 8 and a KV scaled by 1.05 passed with 8 numerics of 8.
+    More items make the count able to fail; a quiet control needs no more than asked."""
+    ts = _tied("nnn-nn-n" + "-n--n---" * 3, "n---nn-n" + "--n---n-" * 3)
+    assert ts.classified().numerics(set(range(8))) == (10, 16)
+    assert ts.budget(8, indices=set(range(8))) == 8          # the vacuous count
+    n = oracle.items_for_a_count(ts, list(range(32)), least=8)
+    assert n is not None and 8 < n <= 32
+    assert ts.budget(n, indices=set(range(n))) < n
+    assert ts.budget(n - 1, indices=set(range(n - 1))) >= n - 1 or n - 1 < 8
+    quiet = _tied("-" * 32, "-" * 32)
+    assert oracle.items_for_a_count(quiet, list(range(32)), least=8) == 8
+    # negative control: a control arm tied on every item leaves no count that can fail
+    assert oracle.items_for_a_count(_tied("n" * 32, "n" * 32), list(range(32)), least=8) is None
+
+
+def test_a_failure_on_the_tokens_is_a_mismatch_or_numerics_over_budget():
+    control = _control()
+    assert not oracle.failed_on_tokens(oracle.judge(_noisy(seed=7), control))   # it passed
+    bad = _noisy(seed=7)
+    bad.items[-1] = oracle.ItemVerdict(index=31, verdict="mismatch", first_step_delta=0.1,
+                                       position=0, tokens=("a", "b"), divergence="outside",
+                                       reason="token 0: 'a' vs 'b'")
+    assert oracle.failed_on_tokens(oracle.judge(bad, control))
+    over = _noisy(seed=7)
+    for it in over.items[:control.budget(32) + 1]:
+        it.verdict, it.divergence, it.position, it.tokens, it.gap = ("numerics", "top-k", 3,
+                                                                     ("a", "b"), 0.01)
+    assert oracle.failed_on_tokens(oracle.judge(over, control))
+    # negative controls: failed for holes (an item not compared) or for its control arm
+    holed = _noisy(seed=7)
+    holed.items[0] = oracle.ItemVerdict(index=0, verdict="error", reason="request failed")
+    v = oracle.judge(holed, control)
+    assert not v.ok and not oracle.failed_on_tokens(v)
+    v = oracle.judge(_noisy(seed=7), oracle.ControlArm([bad, _noisy(seed=8)]))
+    assert not v.ok and not oracle.failed_on_tokens(v)

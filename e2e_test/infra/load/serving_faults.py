@@ -84,6 +84,10 @@ class CancelCase:
     prefill_s: float | None = None
     start_s: float | None = None    # a short prompt's time to first token (prefill cancel)
     queued_ahead: int = 0           # prompts sent just before it (queue_ahead)
+    ahead_done_before: int = 0      # of them, ended before it was sent (queued nothing)
+    # When the last prompt queued ahead ended, from the cancel: a one-token request that
+    # lingers keeps the gateway and the engines busy past the cancelled request's end.
+    ahead_end_after_cancel_s: float | None = None
     next_requests_ok: int = 0
     next_requests: int = 0
     idle: dict = field(default_factory=dict)
@@ -139,37 +143,62 @@ async def _stream_then_drop(cluster, content: str, max_tokens: int, stop_when,
                                f"({case.chunks_before_cancel} chunks)")
 
         task = asyncio.ensure_future(consume())
+        t_cancel = None
         try:
             await watch(task, case, stop_when, t0, due_s)
             if task.done():
                 task.result()          # raises what went wrong
-            return await drop(cluster, task, case, t0)
+            t_cancel = await drop(cluster, task, case, t0)
+            return t_cancel
         finally:
-            for f in await asyncio.gather(*fillers, return_exceptions=True):
+            ends = await asyncio.gather(*fillers, return_exceptions=True)
+            if fillers and t_cancel is not None:
+                case.ahead_end_after_cancel_s = round(time.monotonic() - t_cancel, 3)
+            for f in ends:
                 if isinstance(f, BaseException):
                     raise HarnessError(f"{case.case}: a request queued ahead failed: {f}")
+
+
+# How long queue_ahead waits for every prompt queued ahead to be sent.
+QUEUE_AHEAD_WAIT_S = 2.0
+# httpcore's trace event once a request's body is written to its connection.
+SENT_EVENT = "http11.send_request_body.complete"
+
+
+def fillers_queued(n: int, sent: int, done: int) -> bool:
+    """Whether `n` requests queued ahead are all with the gateway: each was written out whole
+    (`sent`, httpcore's SENT_EVENT) or has ended. Not their response headers: smg sends a gRPC
+    worker's headers only with its first token, after the prefill the case was to queue
+    behind. Pure."""
+    return sent + done >= n
 
 
 async def queue_ahead(client, cluster, n: int, case: CancelCase) -> list:
     """`n` streamed requests with unique prompts of the case's length and one new token,
     sent before the case's own request: its prefill waits behind theirs. Returns their tasks
-    once each has its response headers (the gateway has passed it on), or after 2 s."""
+    once each was sent (fillers_queued), or after QUEUE_AHEAD_WAIT_S; records how many had
+    ended by then (`ahead_done_before`: they queued nothing)."""
     if n <= 0:
         return []
-    started = [asyncio.Event() for _ in range(n)]
+    sent = [asyncio.Event() for _ in range(n)]
 
     async def one(ev: asyncio.Event) -> None:
+        async def trace(name: str, _info: dict) -> None:
+            if name == SENT_EVENT:
+                ev.set()
         body = _body(cluster, long_unique_prompt(case.prompt_words), 1, True)
-        async with client.stream("POST", CHAT, json=body) as r:
-            ev.set()
+        async with client.stream("POST", CHAT, json=body, extensions={"trace": trace}) as r:
             text = await r.aread()
             if r.status_code != 200 or b'"error"' in text:
                 raise HarnessError(f"HTTP {r.status_code}: {text[:300]!r}")
 
-    tasks = [asyncio.ensure_future(one(ev)) for ev in started]
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 2.0)
+    tasks = [asyncio.ensure_future(one(ev)) for ev in sent]
+    t0 = time.monotonic()
+    while (not fillers_queued(n, sum(ev.is_set() for ev in sent), sum(t.done() for t in tasks))
+           and time.monotonic() - t0 < QUEUE_AHEAD_WAIT_S):
+        await asyncio.sleep(0.001)
     case.queued_ahead = n
+    case.ahead_done_before = sum(t.done() for t in tasks)
     return tasks
 
 
@@ -309,10 +338,13 @@ def natural_end_s(first_token_s: float, cancel_at_s: float, max_tokens: int,
 
 def cancel_problems(case: CancelCase, bound_s: float) -> list[str]:
     """What a cancel case shows that an abort reaching the engines would not. Idle within
-    `bound_s`, the next requests answered, and, where the request had a natural end
-    (`remaining_s`: cancel mid-stream, cancel during prefill), idle before it: a request that
-    ran to its end inside a generous bound proves nothing about the cancel. The prefill case
-    must know its natural end. Pure (tests/test_cancel_timing.py)."""
+    `bound_s`, the next requests answered, and the request not run to its end: a request that
+    ran to its end inside a generous bound proves nothing about the cancel. The prefill and
+    decode cases read that from the engine's generated-token count where it was read (fewer
+    than max_tokens besides one per prompt queued ahead); otherwise, where the request had a
+    natural end (`remaining_s`: cancel mid-stream, cancel during prefill), idle must come
+    before it. The prefill case must know one or the other, the decode case the count.
+    Pure (tests/test_cancel_timing.py)."""
     out = []
     if case.idle_after_cancel_s is None or case.idle_after_cancel_s > bound_s:
         out.append(f"{case.case}: not idle within {bound_s} s of the cancel "
@@ -320,25 +352,34 @@ def cancel_problems(case: CancelCase, bound_s: float) -> list[str]:
     if case.next_requests_ok != case.next_requests:
         out.append(f"{case.case}: {case.next_requests_ok}/{case.next_requests} next requests "
                    "answered")
-    if case.remaining_s is None:
+    # The engine's count of generated tokens, where read, tells a cancelled request from one
+    # that ran to its end directly (ignore_eos: that one generates its whole max_tokens; each
+    # prompt queued ahead generates one); the natural end is the timing's stand-in for it.
+    counted = case.generated_tokens is not None and case.case != "cancel mid-stream"
+    if counted:
+        own = case.generated_tokens - case.queued_ahead
+        if own >= case.max_tokens:
+            ahead = (f" ({case.queued_ahead} of them for prompts queued ahead)"
+                     if case.queued_ahead else "")
+            out.append(f"{case.case}: the decoding worker(s) generated "
+                       f"{case.generated_tokens:.0f} tokens{ahead}, the request's whole "
+                       f"max_tokens {case.max_tokens}: the abort did not reach the engines")
+    elif case.remaining_s is None:
         if case.case == "cancel during prefill":
             out.append(f"{case.case}: the request's natural end is unknown (no decode rate), "
                        "so idle cannot be told from a request that ran to its end")
     elif case.idle_after_cancel_s is not None and case.idle_after_cancel_s >= case.remaining_s:
+        ahead = ("" if case.ahead_end_after_cancel_s is None else
+                 f"; the prompts queued ahead ended {case.ahead_end_after_cancel_s} s after "
+                 "the cancel")
         out.append(f"{case.case}: idle {case.idle_after_cancel_s} s after the cancel, not "
-                   f"before the request's natural end ({case.remaining_s} s): the abort did "
-                   "not reach the engines")
-    if case.case == "cancel during decode":
-        # Non-streaming: the client sees no token, so no natural end; the engine's count of
-        # generated tokens tells a cancelled request from one that ran to its end.
-        if case.generated_tokens is None:
-            out.append(f"{case.case}: the tokens generated are unknown "
-                       f"({case.generated_unknown or 'not read'}), so idle cannot be told from "
-                       "a request that ran to its end")
-        elif case.generated_tokens >= case.max_tokens:
-            out.append(f"{case.case}: the decoding worker(s) generated "
-                       f"{case.generated_tokens:.0f} tokens, the request's whole max_tokens "
-                       f"{case.max_tokens}: the abort did not reach the engines")
+                   f"before the request's natural end ({case.remaining_s} s{ahead}): the abort "
+                   "did not reach the engines")
+    if case.case == "cancel during decode" and case.generated_tokens is None:
+        # Non-streaming: the client sees no token, so no natural end: only the count tells.
+        out.append(f"{case.case}: the tokens generated are unknown "
+                   f"({case.generated_unknown or 'not read'}), so idle cannot be told from "
+                   "a request that ran to its end")
     return out
 
 
@@ -412,6 +453,21 @@ def prefill_words(words: int, prompt_tokens: int, prefill_s: float, max_model_le
         raise HarnessError(f"prefill_words: {prompt_tokens} prompt tokens for {words} words")
     fit = int((max_model_len - decode_room - 64) * words / prompt_tokens)
     return max(words, fit)
+
+
+def prefill_window_problem(ttft_s: float, start_s: float) -> str | None:
+    """Why no cancel can be timed inside this prefill (None: it can): the request's time to
+    first token, measured as the case runs it (behind the prompts queued ahead, where any),
+    is not a watch-loop tick (TICK_S) past a short prompt's. The cancel is due halfway in
+    between, so a shorter window leaves it inside the client's own timing noise, and none at
+    all puts it at the first token: an engine that prefills every queued prompt in one step
+    gives the prompts ahead no hold on the request. Pure."""
+    window = ttft_s - start_s
+    if window >= TICK_S:
+        return None
+    return (f"its time to first token {ttft_s} s is {window:.3f} s past a short prompt's "
+            f"{start_s} s, under one {TICK_S} s tick of the client's watch loop: no moment "
+            "inside the prefill to cancel at")
 
 
 def _first_token_s(cluster, words: int, mt: int, timeout: float, ahead: int = 0) -> float:
@@ -489,12 +545,19 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
         first.first_token_s = _first_token_s(cluster, words, first.max_tokens, timeout, ahead)
         cluster.wait_idle(timeout=bound_s)
     ttft = first.first_token_s
+    why = prefill_window_problem(ttft, start_s)
+    if why:
+        raise HarnessError(f"cancel during prefill cannot be timed on {cluster.topology.name} "
+                           f"({cluster.engine}): {why} (a {words}-word prompt behind {ahead} "
+                           "queued ahead)")
     rate = decode_rate(first) or 0.0
     mt = first.max_tokens
     case = CancelCase("cancel during prefill", cluster.topology.name, mt, words)
     case.prefill_s = prefill_s
     case.start_s = start_s
     delay = prefill_cancel_delay(ttft, prefill_s, fraction, start_s)
+    workers = cluster.role("decode") or cluster.workers
+    before, why_before = _generated(cluster, workers)
     t_cancel = asyncio.run(_stream_then_drop(cluster, long_unique_prompt(words), mt,
                                              lambda n, t: n > 0 or t >= delay, case, timeout,
                                              due_s=delay, ahead=ahead))
@@ -508,7 +571,14 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
                            f"client loop unscheduled for up to {case.loop_gap_max_s} s): the "
                            "request's first token came sooner than its probe's")
     case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
-    case = _after(cluster, case, t_cancel, bound_s, next_n)
+
+    def at_idle():
+        after, why_after = _generated(cluster, workers)
+        if before is None or after is None:
+            case.generated_unknown = why_before or why_after
+        else:
+            case.generated_tokens = after - before
+    case = _after(cluster, case, t_cancel, bound_s, next_n, at_idle)
     if rate > 0:
         case.remaining_s = round(natural_end_s(ttft, case.seconds_before_cancel, mt, rate), 1)
     return case

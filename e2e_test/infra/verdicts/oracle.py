@@ -944,6 +944,32 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
                       f"{same['p']:.2g}" if same is not None else ""))
 
 
+def items_for_a_count(control: ControlArm, order: list, least: int = 1,
+                      alpha: float = ALPHA) -> int | None:
+    """The fewest of `order`'s first items (at least `least`) on which the numerics count can
+    fail: the budget the control arm gives them (ControlArm.budget, its rate on those items)
+    is below their number. On fewer every item may be a near-tie and the verdict still
+    passes: TokenSpeed GSM8K on an H100 tied 10 times in the control's 16 answers on the
+    first 8 items, a budget of 8 of 8, and a 1p1d with every received K and V x 1.05 passed
+    with 8 numerics of 8. None where even all of `order` leaves the budget at their number.
+    Pure."""
+    arm = control.classified()
+    for n in range(max(1, least), len(order) + 1):
+        idx = set(order[:n])
+        if arm.numerics(idx)[1] and arm.budget(n, alpha, idx) < n:
+            return n
+    return None
+
+
+def failed_on_tokens(v: Verdict) -> bool:
+    """A verdict that failed on the tokens themselves: a mismatch, or more numerics than the
+    control arm's budget, with every item compared and a valid control arm (a failure from
+    holes or from the control is no evidence about the candidate). Pure."""
+    c = v.comparison.counts()
+    return (not v.ok and not c["error"] and not v.control.problems()
+            and (c["mismatch"] > 0 or c["numerics"] > v.budget))
+
+
 def same_path_rank(mine: list[float], control: ControlArm, alpha: float = ALPHA) -> dict:
     """The rank test of a same-path candidate's first-step deltas (`mine`, as _finite keeps
     them) against the control arm's: the noisiest pass (the largest median) pooled with each
