@@ -32,6 +32,7 @@ from .infra.engines import for_topology, kind_engines
 from .infra.errors import HarnessError
 from .infra.lifecycle import reaper, teardown
 from .infra.lifecycle.launcher import LocalLauncher
+from .infra.reports.index import plain_nodeid
 from .infra.specs import coboot, devices, settings
 from .infra.specs import topology as topologies
 from .infra.specs.model_specs import get_spec
@@ -49,12 +50,6 @@ def worker(config) -> bool:
 def parallel(config) -> bool:
     """Whether this process is the controller of pytest-xdist workers."""
     return not worker(config) and bool(getattr(config.option, "tx", None))
-
-
-def plain_nodeid(nodeid: str) -> str:
-    """A node id without the `@group` pytest-xdist appends under --dist loadgroup."""
-    at = nodeid.rfind("@")
-    return nodeid[:at] if at > nodeid.rfind("]") else nodeid
 
 
 def decide(config) -> coboot.Assignment:

@@ -178,6 +178,7 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
           "test_oracle_negative_control[tokenspeed-1]")]
       + [(f"h100-e2e-1gpu-pd-{eng}-{name}-633b31c", t.format(eng=eng))
          for eng, name in [("tokenspeed", "pd"), ("vllm", "vpd")] for t in PD_LANE]
+      + [("h100-e2e-1gpu-pd-tokenspeed-pd-3bde561", t) for t in pd_lane("tokenspeed")]
       + [("h100-e2e-1gpu-chat-tokenspeed-tsrouter-633b31c", t)
          for t in pd_lane("tokenspeed") + ["test_dp_workers_agree[tokenspeed-dp2-gsm8k]",
                                          "test_dp_workers_agree[tokenspeed-dp2-mmlu]"]]

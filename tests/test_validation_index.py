@@ -317,3 +317,22 @@ def test_docs_tracked_size_is_under_8_mib(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "add", "docs"], cwd=repo, check=True)
     assert tracked_bytes(repo, "docs") >= DOCS_LIMIT
+
+
+def test_a_junit_case_named_with_its_xdist_group_is_the_records_test(tmp_path):
+    """Under --dist loadgroup the JUnit file names a case `...[tokenspeed-1]@tokenspeed/1`
+    (an H100 run of e2e-1gpu-pd indexed 46 tests for its 23): the index takes it as
+    the record's test. The control: a case with no record stays a test of its own."""
+    (tmp_path / "junit-x.xml").write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="e2e_test.router.test_a" name="test_x[tokenspeed-1]@tokenspeed/1"'
+        ' time="2.5"/>'
+        '<testcase classname="e2e_test.router.test_a" name="test_y[a@b]" time="1"/>'
+        '</testsuite></testsuites>')
+    recs = [{"test": "e2e_test/router/test_a.py::test_x[tokenspeed-1]", "outcome": "passed"}]
+    tests = index._tests(tmp_path, recs)
+    assert [(t["id"], t["duration_s"]) for t in tests] == [
+        ("e2e_test/router/test_a.py::test_x[tokenspeed-1]", 2.5),
+        ("e2e_test/router/test_a.py::test_y[a@b]", 1.0)]
+    assert index.plain_nodeid("t.py::f[x]@g") == "t.py::f[x]"
+    assert index.plain_nodeid("t.py::f[x@y]") == "t.py::f[x@y]"

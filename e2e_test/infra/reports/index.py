@@ -46,13 +46,20 @@ def _first_line(text) -> str | None:
     return line[:MESSAGE_CHARS] or None
 
 
+def plain_nodeid(nodeid: str) -> str:
+    """A node id without the `@group` pytest-xdist appends under --dist loadgroup (records,
+    the JUnit file and the index name a test the same way with or without xdist). Pure."""
+    at = nodeid.rfind("@")
+    return nodeid[:at] if at > nodeid.rfind("]") else nodeid
+
+
 def _junit(d: Path) -> dict[str, dict]:
     """test id (as the records name it) -> {outcome, duration_s, message} from junit*.xml."""
     out: dict[str, dict] = {}
     for f in sorted(d.glob("junit*.xml")):
         for case in ET.parse(f).getroot().iter("testcase"):
             cls, name = case.get("classname", ""), case.get("name", "")
-            tid = f"{cls.replace('.', '/')}.py::{name}" if cls else name
+            tid = plain_nodeid(f"{cls.replace('.', '/')}.py::{name}" if cls else name)
             outcome, message = "passed", None
             for tag, what in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
                 el = case.find(tag)
