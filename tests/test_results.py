@@ -161,3 +161,15 @@ def test_results_dir_override_and_default(tmp_path):
     assert d.parent == Path("results") and d.name.startswith("e2e-cpu-")
     assert env["E2E_RESULTS_DIR"] == str(d)          # children of the run inherit it
     assert settings.results_dir(env) == d            # stable within the run
+
+
+def test_the_summary_names_the_given_commit_over_gits(monkeypatch):
+    """A device runs a copied tree whose .git held another commit (an H100 summary named an
+    earlier commit, "-dirty", for a run of a later one): E2E_GIT_SHA, which the lane scripts
+    pass, wins. The control: unset, git's own answer (this checkout's HEAD) stands."""
+    from e2e_test.infra.reports import results
+    monkeypatch.delenv("E2E_GIT_SHA", raising=False)
+    own = results.git_sha()
+    assert own and own != "abc1234"
+    monkeypatch.setenv("E2E_GIT_SHA", "abc1234")
+    assert results.git_sha() == "abc1234"

@@ -39,7 +39,12 @@ def versions() -> dict[str, str]:
 
 
 def git_sha() -> str | None:
-    """The commit the harness ran from (with "-dirty" for local changes), None outside git."""
+    """The commit the harness ran from: E2E_GIT_SHA where set (a copied tree, whose .git, if
+    any, is not the commit it holds), else git's (with "-dirty" for local changes); None
+    outside git."""
+    given = settings.get("E2E_GIT_SHA")
+    if given:
+        return given
     here = Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,

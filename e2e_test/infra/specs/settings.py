@@ -284,7 +284,7 @@ def extras() -> tuple[str, ...]:
 _add("E2E_ENGINES", CsvOf(among=engine_names), engine_names, "engines to parametrize over (`--engine`)")
 _add("E2E_TOPOLOGIES", Topologies(), ("1", "dp2", "1p1d"), "topologies to parametrize over (`--topology`)")
 _add("E2E_LANE", Text(), None, "the lane being run; set by `python -m e2e_test run LANE`")
-_add("E2E_GIT_SHA", Text(), None, "the commit a lane's run.json names, where the checkout has no .git (a copied tree)")
+_add("E2E_GIT_SHA", Text(), None, "the commit a lane's run.json and summary.json name, where the checkout is a copied tree (its .git, if any, is not the commit it holds)")
 _add("E2E_LANE_PYTHON", Executable(), None, "interpreter for every part of `run LANE` instead of the lane's venvs (a runner whose engines come from PYTHONPATH)")
 _add("E2E_MODEL", Model(), DEFAULT_MODEL, "model under test, a registry id (`--model`)")
 _add("E2E_BACKEND", Choice("cpu", "cuda"), None, "cpu or cuda (`--backend`); unset: cuda when NVML sees a GPU")
