@@ -41,10 +41,10 @@ KNOWN_LABELS = ("ubuntu-latest", "self-hosted", "linux", "x64", "arm64")
 GPU_COUNTS = (0, 1, 2, 4, 8)
 EXTRAS = ("cpu", "gpu", "tokenspeed")
 EVENTS = ("push", "pull_request", "workflow_dispatch")
-LANE_KEYS = ("description", "runner", "engines", "topologies", "pytest", "env",
+LANE_KEYS = ("description", "runner", "engines", "topologies", "unit", "pytest", "env",
              "timeout_minutes", "min_tests", "min_engine_tests", "trigger", "venvs",
              "passed_once", "opt_in")
-OPTIONAL_KEYS = ("env", "min_engine_tests")
+OPTIONAL_KEYS = ("env", "min_engine_tests", "unit")
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,27 @@ VENVS = {
 }
 DEFAULT_VENV = ".venv"
 RUNNER_KEYS = ("gpus", "runs_on")
-PYTEST_KEYS = ("paths", "markers")
+PYTEST_KEYS = ("paths", "markers", "keywords")
+UNIT_KEYS = ("paths", "workers", "min_tests")
+UNIT_PART = "unit"
 # Set from `engines` / `topologies`, never from `env`.
 RESERVED_ENV = ("E2E_ENGINES", "E2E_TOPOLOGIES", "E2E_LANE")
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+@dataclass(frozen=True)
+class UnitPart:
+    """The harness's own tests (no engine), run before the lane's e2e selection as a pytest of
+    their own under pytest-xdist (`-n workers`): on a CPU the e2e part has no xdist worker at
+    all (one topology at a time, coboot.assign), so in its pytest they would run serially."""
+    paths: tuple[str, ...]
+    workers: int
+    min_tests: int
+
+    def pytest_args(self, lane: str, results_dir: str | Path) -> list[str]:
+        return [*self.paths, "-n", str(self.workers),
+                "--junitxml", str(Path(results_dir) / f"junit-{lane}-{UNIT_PART}.xml"),
+                "--e2e-min-tests", str(self.min_tests)]
 
 
 @dataclass(frozen=True)
@@ -96,6 +113,8 @@ class Lane:
     # Of those, tests on an engine (marked vllm/tokenspeed): where the lane runs the harness's
     # unit tests too, they alone could make min_tests with every engine test skipped.
     min_engine_tests: int | None = None
+    keywords: str | None = None      # the -k expression (node names, parameter ids); None: all
+    unit: UnitPart | None = None     # the unit tests' own pytest, run first
 
     @property
     def extras(self) -> tuple[str, ...]:
@@ -124,8 +143,9 @@ class Lane:
 
     @property
     def selection(self) -> list[str]:
-        """pytest's paths and -m: the tests the lane selects."""
-        return [*self.paths, *(("-m", self.markers) if self.markers else ())]
+        """pytest's paths, -m and -k: the e2e tests the lane selects (its unit part apart)."""
+        return [*self.paths, *(("-m", self.markers) if self.markers else ()),
+                *(("-k", self.keywords) if self.keywords else ())]
 
     def pytest_args(self, results_dir: str | Path = "results",
                     engines: tuple[str, ...] | None = None) -> list[str]:
@@ -193,11 +213,15 @@ def parse_lane(name: Any, raw: Any) -> Lane:
     mapping(f"{where}.pytest", sel, PYTEST_KEYS, required=("paths",))
     paths = str_list(f"{where}.pytest.paths", sel["paths"], nonempty=True, unique=True)
     for p in paths:   # checked in a source checkout (not in an installed copy)
-        if (REPO / "pyproject.toml").is_file() and not (REPO / p).exists():
-            raise ConfigError(f"{where}.pytest.paths: {p!r} does not exist under {REPO}")
+        _exists(f"{where}.pytest.paths", p)
     markers = sel.get("markers")
     if markers is not None and (not isinstance(markers, str) or not markers.strip()):
         raise ConfigError(f"{where}.pytest.markers: expected a -m expression, got {markers!r}")
+    keywords = sel.get("keywords")
+    if keywords is not None and (not isinstance(keywords, str) or not keywords.strip()):
+        raise ConfigError(f"{where}.pytest.keywords: expected a -k expression, got "
+                          f"{keywords!r}")
+    unit = _parse_unit(where, raw.get("unit"), paths)
     env = raw.get("env") or {}
     if not isinstance(env, dict):
         raise ConfigError(f"{where}.env: expected a mapping, got {type(env).__name__}")
@@ -249,9 +273,34 @@ def parse_lane(name: Any, raw: Any) -> Lane:
                 markers=markers and markers.strip(), env=dict(env), timeout_minutes=timeout,
                 min_tests=min_tests, trigger=trigger, venvs=dict(venvs),
                 passed_once=passed_once, opt_in=opt_in, min_by_engine=by_engine,
-                min_engine_tests=min_engine)
+                min_engine_tests=min_engine, keywords=keywords and " ".join(keywords.split()),
+                unit=unit)
     _check_consistency(where, lane, topologies)
     return lane
+
+
+def _exists(where: str, p: str) -> None:
+    if (REPO / "pyproject.toml").is_file() and not (REPO / p).exists():
+        raise ConfigError(f"{where}: {p!r} does not exist under {REPO}")
+
+
+def _parse_unit(where: str, raw: Any, e2e_paths: tuple[str, ...]) -> UnitPart | None:
+    """`unit: {paths, workers, min_tests}`: the unit tests' own pytest. A path under both it
+    and pytest.paths would run its tests twice."""
+    if raw is None:
+        return None
+    w = f"{where}.unit"
+    mapping(w, raw, UNIT_KEYS, required=UNIT_KEYS)
+    paths = str_list(f"{w}.paths", raw["paths"], nonempty=True, unique=True)
+    for p in paths:
+        _exists(f"{w}.paths", p)
+        for q in e2e_paths:
+            a, b = Path(p), Path(q)
+            if a == b or a in b.parents or b in a.parents:
+                raise ConfigError(f"{w}.paths: {p!r} overlaps pytest.paths {q!r} (its tests "
+                                  "would run twice)")
+    return UnitPart(paths=paths, workers=integer(f"{w}.workers", raw["workers"], lo=1),
+                    min_tests=integer(f"{w}.min_tests", raw["min_tests"]))
 
 
 def _check_consistency(where: str, lane: Lane, topologies: list) -> None:
@@ -336,6 +385,9 @@ def describe(lanes: dict[str, Lane] | None = None) -> str:
     out.append("")
     for ln in lanes.values():
         out.append(f"{ln.name}: {ln.description}")
+        if ln.unit:
+            unit = [*ln.unit.paths, "-n", str(ln.unit.workers)]
+            out.append(f"    first pytest {shlex.join(unit)}")
         out.append(f"    pytest {shlex.join(ln.selection)}")
         if ln.env:
             out.append("    env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in ln.env.items()))
@@ -698,12 +750,14 @@ def venv_python(venv: str, environ: dict | None = None, repo: Path = REPO) -> st
                       "E2E_LANE_PYTHON)")
 
 
-def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
-                  python=None) -> list[tuple[list[str], dict[str, str]]]:
-    """One (argv, env) per venv of the lane: each engine's cases run in that engine's venv,
-    with the venv's env and the lane's env merged over `environ`. A lane in one venv is one
-    pytest; a split lane gives each part its own E2E_ENGINES, JUnit file,
-    minimum and results folder (results/<venv>)."""
+def lane_parts(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
+               python=None) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(part, argv, env) per pytest of the lane, in the order they run: its unit part first
+    (`unit`, in the first venv, results in <folder>/unit), then one per venv: each engine's
+    cases run in that engine's venv, with the venv's env and the lane's env merged over
+    `environ`; the part is named by its engines. A lane in one venv has one e2e pytest; a
+    split lane gives each part its own E2E_ENGINES, JUnit file, minimum and results folder
+    (results/<venv>). `extra_pytest_args` go to every part."""
     python = python or venv_python
     base = dict(os.environ if environ is None else environ)
     extra = list(extra_pytest_args or ())
@@ -717,6 +771,11 @@ def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
     for venv, engines in groups:
         env = {**base, **dict(VENVS[venv].env), **lane.full_env(), "E2E_LANE": lane.name}
         results_dir = str(settings.get("E2E_RESULTS_DIR", env))
+        if lane.unit is not None and not out:
+            unit_dir = str(Path(results_dir) / UNIT_PART)
+            out.append((UNIT_PART, [python(venv, env), "-m", "pytest",
+                                    *lane.unit.pytest_args(lane.name, unit_dir), *extra],
+                        {**env, "E2E_RESULTS_DIR": unit_dir}))
         part = None
         if len(groups) > 1:
             part = engines
@@ -724,8 +783,15 @@ def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
             env.update(E2E_ENGINES=",".join(engines), E2E_RESULTS_DIR=results_dir)
         argv = [python(venv, env), "-m", "pytest", *lane.pytest_args(results_dir, part),
                 *extra]
-        out.append((argv, env))
+        out.append((",".join(engines), argv, env))
     return out
+
+
+def lane_commands(lane: Lane, extra_pytest_args=(), environ: dict | None = None,
+                  python=None) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of every part of the lane, in order (lane_parts without the names)."""
+    return [(argv, env) for _, argv, env in
+            lane_parts(lane, extra_pytest_args, environ, python)]
 
 
 def lane_command(lane: Lane, extra_pytest_args=(), environ: dict | None = None
@@ -739,25 +805,24 @@ def lane_command(lane: Lane, extra_pytest_args=(), environ: dict | None = None
 
 def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
              runner: Callable[..., int] | None = None, part: str | None = None) -> int:
-    """Run one lane's pytest selection, one pytest per venv; returns the first non-zero exit
-    code (every part runs). Each part's environment is checked first (startup.startup): a
-    bad value is a one-line ConfigError (exit 2) before anything starts. `part` (an engine
-    name) runs only the part of that engine. Each part leaves `run.json` in its results folder:
-    lane, part, the exact command line, git SHA, date and devices."""
+    """Run one lane: its unit part, then its pytest selection, one pytest per venv; returns
+    the first non-zero exit code (every part runs). Each part's environment is checked first
+    (startup.startup): a bad value is a one-line ConfigError (exit 2) before anything starts.
+    `part` (`unit`, or an engine name) runs only that part. Each part leaves `run.json` in its
+    results folder: lane, part, the exact command line, git SHA, date and devices."""
     lane = get_lane(name)
-    cmds = lane_commands(lane, extra_pytest_args, environ)
+    cmds = lane_parts(lane, extra_pytest_args, environ)
     if part is not None:
-        if part not in lane.engines:
-            raise ConfigError(f"lane {lane.name}: no part {part!r} (engines: "
-                              f"{', '.join(lane.engines)})")
-        cmds = [(a, e) for a, e in cmds
-                if part in (e.get("E2E_ENGINES") or ",".join(lane.engines)).split(",")]
-    for _, env in cmds:
+        names = [*([UNIT_PART] if lane.unit else []), *lane.engines]
+        if part not in names:
+            raise ConfigError(f"lane {lane.name}: no part {part!r} (parts: {', '.join(names)})")
+        cmds = [c for c in cmds if part in c[0].split(",")]
+    for _, _, env in cmds:
         startup.startup(env)
         _refuse_a_used_results_folder(env)
     run = runner or call
     rc = 0
-    for argv, env in cmds:
+    for what, argv, env in cmds:
         shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in lane.full_env())
         print(f"lane {lane.name}: {shown} {shlex.join(argv)}", flush=True)
         t0 = time.time()
@@ -766,14 +831,16 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
         except KeyboardInterrupt:
             # interrupted (Ctrl-C, the lane limit of scripts/gpu_lane.sh): the part still
             # leaves its record, with the code of an interrupt
-            _write_run_record(lane, argv, env, 130, t0, interrupted=True)
+            _write_run_record(lane, argv, env, 130, t0, interrupted=True, part=what)
             raise
         if code < 0:      # killed by a signal: said, and exited as a shell would (128 + n)
             import signal
             print(f"lane {lane.name}: pytest died of {signal.Signals(-code).name} "
                   f"(signal {-code}); its output above ends where it died", flush=True)
             code = 128 - code
-        _write_run_record(lane, argv, env, code, t0)
+        _write_run_record(lane, argv, env, code, t0, part=what)
+        print(f"lane {lane.name}: part {what}: exit code {code} after "
+              f"{time.time() - t0:.0f} s", flush=True)
         rc = rc or code
     return rc
 
@@ -886,7 +953,7 @@ def _refuse_a_used_results_folder(env: dict) -> None:
 
 
 def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: float,
-                      interrupted: bool = False) -> None:
+                      interrupted: bool = False, part: str | None = None) -> None:
     """results/run.json of one lane part: what ran, where, from which commit, and whether an
     interrupt ended it."""
     out = Path(str(settings.get("E2E_RESULTS_DIR", env)))
@@ -900,7 +967,8 @@ def _write_run_record(lane: Lane, argv: list[str], env: dict, code: int, t0: flo
                            for i in range(n.nvmlDeviceGetCount())]
     except Exception:  # noqa: BLE001 - a device NVML cannot name
         pass
-    rec = {"lane": lane.name, "engines": env.get("E2E_ENGINES"), "git_sha": _git_sha(),
+    rec = {"lane": lane.name, "part": part, "engines": env.get("E2E_ENGINES"),
+           "git_sha": _git_sha(),
            "command": shlex.join(argv), "argv": argv,
            "env": {k: v for k, v in env.items() if k.startswith(("E2E_", "AFD_E2E_", "VLLM_",
                                                                  "TOKENSPEED_", "MC_"))},

@@ -1,4 +1,4 @@
-"""usage: python scripts/check_alone.py [--lane e2e-cpu] [--out docs/alone.md] [-k EXPR]
+"""usage: python scripts/check_alone.py [--lane e2e-cpu-full] [--out docs/alone.md] [-k EXPR]
                                        [--through CMD] [--collect-only]
 
 Each e2e test function of a lane's selection, run once alone: one pytest per function, by one
@@ -8,8 +8,8 @@ Every one must pass and none may skip (--e2e-no-skips): a test that needs anothe
 evidence computes it itself (the `baseline` fixture), so a node id reproduces it. Writes the
 table (node id, outcome, seconds) to --out and exits 1 unless every one passed.
 
-The lane's selection is its e2e tests (marker e2e, under e2e_test/router) of its markers. On
-the CPU lane (vllm-cpu, topologies 1, dp2, 1p1d) this takes about an hour on 2 cores: each run
+The lane's selection is its e2e tests (marker e2e, under e2e_test/router) of its markers and
+keywords (-k EXPR narrows it further). On the full CPU lane (vllm-cpu, topologies 1, dp2, 1p1d) this takes about an hour on 2 cores: each run
 boots its topology, and a test judged against `1` boots `1` first.
 """
 
@@ -43,8 +43,9 @@ def selection(lane, keyword: str | None) -> list[str]:
     argv = [sys.executable, "-m", "pytest", "e2e_test/router", "--collect-only", "-q",
             "-p", "no:cacheprovider", "-m",
             f"e2e and ({lane.markers})" if lane.markers else "e2e"]
-    if keyword:
-        argv += ["-k", keyword]
+    words = [f"({k})" for k in (lane.keywords, keyword) if k]
+    if words:
+        argv += ["-k", " and ".join(words)]
     with tempfile.TemporaryDirectory() as tmp:
         r = subprocess.run(argv, cwd=REPO, env={**lane_env(lane), "E2E_RESULTS_DIR": tmp},
                            capture_output=True, text=True, check=False)
@@ -112,7 +113,7 @@ def table(lane, rows: list[tuple[str, str, float, str]]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(usage=__doc__.split("\n\n")[0].removeprefix("usage: "),
                                  description=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--lane", default="e2e-cpu")
+    ap.add_argument("--lane", default="e2e-cpu-full")
     ap.add_argument("--out", default="docs/alone.md")
     ap.add_argument("-k", dest="keyword", default=None, help="only the functions matching")
     ap.add_argument("--through", default="", metavar="CMD",

@@ -17,7 +17,7 @@ from e2e_test.infra.errors import ConfigError
 from e2e_test.pytest_plugin import device_shortfall, require_devices
 
 REPO = Path(__file__).resolve().parents[1]
-REQUIRED = ("e2e-cpu", "e2e-1gpu-chat", "e2e-2gpu-pd", "e2e-4gpu-epd", "e2e-4gpu-afd",
+REQUIRED = ("e2e-cpu", "e2e-cpu-full", "e2e-1gpu-chat", "e2e-2gpu-pd", "e2e-4gpu-epd", "e2e-4gpu-afd",
             "e2e-8gpu-afd-large")
 
 
@@ -54,11 +54,18 @@ def one_line(exc_info) -> str:
 def test_table_has_the_required_lanes():
     table = lanes.load_lanes()
     assert set(REQUIRED) <= set(table)
-    cpu = table["e2e-cpu"]
-    assert cpu.gpus == 0 and cpu.runs_on == ("ubuntu-latest",)
-    assert cpu.paths == ("tests", "e2e_test/router") and cpu.markers is None
-    assert cpu.engines == ("vllm",) and cpu.topologies == ("1", "dp2", "1p1d")
-    assert cpu.extras == ("cpu",) and not cpu.manual and not cpu.opt_in
+    for name in ("e2e-cpu", "e2e-cpu-full"):
+        cpu = table[name]
+        assert cpu.gpus == 0 and cpu.runs_on == ("ubuntu-latest",)
+        assert cpu.paths == ("e2e_test/router",)
+        assert cpu.unit == lanes.UnitPart(paths=("tests",), workers=2, min_tests=1800)
+        assert cpu.engines == ("vllm",) and cpu.topologies == ("1", "dp2", "1p1d")
+        assert cpu.extras == ("cpu",) and not cpu.manual and not cpu.opt_in
+    assert table["e2e-cpu"].markers == "not mutant and not multinode"
+    assert table["e2e-cpu"].keywords.startswith("not (test_shuffle or ")
+    assert table["e2e-cpu-full"].markers is None and table["e2e-cpu-full"].keywords is None
+    assert table["e2e-cpu"].trigger == ("push", "pull_request")
+    assert table["e2e-cpu-full"].trigger == ("push",)
     assert set(table["e2e-1gpu-chat"].engines) == {"vllm", "tokenspeed"}
     assert table["e2e-1gpu-chat"].topologies == ("1",)
     pd = table["e2e-2gpu-pd"]
@@ -94,8 +101,11 @@ def test_describe_is_a_readable_table():
 
 def test_a_lane_without_markers_runs_every_test_under_its_paths():
     table = lanes.load_lanes()
-    assert table["e2e-cpu"].selection == ["tests", "e2e_test/router"]
-    assert "-m" not in table["e2e-cpu"].pytest_args()
+    assert table["e2e-cpu-full"].selection == ["e2e_test/router"]
+    assert "-m" not in table["e2e-cpu-full"].pytest_args()
+    assert "-k" not in table["e2e-cpu-full"].pytest_args()
+    core = table["e2e-cpu"]
+    assert core.selection == ["e2e_test/router", "-m", core.markers, "-k", core.keywords]
     assert table["e2e-2gpu-pd"].selection == ["e2e_test/router", "-m", "pd or eval"]
 
 
@@ -114,6 +124,16 @@ def _raw() -> dict:
     ("e2e-cpu", {"pytest": {"paths": ["nope"], "markers": "x"}}, "'nope' does not exist"),
     ("e2e-cpu", {"pytest": {"paths": ["tests"], "markers": " "}}, "expected a -m expression"),
     ("e2e-cpu", {"pytest": {"markers": "x"}}, "pytest: missing key(s) paths"),
+    ("e2e-cpu", {"pytest": {"paths": ["e2e_test"], "keywords": ""}}, "expected a -k expression"),
+    ("e2e-cpu", {"unit": {"paths": ["tests"], "workers": 2}}, "unit: missing key(s) min_tests"),
+    ("e2e-cpu", {"unit": {"paths": ["tests"], "workers": 0, "min_tests": 1}},
+     "unit.workers: expected an integer >= 1"),
+    ("e2e-cpu", {"unit": {"paths": ["nope"], "workers": 2, "min_tests": 1}},
+     "unit.paths: 'nope' does not exist"),
+    ("e2e-cpu", {"pytest": {"paths": ["tests", "e2e_test/router"]}},
+     "unit.paths: 'tests' overlaps pytest.paths 'tests'"),
+    ("e2e-cpu", {"pytest": {"paths": ["tests/test_lanes.py"]}},
+     "unit.paths: 'tests' overlaps pytest.paths 'tests/test_lanes.py'"),
     ("e2e-cpu", {"env": {"E2E_ENGINES": "vllm"}}, "set from the lane's engines"),
     ("e2e-cpu", {"env": {"X": 1}}, "env.X: expected a string"),
     ("e2e-cpu", {"trigger": ["schedule"]}, "unknown 'schedule'"),
@@ -344,10 +364,14 @@ def test_every_lane_selects_at_least_its_minimum(tmp_path):
     for name, lane in table.items():
         if lane.opt_in:
             continue
-        # every part (one per venv) with its own minimum, collected by this interpreter
-        for k, (argv, env) in enumerate(lanes.lane_commands(
+        # every part (the unit tests', one per venv) with its own minimum, collected by this
+        # interpreter; the unit part without its -n (under pytest-xdist the workers collect,
+        # and the selection is neither printed nor counted before the run)
+        for k, (part, argv, env) in enumerate(lanes.lane_parts(
                 lane, ["--collect-only", "-q", "-p", "no:cacheprovider"],
                 environ=clean_env(tmp_path / name), python=lambda v, e: sys.executable)):
+            if part == lanes.UNIT_PART:
+                del argv[argv.index("-n"):argv.index("-n") + 2]
             procs[f"{name}#{k}"] = subprocess.Popen(argv, cwd=REPO, env=env,
                                                     stdout=subprocess.PIPE,
                                                     stderr=subprocess.STDOUT, text=True)
@@ -462,10 +486,33 @@ def test_unit_tests_alone_cannot_make_an_engine_minimum(tmp_path, gate):
             "skipped tests do not count)") in out, out
 
 
-def test_the_cpu_lane_asks_for_its_engine_tests():
-    cpu = lanes.load_lanes()["e2e-cpu"]
-    args = cpu.pytest_args()
-    assert args[args.index("--e2e-min-engine-tests") + 1] == str(cpu.min_engine_tests) == "50"
+def test_the_cpu_lanes_run_their_unit_tests_first_in_a_pytest_of_their_own(tmp_path):
+    """The unit tests under pytest-xdist (`-n 2`), results in the run folder's unit/, before
+    the e2e part, which holds no unit test; extra args go to both; `--part` picks one."""
+    lane = lanes.get_lane("e2e-cpu")
+    parts = lanes.lane_parts(lane, ["--", "-x"], environ={"E2E_RESULTS_DIR": str(tmp_path)},
+                             python=lambda venv, env: "py")
+    assert [p[0] for p in parts] == ["unit", "vllm"]
+    (_, unit, uenv), (_, e2e, eenv) = parts
+    assert unit == ["py", "-m", "pytest", "tests", "-n", "2", "--junitxml",
+                    str(tmp_path / "unit" / "junit-e2e-cpu-unit.xml"), "--e2e-min-tests",
+                    "1800", "-x"]
+    assert uenv["E2E_RESULTS_DIR"] == str(tmp_path / "unit")
+    assert eenv["E2E_RESULTS_DIR"] == str(tmp_path)
+    assert uenv["E2E_LANE"] == eenv["E2E_LANE"] == "e2e-cpu"
+    assert "tests" not in e2e and e2e[-1] == "-x"
+    assert e2e[e2e.index("--e2e-min-tests") + 1] == str(lane.min_tests)
+    seen = []
+    for part, want in (("unit", ["tests"]), ("vllm", ["e2e_test/router"])):
+        seen.clear()
+        assert lanes.run_lane("e2e-cpu", [], environ={"E2E_RESULTS_DIR": str(tmp_path / part)},
+                              runner=lambda argv, env: seen.append(argv[3]) or 0,
+                              part=part) == 0
+        assert seen == want
+    with pytest.raises(ConfigError) as ei:
+        lanes.run_lane("e2e-cpu", [], environ={"E2E_RESULTS_DIR": str(tmp_path / "x")},
+                       runner=lambda argv, env: 0, part="tokenspeed")
+    assert "no part 'tokenspeed' (parts: unit, vllm)" in one_line(ei)
 
 
 # -- running a lane ----------------------------------------------------------------------------
@@ -496,13 +543,16 @@ def test_an_interrupted_lane_part_leaves_its_run_record(tmp_path):
     environ = {"E2E_RESULTS_DIR": str(tmp_path / "a")}
     with pytest.raises(KeyboardInterrupt):
         lanes.run_lane("e2e-cpu", [], environ=environ, runner=runner)
-    rec = json.loads((tmp_path / "a" / "run.json").read_text())
-    assert (rec["lane"], rec["exit_code"], rec["interrupted"]) == ("e2e-cpu", 130, True)
+    rec = json.loads((tmp_path / "a" / "unit" / "run.json").read_text())   # the first part
+    assert (rec["lane"], rec["part"], rec["exit_code"], rec["interrupted"]) == (
+        "e2e-cpu", "unit", 130, True)
+    assert not (tmp_path / "a" / "run.json").exists()        # the interrupt ends the run
     # the negative control: a part that ends by itself is not marked
     environ = {"E2E_RESULTS_DIR": str(tmp_path / "b")}
     lanes.run_lane("e2e-cpu", [], environ=environ, runner=lambda argv, env: 0)
-    rec = json.loads((tmp_path / "b" / "run.json").read_text())
-    assert rec["exit_code"] == 0 and "interrupted" not in rec
+    for folder, part in ((tmp_path / "b" / "unit", "unit"), (tmp_path / "b", "vllm")):
+        rec = json.loads((folder / "run.json").read_text())
+        assert rec["exit_code"] == 0 and rec["part"] == part and "interrupted" not in rec
 
 
 def test_a_results_folder_that_holds_a_run_is_refused(tmp_path):
@@ -517,9 +567,10 @@ def test_a_results_folder_that_holds_a_run_is_refused(tmp_path):
         lanes.run_lane("e2e-cpu", [], environ=environ,
                        runner=lambda argv, env: started.append(2) or 0)
     msg = str(ei.value)
-    assert "\n" not in msg and msg.startswith(f"results folder {tmp_path} already holds a run "
-                                              "(run.json, started 20")
-    assert started == [1] and (tmp_path / "clusters" / "old").is_dir()
+    # the first part's folder (the unit tests' own) is the first to say so
+    assert "\n" not in msg and msg.startswith(f"results folder {tmp_path / 'unit'} already "
+                                              "holds a run (run.json, started 20")
+    assert started == [1, 1] and (tmp_path / "clusters" / "old").is_dir()   # both parts
     fresh = tmp_path / "fresh"
     (fresh / "clusters").mkdir(parents=True)          # files, but no run: used
     assert lanes.run_lane("e2e-cpu", [], environ={"E2E_RESULTS_DIR": str(fresh)},
@@ -537,31 +588,33 @@ def test_a_part_killed_by_a_signal_is_named_and_exits_as_a_shell_would(tmp_path,
     assert "died of" not in capsys.readouterr().out
 
 
-def test_run_lane_command_and_env(tmp_path):
-    seen = {}
+def test_run_lane_command_and_env(tmp_path, capsys):
+    seen = []
 
     def runner(argv, env):
-        seen.update(argv=argv, env=env)
+        seen.append((argv, env))
         return 3
 
     environ = {"KEEP_ME": "1", "E2E_RESULTS_DIR": str(tmp_path), "E2E_ENGINES": "tokenspeed"}
-    rc = lanes.run_lane("e2e-cpu", ["--", "-x", "-k", "chat"], environ=environ,
+    rc = lanes.run_lane("e2e-cpu-full", ["--", "-x", "-k", "chat"], environ=environ,
                         runner=runner)
-    assert rc == 3
-    lane = lanes.get_lane("e2e-cpu")
-    argv, env = seen["argv"], seen["env"]
+    assert rc == 3 and len(seen) == 2                 # every part runs: unit, then e2e
+    lane = lanes.get_lane("e2e-cpu-full")
+    argv, env = seen[-1]
     # the default venv: its python when the checkout has one, else this interpreter
     venv_py = REPO / ".venv" / "bin" / "python"
     assert argv[0] == (str(venv_py) if venv_py.is_file() else sys.executable)
     assert argv[1:3] == ["-m", "pytest"]
     assert argv[3:] == [*lane.paths,                  # no -m: every test under its paths
                         "-n", "auto", "--dist", "loadgroup",
-                        "--junitxml", str(tmp_path / "junit-e2e-cpu.xml"),
-                        "--e2e-min-tests", str(lane.min_tests),
-                        "--e2e-min-engine-tests", str(lane.min_engine_tests), "-x", "-k", "chat"]
+                        "--junitxml", str(tmp_path / "junit-e2e-cpu-full.xml"),
+                        "--e2e-min-tests", str(lane.min_tests), "-x", "-k", "chat"]
+    out = capsys.readouterr().out
+    assert "lane e2e-cpu-full: part unit: exit code 3 after " in out
+    assert "lane e2e-cpu-full: part vllm: exit code 3 after " in out
     assert env["KEEP_ME"] == "1"                       # merged, never scrubbed
     assert env["E2E_ENGINES"] == "vllm"                # the lane wins over the caller
-    assert env["E2E_TOPOLOGIES"] == "1,dp2,1p1d" and env["E2E_LANE"] == "e2e-cpu"
+    assert env["E2E_TOPOLOGIES"] == "1,dp2,1p1d" and env["E2E_LANE"] == "e2e-cpu-full"
 
     # The opt-in lane's prerequisites are checked before pytest is started (startup.startup).
     with pytest.raises(ConfigError) as ei:
@@ -933,3 +986,129 @@ def test_kv_corruption_is_its_own_gpu_lane(tmp_path):
                      **pd.full_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert ids and not [i for i in ids if kinds in i], ids
+
+
+# -- the two CPU lanes: the node ids each selects, what moved and why (docs/lanes.md) -------------
+
+# The core (e2e-cpu), in the collected order: `1`, dp2 and 1p1d behind smg with chat and the
+# evals; the KV proof with its negative controls; the oracle against `1` with its control arm and
+# negative control; DP workers against each other; bursts; admission shedding and the lost decode
+# leg on the small-window 1p1d; a worker killed mid-burst; idle verification's negative control.
+CORE = [
+    "test_burst.py::test_burst_within_capacity[vllm-1-plain]",
+    "test_chat.py::test_chat_non_streaming[vllm-1]",
+    "test_chat.py::test_chat_streaming[vllm-1]",
+    "test_evals.py::test_eval[vllm-1-gsm8k]",
+    "test_evals.py::test_eval[vllm-1-mmlu]",
+    "test_pd.py::test_pd_proof_fails_where_nothing_moved[vllm-1]",
+    "test_serving_faults.py::test_idle_negative_control_held_stream[vllm-1]",
+    "test_oracle.py::test_control_arm[vllm-1-gsm8k]",
+    "test_oracle.py::test_oracle_negative_control[vllm-1]",
+    "test_faults.py::test_worker_killed_mid_burst[vllm-1]",
+    "test_burst.py::test_burst_within_capacity[vllm-dp2-plain]",
+    "test_chat.py::test_chat_non_streaming[vllm-dp2]",
+    "test_chat.py::test_chat_streaming[vllm-dp2]",
+    "test_evals.py::test_eval[vllm-dp2-gsm8k]",
+    "test_evals.py::test_eval[vllm-dp2-mmlu]",
+    "test_oracle.py::test_pinned_gateway_reaches_one_worker[vllm-dp2]",
+    "test_oracle.py::test_dp_workers_agree[vllm-dp2-gsm8k]",
+    "test_burst.py::test_burst_within_capacity[vllm-1p1d-plain]",
+    "test_chat.py::test_chat_non_streaming[vllm-1p1d]",
+    "test_chat.py::test_chat_streaming[vllm-1p1d]",
+    "test_evals.py::test_eval[vllm-1p1d-gsm8k]",
+    "test_evals.py::test_eval[vllm-1p1d-mmlu]",
+    "test_pd.py::test_pd_kv_transfer_proof[vllm-1p1d]",
+    "test_pd.py::test_pd_every_leg_took_traffic[vllm-1p1d]",
+    "test_pd.py::test_pd_kv_transfer_proof_negative_control[vllm-1p1d]",
+    "test_serving_faults.py::test_idle_negative_control_held_stream[vllm-1p1d]",
+    "test_pd.py::test_pd_answers_match_regular[vllm-1p1d-gsm8k]",
+    "test_burst.py::test_pd_burst_versus_window[vllm-1p1d]",
+    "test_serving_faults.py::test_pd_decode_leg_loss[vllm-1p1d]",
+]
+ROUTER = "e2e_test/router/"
+
+
+def documented_moves() -> dict[str, str]:
+    """docs/lanes.md's table under "The two CPU lanes": node id -> why it runs in
+    e2e-cpu-full only."""
+    text = (REPO / "docs" / "lanes.md").read_text()
+    section = text.split("## The two CPU lanes", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 2 and cells[0].startswith(f"`{ROUTER}"):
+            node = cells[0].strip("`")
+            assert node not in rows, f"docs/lanes.md lists {node} twice"
+            rows[node] = cells[1]
+    return rows
+
+
+def selection_problems(core: list[str], full: list[str], moved: dict[str, str]) -> list[str]:
+    """What is wrong with the two CPU lanes' selections against docs/lanes.md's list of the
+    tests that run in e2e-cpu-full only: every full test is in the core or listed, with a
+    reason; none is both."""
+    problems = []
+    if set(core) - set(full):
+        problems.append(f"in e2e-cpu, not in e2e-cpu-full: {sorted(set(core) - set(full))}")
+    unlisted = set(full) - set(core) - set(moved)
+    if unlisted:
+        problems.append(f"left out of e2e-cpu without a line in docs/lanes.md: {sorted(unlisted)}")
+    both = set(core) & set(moved)
+    if both:
+        problems.append(f"listed as moved in docs/lanes.md, but e2e-cpu selects: {sorted(both)}")
+    gone = set(moved) - set(full)
+    if gone:
+        problems.append(f"listed in docs/lanes.md, selected by neither lane: {sorted(gone)}")
+    empty = [n for n, why in moved.items() if not why.strip()]
+    if empty:
+        problems.append(f"no reason given in docs/lanes.md: {sorted(empty)}")
+    return problems
+
+
+def _selected(tmp_path, lane, *selection) -> list[str]:
+    r, ids = collect(tmp_path, *(selection or lane.selection), **lane.full_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    return ids
+
+
+def test_the_cpu_lanes_select_the_core_and_everything(tmp_path):
+    """e2e-cpu selects the core, in its order; e2e-cpu-full every e2e test of the CPU, the core
+    and the tests docs/lanes.md lists as moved, each with its reason."""
+    table = lanes.load_lanes()
+    core = _selected(tmp_path / "core", table["e2e-cpu"])
+    full = _selected(tmp_path / "full", table["e2e-cpu-full"])
+    assert core == [ROUTER + n for n in CORE]
+    moved = documented_moves()
+    assert len(moved) == 33 and len(full) == len(CORE) + len(moved) == 62
+    assert not selection_problems(core, full, moved), selection_problems(core, full, moved)
+    # the lane minimums are what they select
+    assert (table["e2e-cpu"].min_tests, table["e2e-cpu-full"].min_tests) == (len(core), len(full))
+    # moved by marker (mutant, multinode) and by keyword alike
+    assert {n for n in moved if "test_kv_corrupt.py::" in n or "test_perturbed.py::" in n
+            or "test_pd_multinode.py::" in n} <= set(full) - set(core)
+
+
+def test_selection_check_negative_controls(tmp_path):
+    """The check above on broken inputs: the core lane without its -k (the moved tests back in
+    it), a moved test whose line is missing from docs/lanes.md, a line without a reason, and a
+    line naming a test that no longer exists."""
+    table = lanes.load_lanes()
+    core_lane, full = table["e2e-cpu"], _selected(tmp_path / "full", table["e2e-cpu-full"])
+    moved = documented_moves()
+    no_k = _selected(tmp_path / "no-k", core_lane, *core_lane.paths, "-m", core_lane.markers)
+    problems = selection_problems(no_k, full, moved)
+    assert len(problems) == 1 and problems[0].startswith(
+        "listed as moved in docs/lanes.md, but e2e-cpu selects:"), problems
+    assert ROUTER + "test_shuffle.py::test_two_shuffled_orders_give_the_same_outcomes[vllm]" \
+        in problems[0]
+    core = [n for n in full if n not in moved]
+    shuffle = ROUTER + "test_shuffle.py::test_two_shuffled_orders_give_the_same_outcomes[vllm]"
+    unlisted = {k: v for k, v in moved.items() if k != shuffle}
+    assert selection_problems(core, full, unlisted) == [
+        f"left out of e2e-cpu without a line in docs/lanes.md: {[shuffle]}"]
+    assert selection_problems(core, full, {**moved, shuffle: " "}) == [
+        f"no reason given in docs/lanes.md: {[shuffle]}"]
+    ghost = ROUTER + "test_chat.py::test_chat_gone[vllm-1]"
+    assert selection_problems(core, full, {**moved, ghost: "x"}) == [
+        f"listed in docs/lanes.md, selected by neither lane: {[ghost]}"]
+    assert selection_problems(core, full, moved) == []

@@ -29,6 +29,7 @@ EXISTS = "exists"            # boots engines or installs: only `--help` of it, e
 KIND = {
     "bash scripts/main.sh": EXISTS,
     "bash scripts/test.sh": EXISTS,
+    "bash scripts/test.sh --full": EXISTS,
     "pip install -e '.[dev]'": EXISTS,
     "python -m pytest tests -n auto": COLLECT,
     "python -m e2e_test --help": RUN,

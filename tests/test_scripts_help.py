@@ -51,11 +51,14 @@ def test_script_answers_help_and_starts_nothing(script, guarded_env):
         assert not (tmp / "venv").exists() and not (tmp / "out").exists()
 
 
-@pytest.mark.parametrize("script,wants", [
-    ("main.sh", ["-m e2e_test models prepare", "-m e2e_test main --topology 1"]),
-    ("test.sh", ["-m e2e_test models prepare", "-m e2e_test run e2e-cpu -x"]),
+@pytest.mark.parametrize("script,args,wants", [
+    ("main.sh", ["--topology", "1"], ["-m e2e_test models prepare",
+                                      "-m e2e_test main --topology 1"]),
+    ("test.sh", ["-x"], ["-m e2e_test models prepare", "-m e2e_test run e2e-cpu -x"]),
+    ("test.sh", ["--full", "-x"], ["-m e2e_test models prepare",
+                                   "-m e2e_test run e2e-cpu-full -x"]),
 ])
-def test_main_and_test_scripts_run_in_E2E_VENV(tmp_path, script, wants):
+def test_main_and_test_scripts_run_in_E2E_VENV(tmp_path, script, args, wants):
     """E2E_VENV names the venv that bootstrap sets up and the script then runs in: a stand-in
     venv (its install stamp current, so bootstrap installs nothing) whose python records its
     arguments."""
@@ -70,7 +73,6 @@ def test_main_and_test_scripts_run_in_E2E_VENV(tmp_path, script, wants):
     (venv / ".e2e-bootstrap-cpu").write_text(stamp.stdout)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("E2E_", "AFD_"))}
     env["E2E_VENV"] = str(venv)
-    args = ["--topology", "1"] if script == "main.sh" else ["-x"]
     r = subprocess.run(["bash", str(REPO / "scripts" / script), *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
