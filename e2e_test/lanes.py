@@ -487,8 +487,8 @@ AFD_PLUGIN_DEFAULT = "vllm-afd-plugin @ git+https://github.com/vllm-project/afd-
 VARS_WHERE = "Settings > Secrets and variables > Actions > Variables"
 DATA_MISSING = (f"{GPU_DATA_VAR} is not set: set the repository variable {GPU_DATA_VAR} "
                 f"({VARS_WHERE}) to the self-hosted runners' folder with "
-                "gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl (the hosted e2e-cpu job "
-                f"reads {HOSTED_DATA_VAR} instead)")
+                "gsm8k/{train,test}.jsonl and mmlu/{dev,test}.jsonl (the hosted CPU jobs "
+                f"read {HOSTED_DATA_VAR} instead)")
 MODEL_ROOT_MISSING = (f"{GPU_MODEL_ROOT_VAR} is not set: set the repository variable "
                       f"{GPU_MODEL_ROOT_VAR} ({VARS_WHERE}) to the self-hosted runners' folder "
                       "holding the model's hub-id sub-folder (E2E_MODEL_ROOT; weights are "
