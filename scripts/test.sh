@@ -5,7 +5,8 @@
 #   --full   lane e2e-cpu-full (what .ci/run runs): the unit tests, then every e2e case the
 #            CPU runs (KV corruption, multi-node on Ray, co-boot, shuffle, restarts, perturbed
 #            weights); docs/lanes.md says what each lane holds and why
-# PYTEST ARGS go to both pytests of the lane; `--part unit` or `--part vllm` first runs one.
+# PYTEST ARGS go to both pytests of the lane; `--part unit` or `--part vllm`, given before
+# them, runs only that one.
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then    # usage and the comment above
   echo "usage: bash scripts/test.sh [--full] [--part unit|vllm] [PYTEST ARGS]"
   sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
