@@ -378,7 +378,11 @@ def cmd_settings(a) -> int:
 
 
 def cmd_run(a) -> int:
-    return lanes.run_lane(a.lane, a.pytest_args, part=a.part)
+    args, part = list(a.pytest_args), a.part
+    # `run LANE --part P [-- ARGS]`: argparse's REMAINDER takes everything after LANE
+    if args[:1] == ["--part"] and len(args) > 1:
+        part, args = args[1], args[2:]
+    return lanes.run_lane(a.lane, args, part=part)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -536,6 +536,17 @@ def test_cli_run_unknown_lane(tmp_path):
     assert r.stderr.strip().count("\n") == 0 and "unknown lane 'e2e-nope'" in r.stderr
 
 
+@pytest.mark.parametrize("argv", [["run", "--part", "nope", "e2e-cpu"],
+                                  ["run", "e2e-cpu", "--part", "nope", "--", "-x"]])
+def test_cli_run_takes_part_before_or_after_the_lane(tmp_path, argv):
+    """Either place reaches run_lane (an unknown part: one line, exit 2, nothing started)."""
+    r = subprocess.run([sys.executable, "-m", "e2e_test", *argv], cwd=REPO,
+                       env=clean_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    assert "lane e2e-cpu: no part 'nope' (parts: unit, vllm)" in r.stderr
+
+
 def test_an_interrupted_lane_part_leaves_its_run_record(tmp_path):
     """A part ended by an interrupt (the lane limit's SIGINT) still writes run.json, saying
     so; the report names the lane from it (a cut run has no other record)."""
