@@ -18,9 +18,10 @@ import pytest
 from .infra.cluster import progress
 from .infra.cluster import signals as lifecycle
 from .infra.reports import results, time_report
+from .infra.reports.index import plain_nodeid
 from .infra.specs import settings
 from .pytest_state import OUTCOME, RECORD, RECORDED, state
-from .pytest_xdist import devices_after, plain_nodeid, worker
+from .pytest_xdist import devices_after, worker
 
 
 def pytest_configure(config):

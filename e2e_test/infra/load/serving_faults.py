@@ -383,6 +383,18 @@ def cancel_problems(case: CancelCase, bound_s: float) -> list[str]:
     return out
 
 
+def _count_generated(cluster, workers, case: CancelCase, before: float | None, why: str):
+    """What `_after` calls once the engines are idle: the tokens `workers` generated since
+    `before` into `case.generated_tokens`, or why they are unknown."""
+    def at_idle():
+        after, why_after = _generated(cluster, workers)
+        if before is None or after is None:
+            case.generated_unknown = why or why_after
+        else:
+            case.generated_tokens = after - before
+    return at_idle
+
+
 def _generated(cluster, workers) -> tuple[float | None, str]:
     """The engine's generated-token counter summed over `workers`; (None, why) when it
     cannot be read or no worker reports it (a missing metric is not 0)."""
@@ -571,14 +583,8 @@ def cancel_during_prefill(cluster, prompt_words: int = 800, fraction: float = 0.
                            f"client loop unscheduled for up to {case.loop_gap_max_s} s): the "
                            "request's first token came sooner than its probe's")
     case.first_token_s = ttft    # the probe's: what the cancelled request would have waited
-
-    def at_idle():
-        after, why_after = _generated(cluster, workers)
-        if before is None or after is None:
-            case.generated_unknown = why_before or why_after
-        else:
-            case.generated_tokens = after - before
-    case = _after(cluster, case, t_cancel, bound_s, next_n, at_idle)
+    case = _after(cluster, case, t_cancel, bound_s, next_n,
+                  _count_generated(cluster, workers, case, before, why_before))
     if rate > 0:
         case.remaining_s = round(natural_end_s(ttft, case.seconds_before_cancel, mt, rate), 1)
     return case
@@ -602,14 +608,8 @@ def cancel_during_decode(cluster, after_running_s: float = 1.5, bound_s: float =
     before, why = _generated(cluster, workers)
     t_cancel = asyncio.run(_post_then_drop(cluster, "Tell me a very long story about the "
                                            "mountains.", mt, stop_when, case, timeout))
-
-    def at_idle():
-        after, why_after = _generated(cluster, workers)
-        if before is None or after is None:
-            case.generated_unknown = why or why_after
-        else:
-            case.generated_tokens = after - before
-    return _after(cluster, case, t_cancel, bound_s, next_n, at_idle)
+    return _after(cluster, case, t_cancel, bound_s, next_n,
+                  _count_generated(cluster, workers, case, before, why))
 
 
 @contextlib.contextmanager
