@@ -1112,10 +1112,10 @@ def test_selection_check_negative_controls(tmp_path):
     problems = selection_problems(no_k, full, moved)
     assert len(problems) == 1 and problems[0].startswith(
         "listed as moved in docs/lanes.md, but e2e-cpu selects:"), problems
-    assert ROUTER + "test_shuffle.py::test_two_shuffled_orders_give_the_same_outcomes[vllm]" \
+    assert ROUTER + "test_shuffle.py::test_a_shuffled_order_passes_every_test[vllm]" \
         in problems[0]
     core = [n for n in full if n not in moved]
-    shuffle = ROUTER + "test_shuffle.py::test_two_shuffled_orders_give_the_same_outcomes[vllm]"
+    shuffle = ROUTER + "test_shuffle.py::test_a_shuffled_order_passes_every_test[vllm]"
     unlisted = {k: v for k, v in moved.items() if k != shuffle}
     assert selection_problems(core, full, unlisted) == [
         f"left out of e2e-cpu without a line in docs/lanes.md: {[shuffle]}"]
