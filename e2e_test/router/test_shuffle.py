@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from e2e_test.infra.cluster.diagnostics import nested_failure
 from e2e_test.infra.lifecycle.process import extend_pythonpath
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines("vllm"), pytest.mark.backends("cpu")]
@@ -41,9 +42,9 @@ def _run(tmp_path, engine: str, backend: str, seed: int | None) -> tuple[dict, l
     out = r.stdout + r.stderr
     if seed is None:
         order = re.findall(r"^(\S+::\S+)$", out, re.MULTILINE)
-        assert r.returncode == 0 and order, out[-3000:]
+        assert r.returncode == 0 and order, nested_failure(out, res, r.returncode, tail=3000)
         return {}, order
-    assert junit.is_file(), out[-3000:]
+    assert junit.is_file(), nested_failure(out, res, r.returncode, tail=3000)
     outcomes = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         bad = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), None)

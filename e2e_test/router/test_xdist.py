@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from e2e_test.infra.cluster.diagnostics import nested_failure
 from e2e_test.infra.lifecycle.process import extend_pythonpath
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines("vllm"), pytest.mark.backends("cpu")]
@@ -37,9 +38,10 @@ def test_two_workers_boot_serve_and_tear_down_apart(engine_name, e2e_backend, tm
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
                        check=False)
     out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
+    assert r.returncode == 0, nested_failure(out, res, r.returncode)
     workers = set(re.findall(r"\[(gw\d)\] .*PASSED", out))
-    assert workers == {"gw0", "gw1"}, out[-3000:]           # each group on a worker of its own
+    # each group on a worker of its own
+    assert workers == {"gw0", "gw1"}, nested_failure(out, res, r.returncode, tail=3000)
     summary = json.loads((res / "summary.json").read_text())
     clusters = summary["clusters"]
     assert len(clusters) == 2, clusters
@@ -60,4 +62,4 @@ def test_two_workers_boot_serve_and_tear_down_apart(engine_name, e2e_backend, tm
     for name, c in clusters.items():
         assert c["teardown"] and c["teardown"]["ok"], (name, c["teardown"])
     # the controller's check once both workers ended (a violation fails a CI session)
-    assert "TEARDOWN VIOLATION" not in out, out[-3000:]
+    assert "TEARDOWN VIOLATION" not in out, nested_failure(out, res, r.returncode, tail=3000)
