@@ -78,6 +78,9 @@ def _run(pytester, monkeypatch, tests, topologies, *args):
     monkeypatch.setenv("E2E_RESULTS_DIR", str(pytester.path / "res"))
     monkeypatch.setenv("E2E_BACKEND", "cpu")
     monkeypatch.delenv("E2E_DEVICES", raising=False)
+    # a given data folder is checked when the session starts (pytest_plugin), before any
+    # fixture: these sessions find their data, or miss it, through datasets.dataset_dir
+    monkeypatch.delenv("E2E_DATASET_DIR", raising=False)
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_x=tests)
     return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "--engine", "vllm",
