@@ -1,6 +1,6 @@
 """Overlapped bring-up, measured: the next topology (dp2) booting while `1`'s GSM8K pass of
 32 runs, against the same in series; compiled workers, the shared compile cache. Prints one
-JSON line per round (serial, overlapped, serial, overlapped). docs/lanes.md has the figures.
+JSON line per round (serial, overlapped, serial, overlapped). docs/cpu-lanes.md has the figures.
 
     E2E_DATASET_DIR=../shared/datasets python scripts/bench_overlap.py
 """

