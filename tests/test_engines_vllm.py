@@ -52,7 +52,7 @@ def test_regular_cpu_worker():
     assert vllm.aux_ports(t, w, CPU) == []
     cmd = vllm.build(SMOL, t, w, Ports(api=20100), "/models/smol", CPU)
     assert cmd.argv == head(20100) + ["--dtype", "bfloat16"]
-    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert cmd.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     assert (cmd.protocol, cmd.health_path, cmd.worker_type, cmd.kv_connector) == (
         "http", "/health", "regular", None)
     assert cmd.bootstrap_port is None
@@ -173,10 +173,10 @@ def test_pd_nixl_cpu_prefill_and_decode():
     dc = vllm.build(SMOL, t, d, Ports(api=21002, aux={"nixl": 21003}), "/models/smol", CPU)
     assert pc.argv == head(21000) + ["--kv-transfer-config", NIXL_CPU, "--dtype", "bfloat16"]
     assert dc.argv == head(21002) + ["--kv-transfer-config", NIXL_CPU, "--dtype", "bfloat16"]
-    assert pc.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    assert pc.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                       "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                       "VLLM_NIXL_SIDE_CHANNEL_PORT": "21001", **UCX}
-    assert dc.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "2-3",
+    assert dc.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "2-3",
                       "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                       "VLLM_NIXL_SIDE_CHANNEL_PORT": "21003", **UCX}
     assert (pc.worker_type, pc.kv_connector, pc.bootstrap_port) == (
@@ -217,7 +217,7 @@ def test_pd_example_connector_producer_consumer():
         ('{"kv_connector":"ExampleConnector","kv_role":"kv_producer",'
          '"kv_connector_extra_config":{"shared_storage_path":"/tmp/kv"}}'),
         "--dtype", "bfloat16"]
-    assert pc.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert pc.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     # Not a NIXL worker: smg gets it statically, not through POST /workers.
     assert (pc.worker_type, pc.kv_connector, dc.worker_type, dc.kv_connector) == (
         "prefill", None, "decode", None)

@@ -46,19 +46,23 @@ from . import Engine, EngineOptions, Ports, kv_corrupt
 #                     "runtime" (the kind is read from <state_dir>/kv-corrupt/<decode
 #                     worker>/kind) puts the corrupting connector on every decode worker.
 #                     Never set from the environment.
-#   cpu_kv_cache_gib  VLLM_CPU_KVCACHE_SPACE of a CPU worker
+#   cpu_kv_cache_gib  VLLM_CPU_KVCACHE_SPACE of a CPU worker (whole GiB). 1: 46,592 tokens of
+#                     SmolLM2, ten times what the CPU lane's traffic was seen to hold; a PD
+#                     worker's NIXL connector registers every block while it boots, in a
+#                     median 17 s for 1 GiB against 37 s for 2 (docs/cpu-lanes.md, "The KV
+#                     cache of a CPU worker")
 #   fork_engine       a GPU worker's engine process forked from its API server (FORK_ENGINE)
 #   cpu_dtype         a CPU worker's --dtype (CPU_DTYPES): "auto" is resolved per cluster by
 #                     `prepare` from this host's CPU flags (cpu_dtype_for); "model": the model
 #                     spec's own dtype, unchanged
 OPTIONS = {"kv_connector": "nixl", "kv_shared_path": "", "kv_corrupt": "",
-           "cpu_kv_cache_gib": 2, "fork_engine": True, "cpu_dtype": "auto"}
+           "cpu_kv_cache_gib": 1, "fork_engine": True, "cpu_dtype": "auto"}
 
 # A CPU worker computes in bfloat16 only where the CPU has bf16 instructions; elsewhere in
 # float32. On an AVX2-only AMD EPYC (Zen 3, no avx512_bf16; CI runners may be either kind)
 # torch emulates bf16 matrix products several times slower than float32, and in bfloat16 the
-# e2e-cpu lane runs past CI's 90 minutes, its PD traffic past the stall watchdog (docs/lanes.md,
-# "The CPU lane's dtype follows the runner's CPU").
+# e2e-cpu lane runs past CI's 90 minutes, its PD traffic past the stall watchdog
+# (docs/cpu-lanes.md, "The CPU lane's dtype follows the runner's CPU").
 # Where the CPU has them (avx512_bf16, amx_bf16; ARM's bf16) bf16 is the fast one and the
 # model's own dtype, as on the GPUs. Env E2E_VLLM_CPU_DTYPE.
 CPU_DTYPES = ("auto", "model", "bfloat16", "float32")
