@@ -59,6 +59,20 @@ def test_a_busy_loop_beside_the_lane_is_named_and_the_sessions_own_work_is_not()
     assert "\n" not in line
 
 
+def test_a_set_title_is_shown_once_without_its_padding():
+    before = sample(100.0, lane())
+    procs = lane()
+    procs[700] = Proc(700, 1, 30.0, 60.0, "Engine::Worker")
+    after = sample(200.0, procs)
+    busy = hostload.busy_outside(before, after, ME)
+    titles = {700: "Engine::Worker" + " " * 40}
+    assert hostload.host_line(before, after, busy, titles.get).endswith(
+        "pid 700 Engine::Worker 60 % of a CPU")
+    titles = {700: "Engine::Worker   --rank  1   "}
+    assert hostload.host_line(before, after, busy, titles.get).endswith(
+        "pid 700 Engine::Worker (Engine::Worker --rank 1) 60 % of a CPU")
+
+
 def test_nothing_busy_outside_the_session_gives_no_line():
     """The negative control: the session's workers take both CPUs, nothing else is busy."""
     before = sample(100.0, lane())

@@ -3,7 +3,7 @@
 A boot that fails or times out on a loaded host (another run's workers, a compile, a busy loop
 beside the lane) looks like a failure of the engine or the harness. `Cluster` takes one
 process snapshot when a boot starts and one when it fails (psutil: each process's CPU seconds,
-one /proc read per process, no sampling thread), and the error gets one line naming the
+a few /proc reads per process, no sampling thread), and the error gets one line naming the
 processes outside this session that took a significant share of the host's CPUs meanwhile:
 
     host load: outside this session, over the boot's 212 s (2 CPUs, 98 % busy): pid 4242
@@ -79,8 +79,10 @@ def snapshot() -> Sample | None:
             procs[p.pid] = Proc(p.pid, i["ppid"] or 0, i["create_time"],
                                 i["cpu_times"].user + i["cpu_times"].system, i["name"] or "",
                                 _is_python(i["exe"]))
+        # Linux counts guest time in user time too (psutil's cpu_percent leaves it out alike)
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
         idle = t.idle + getattr(t, "iowait", 0.0)
-        return Sample(time.monotonic(), procs, sum(t) - idle, sum(t),
+        return Sample(time.monotonic(), procs, total - idle, total,
                       psutil.cpu_count() or os.cpu_count() or 1)
     except (psutil.Error, OSError):
         return None
@@ -159,7 +161,9 @@ def host_line(before: Sample, after: Sample, busy: list[Busy],
             if total > 0 else "")
     named = []
     for b in busy[:MOST_NAMED]:
-        cmd = cmdline(b.proc.pid)
+        cmd = " ".join(cmdline(b.proc.pid).split())     # a set title pads with spaces
+        if cmd == b.proc.name:
+            cmd = ""
         if len(cmd) > CMDLINE_CHARS:
             cmd = cmd[:CMDLINE_CHARS - 3] + "..."
         named.append(f"pid {b.proc.pid} {b.proc.name}{f' ({cmd})' if cmd else ''} "
