@@ -36,8 +36,7 @@ from ..errors import HarnessError
 # CPUs (all of them) over the boot. A CPU boot uses every core (one topology at a time on CPU,
 # docs/cpu-lanes.md), so such a process lengthens it by about as much: 10 % is above the
 # spread of one boot measured on the 2-core machine (dp2: 46.9 s and 49.0 s, 4 %) and far
-# below a busy loop on one of its 2 cores (50 %); the host's daemons take under 1 %. On a
-# 2-core host: 20 % of a CPU.
+# below a busy loop on one of its 2 cores (50 %). On a 2-core host: 20 % of a CPU.
 SIGNIFICANT_SHARE = 0.10
 MOST_NAMED = 3
 CREATE_SLACK_S = 1.0     # one process's create time read twice (psutil: btime + start ticks)
