@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("lane")
     r.add_argument("--part", default=None,
-                   help="run only this engine's part of the lane (one venv)")
+                   help="run only this part of the lane: unit, an engine's (one venv), or "
+                        "e2e (every part but unit)")
     r.add_argument("pytest_args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
     a = p.parse_args(argv)

@@ -72,6 +72,7 @@ RUNNER_KEYS = ("gpus", "runs_on")
 PYTEST_KEYS = ("paths", "markers", "keywords")
 UNIT_KEYS = ("paths", "workers", "min_tests")
 UNIT_PART = "unit"
+E2E_PART = "e2e"        # `--part e2e`: every part but the unit tests (scripts/test.sh --hog)
 # Set from `engines` / `topologies`, never from `env`.
 RESERVED_ENV = ("E2E_ENGINES", "E2E_TOPOLOGIES", "E2E_LANE")
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -808,15 +809,17 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
     """Run one lane: its unit part, then its pytest selection, one pytest per venv; returns
     the first non-zero exit code (every part runs). Each part's environment is checked first
     (startup.startup): a bad value is a one-line ConfigError (exit 2) before anything starts.
-    `part` (`unit`, or an engine name) runs only that part. Each part leaves `run.json` in its
-    results folder: lane, part, the exact command line, git SHA, date and devices."""
+    `part` (`unit`, an engine name, or `e2e`: every part but the unit tests) runs only that.
+    Each part leaves `run.json` in its results folder: lane, part, the exact command line, git
+    SHA, date and devices."""
     lane = get_lane(name)
     cmds = lane_parts(lane, extra_pytest_args, environ)
     if part is not None:
-        names = [*([UNIT_PART] if lane.unit else []), *lane.engines]
+        names = [*([UNIT_PART] if lane.unit else []), *lane.engines, E2E_PART]
         if part not in names:
             raise ConfigError(f"lane {lane.name}: no part {part!r} (parts: {', '.join(names)})")
-        cmds = [c for c in cmds if part in c[0].split(",")]
+        cmds = [c for c in cmds if (c[0] != UNIT_PART if part == E2E_PART
+                                    else part in c[0].split(","))]
     for _, _, env in cmds:
         startup.startup(env)
         _refuse_a_used_results_folder(env)

@@ -183,6 +183,35 @@ def test_a_worker_exiting_while_starting_fails_at_once(fake, weights, tmp_path):
     assert c.teardown_report.ok
 
 
+def test_a_failed_boot_names_a_busy_process_outside_the_session(fake, weights, tmp_path,
+                                                                 monkeypatch):
+    """The boot's two process samples (hostload.snapshot, faked: a busy process outside the
+    session took 90 % of a CPU) give the error's first detail line; the negative control,
+    the same process idle, gives none."""
+    from e2e_test.infra.cluster import hostload
+    me, other = os.getpid(), 2 ** 31 - 5
+
+    def samples(cpu_s):
+        procs = {me: hostload.Proc(me, 1, 1.0, 0.0, "pytest", python=True)}
+        yield hostload.Sample(100.0, procs, 0.0, 200.0, 2)
+        while True:
+            yield hostload.Sample(150.0, {**procs, other: hostload.Proc(other, 1, 2.0, cpu_s,
+                                                                          "busy")},
+                                  90.0, 300.0, 2)
+
+    fake.env = {"worker-0": {"FAKE_ENGINE_EXIT": "3"}}
+    for cpu_s, line in ((45.0, f"host load: outside this session, over the boot's 50 s "
+                                f"(2 CPUs, 90 % busy): pid {other} busy 90 % of a CPU"),
+                        (1.0, None)):
+        monkeypatch.setattr(hostload, "snapshot", samples(cpu_s).__next__)
+        c = make(weights, tmp_path / str(cpu_s))
+        with pytest.raises(StartupError) as ei, c:
+            pass
+        assert "worker-0 exited while starting (exit code 3)" in ei.value.summary
+        assert (ei.value.details.splitlines()[0] == line) if line else \
+            "host load" not in str(ei.value)
+
+
 def test_a_worker_not_ready_in_time_leaves_its_stacks(fake, weights, tmp_path):
     """Past the boot limit the error names where each pending worker's stack dumps are (a
     TokenSpeed worker stuck in its first graph capture says nothing of where in its log).

@@ -492,7 +492,8 @@ def test_unit_tests_alone_cannot_make_an_engine_minimum(tmp_path, gate):
 
 def test_the_cpu_lanes_run_their_unit_tests_first_in_a_pytest_of_their_own(tmp_path):
     """The unit tests under pytest-xdist (`-n 2`), results in the run folder's unit/, before
-    the e2e part, which holds no unit test; extra args go to both; `--part` picks one."""
+    the e2e part, which holds no unit test; extra args go to both; `--part` picks one (`e2e`:
+    every part but the unit tests)."""
     lane = lanes.get_lane("e2e-cpu")
     parts = lanes.lane_parts(lane, ["--", "-x"], environ={"E2E_RESULTS_DIR": str(tmp_path)},
                              python=lambda venv, env: "py")
@@ -507,7 +508,8 @@ def test_the_cpu_lanes_run_their_unit_tests_first_in_a_pytest_of_their_own(tmp_p
     assert "tests" not in e2e and e2e[-1] == "-x"
     assert e2e[e2e.index("--e2e-min-tests") + 1] == str(lane.min_tests)
     seen = []
-    for part, want in (("unit", ["tests"]), ("vllm", ["e2e_test/router"])):
+    for part, want in (("unit", ["tests"]), ("vllm", ["e2e_test/router"]),
+                       ("e2e", ["e2e_test/router"])):
         seen.clear()
         assert lanes.run_lane("e2e-cpu", [], environ={"E2E_RESULTS_DIR": str(tmp_path / part)},
                               runner=lambda argv, env: seen.append(argv[3]) or 0,
@@ -516,7 +518,7 @@ def test_the_cpu_lanes_run_their_unit_tests_first_in_a_pytest_of_their_own(tmp_p
     with pytest.raises(ConfigError) as ei:
         lanes.run_lane("e2e-cpu", [], environ={"E2E_RESULTS_DIR": str(tmp_path / "x")},
                        runner=lambda argv, env: 0, part="tokenspeed")
-    assert "no part 'tokenspeed' (parts: unit, vllm)" in one_line(ei)
+    assert "no part 'tokenspeed' (parts: unit, vllm, e2e)" in one_line(ei)
 
 
 # -- running a lane ----------------------------------------------------------------------------
@@ -544,7 +546,7 @@ def test_cli_run_takes_part_before_or_after_the_lane(tmp_path, argv):
                        env=clean_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip().count("\n") == 0
-    assert "lane e2e-cpu: no part 'nope' (parts: unit, vllm)" in r.stderr
+    assert "lane e2e-cpu: no part 'nope' (parts: unit, vllm, e2e)" in r.stderr
 
 
 def test_an_interrupted_lane_part_leaves_its_run_record(tmp_path):

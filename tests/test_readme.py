@@ -30,6 +30,7 @@ KIND = {
     "bash scripts/main.sh": EXISTS,
     "bash scripts/test.sh": EXISTS,
     "bash scripts/test.sh --full": EXISTS,
+    "bash scripts/test.sh --hog": EXISTS,
     "pip install -e '.[dev]'": EXISTS,
     "python -m pytest tests -n auto": COLLECT,
     "python -m e2e_test --help": RUN,

@@ -9,6 +9,11 @@ class HarnessError(Exception):
         self.summary = summary
         self.details = details
 
+    def add_detail(self, line: str) -> None:
+        """`line` first in the details; the summary stays the message's first line."""
+        self.details = line + (("\n" + self.details) if self.details else "")
+        self.args = (self.summary + "\n" + self.details,)
+
 
 class ConfigError(HarnessError):
     """Invalid registry entry, topology string, device list, dataset folder or option.

@@ -70,7 +70,7 @@ from ..specs.models import cache_dir, check_config_json, weights_path
 from ..specs.plan import Plan, PlanEntry
 from ..specs.topology import Topology
 from . import gateway as gw
-from . import idle, metrics, progress
+from . import hostload, idle, metrics, progress
 from .diagnostics import diagnose_stall, stack_dumps
 
 PORT_RETRIES = 2
@@ -372,13 +372,18 @@ class Cluster:
             self._baseline = self.launcher.baseline(gpus)
         t0 = time.monotonic()
         self.timing.boot_started = time.time()
-        with waiting_on_boot(self.timing):
+        with waiting_on_boot(self.timing), self._host_load_named():
             self._start_workers(t0)
             self.timing.topology_ready_s = round(time.monotonic() - t0, 2)
             self._start_gateway()
         self.timing.total_ready_s = round(time.monotonic() - t0, 2)
         (self.dir / "cluster.json").write_text(json.dumps(self.describe(), indent=2, default=str))
         return self
+
+    def _host_load_named(self):
+        """A boot's StartupError names the processes outside this session that were busy
+        meanwhile (hostload.py), where the workers run on this host."""
+        return hostload.named_on_failure((StartupError,), isinstance(self.launcher, LocalLauncher))
 
     def _log_path(self, w: Worker, restarts: int) -> Path:
         return self.dir / "logs" / f"{w.name}{'.' + str(restarts) if restarts else ''}.log"
@@ -760,7 +765,7 @@ class Cluster:
                                    "\n".join(rep.survivors))
         t0, epoch = time.monotonic(), time.time()
         w.restarts += 1
-        with waiting_on_boot(self.timing):
+        with waiting_on_boot(self.timing), self._host_load_named():
             self._release_or_launch(w)
             with httpx.Client(timeout=2.0) as client:
                 self._wait_ready([w], client, t0 + (timeout or self.startup_timeout))
