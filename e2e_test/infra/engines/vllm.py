@@ -47,7 +47,7 @@ from . import Engine, EngineOptions, Ports, kv_corrupt
 #                     worker>/kind) puts the corrupting connector on every decode worker.
 #                     Never set from the environment.
 #   cpu_kv_cache_gib  VLLM_CPU_KVCACHE_SPACE of a CPU worker (whole GiB). 1: 46,592 tokens of
-#                     SmolLM2, ten times what the CPU lane's traffic was seen to hold; a PD
+#                     SmolLM2, five times what the CPU lane's traffic was seen to hold; a PD
 #                     worker's NIXL connector registers every block while it boots, in a
 #                     median 17 s for 1 GiB against 37 s for 2 (docs/cpu-lanes.md, "The KV
 #                     cache of a CPU worker")
