@@ -72,7 +72,7 @@ RUNNER_KEYS = ("gpus", "runs_on")
 PYTEST_KEYS = ("paths", "markers", "keywords")
 UNIT_KEYS = ("paths", "workers", "min_tests")
 UNIT_PART = "unit"
-E2E_PART = "e2e"        # `--part e2e`: every part but the unit tests (scripts/test.sh --hog)
+ENGINE_PARTS = "e2e"    # `--part e2e`: every part but the unit tests (scripts/test.sh --hog)
 # Set from `engines` / `topologies`, never from `env`.
 RESERVED_ENV = ("E2E_ENGINES", "E2E_TOPOLOGIES", "E2E_LANE")
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -815,10 +815,10 @@ def run_lane(name: str, extra_pytest_args=(), environ: dict | None = None,
     lane = get_lane(name)
     cmds = lane_parts(lane, extra_pytest_args, environ)
     if part is not None:
-        names = [*([UNIT_PART] if lane.unit else []), *lane.engines, E2E_PART]
+        names = [*([UNIT_PART] if lane.unit else []), *lane.engines, ENGINE_PARTS]
         if part not in names:
             raise ConfigError(f"lane {lane.name}: no part {part!r} (parts: {', '.join(names)})")
-        cmds = [c for c in cmds if (c[0] != UNIT_PART if part == E2E_PART
+        cmds = [c for c in cmds if (c[0] != UNIT_PART if part == ENGINE_PARTS
                                     else part in c[0].split(","))]
     for _, _, env in cmds:
         startup.startup(env)
