@@ -7,7 +7,7 @@ import pytest
 
 from e2e_test.infra.errors import ConfigError
 from e2e_test.infra.specs.topology import parse
-from e2e_test.infra.startup import cpu_cores, resolve_devices
+from e2e_test.infra.startup import child_env, cpu_cores, resolve_devices
 
 
 def no_inventory():
@@ -79,6 +79,31 @@ def test_resolve_reports_the_source():
         resolve_devices(parse("1a1f"), None, environ={"AFD_E2E_DEVICES": "a"})
     with pytest.raises(ConfigError, match=r"^--devices='x': device ids must be integers"):
         resolve_devices(parse("1"), "x", environ={})
+
+
+def test_a_process_started_by_an_xdist_worker_takes_the_worker_s_devices(fake_gpus, monkeypatch):
+    """A driver script or a pytest started inside a test is not a pytest-xdist worker: it gets
+    what the worker holds as its whole list, and keeps the worker id (its port slice)."""
+    from e2e_test.infra.specs import devices
+    sliced = {"E2E_DEVICES": "0,1,2,3", "PYTEST_XDIST_WORKER_COUNT": "2",
+              "PYTEST_XDIST_WORKER": "gw1"}
+    child = child_env(parse("1"), "cuda", sliced)
+    assert child["E2E_DEVICES"] == "1,3" and child["PYTEST_XDIST_WORKER"] == "gw1"
+    assert "PYTEST_XDIST_WORKER_COUNT" not in child
+    assert resolve_devices(parse("1"), environ=child) == (1, 3)
+    # negative control: the worker's environment inherited as it is slices its slice again
+    assert resolve_devices(parse("1"), environ={**sliced, "E2E_DEVICES": "1,3"}) == (3,)
+    # a worker of `-n auto --dist loadgroup` shares the one GPU by memory with seven others
+    one = {"E2E_DEVICES": "0", "PYTEST_XDIST_WORKER_COUNT": "8", "PYTEST_XDIST_WORKER": "gw3"}
+    monkeypatch.setattr(devices, "_SHARED", True)
+    child = child_env(parse("1"), "cuda", one)
+    monkeypatch.setattr(devices, "_SHARED", False)      # the child process's own view
+    assert resolve_devices(parse("1"), environ=child) == (0,)
+    with pytest.raises(ConfigError, match="worker gw3 of 8 gets none of the 1 device"):
+        resolve_devices(parse("1"), environ=one)        # what the inherited environment gave
+    cores = child_env(parse("1"), "cpu", {"E2E_CPU_CORES": "0,1", **sliced})
+    assert cores["E2E_CPU_CORES"] == "1" and cpu_cores(cores) == (1,)
+    assert child_env(parse("1"), "cuda", {"E2E_DEVICES": "0"}) == {"E2E_DEVICES": "0"}
 
 
 def test_resolve_devices_under_xdist(fake_gpus):

@@ -167,6 +167,24 @@ def cpu_cores(environ: dict | None = None) -> tuple[int, ...]:
     return dev.xdist_share(cores, env)
 
 
+def child_env(topology: Topology, backend: str, environ: dict | None = None) -> dict:
+    """The environment of a process that boots topologies of its own, started from this one (a
+    user's driver script, a pytest run inside a test): what this process holds as that
+    process's whole list (E2E_DEVICES on cuda, E2E_CPU_CORES on cpu), without the pytest-xdist
+    worker count, by which it would take a worker's slice of that list again
+    (devices.xdist_share) or fail to find one. The worker id stays: the child's ports come from
+    this worker's slice (ports.py). Outside a pytest-xdist worker: the environment as it is."""
+    env = dict(os.environ if environ is None else environ)
+    if "PYTEST_XDIST_WORKER_COUNT" not in env:
+        return env
+    if backend == "cuda":
+        env["E2E_DEVICES"] = ",".join(map(str, resolve_devices(topology, environ=env)))
+    else:
+        env["E2E_CPU_CORES"] = ",".join(map(str, cpu_cores(env)))
+    del env["PYTEST_XDIST_WORKER_COUNT"]
+    return env
+
+
 def machine_devices(topology: Topology, backend: str,
                     explicit: str | None = None) -> tuple[int, ...]:
     """What plan.place takes as data: on cuda the ordered GPU list (resolve_devices), on cpu

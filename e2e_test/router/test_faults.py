@@ -17,6 +17,8 @@ from e2e_test.infra.errors import StallError, WorkerDied
 from e2e_test.infra.lifecycle import process, reaper
 from e2e_test.infra.load import bursts
 from e2e_test.infra.specs import settings
+from e2e_test.infra.specs.topology import parse
+from e2e_test.infra.startup import child_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault, pytest.mark.engines("vllm")]
 STALL_WINDOW_S = settings.get("E2E_FAULT_STALL_WINDOW_S")
@@ -92,10 +94,11 @@ CHILD_TEST = textwrap.dedent("""
 """)
 
 
-def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name):
+def test_sigterm_while_starting(own_cluster, record, tmp_path, engine_name, e2e_backend):
     """SIGTERM to a pytest that is starting a topology: all gone within 30 s."""
     (tmp_path / "test_child.py").write_text(CHILD_TEST)
-    env = {**os.environ, "E2E_RESULTS_DIR": str(tmp_path / "results"), "CI": ""}
+    env = {**child_env(parse("1"), e2e_backend), "E2E_RESULTS_DIR": str(tmp_path / "results"),
+           "CI": ""}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     child = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "e2e_test.pytest_plugin", "-q", "-s",

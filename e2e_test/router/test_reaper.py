@@ -15,8 +15,10 @@ import psutil
 import pytest
 
 from e2e_test.infra.errors import PreflightError
+from e2e_test.infra.startup import child_env
 from e2e_test.infra.lifecycle import reaper
 from e2e_test.infra.lifecycle.process import extend_pythonpath
+from e2e_test.infra.specs.topology import parse
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault, pytest.mark.engines("vllm")]
 GONE_WITHIN_S = 10.0
@@ -55,7 +57,7 @@ def _start_driver(tmp_path, model, engine, backend):
     script.write_text(DRIVER)
     res = tmp_path / "results"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "E2E_RESULTS_DIR": str(res), "CI": "",
+    env = {**child_env(parse("1"), backend), "E2E_RESULTS_DIR": str(res), "CI": "",
            "PYTHONPATH": extend_pythonpath(root)}
     driver = subprocess.Popen([sys.executable, str(script), model, engine, backend], cwd=root,
                               env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

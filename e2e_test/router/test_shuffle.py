@@ -17,6 +17,8 @@ import pytest
 
 from e2e_test.infra.cluster.diagnostics import nested_failure
 from e2e_test.infra.lifecycle.process import extend_pythonpath
+from e2e_test.infra.specs.topology import parse
+from e2e_test.infra.startup import child_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines("vllm"), pytest.mark.backends("cpu")]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,7 +31,7 @@ def _run(tmp_path, engine: str, backend: str, seed: int | None) -> tuple[dict, l
     """The nested session's outcomes and the order it ran them in; `seed` None: collected
     only, in the order the plugin sets without a shuffle."""
     res = tmp_path / f"seed{seed}"
-    env = {**os.environ, "E2E_TOPOLOGIES": "1,1p1d", "E2E_ENGINES": engine,
+    env = {**child_env(parse("1"), backend), "E2E_TOPOLOGIES": "1,1p1d", "E2E_ENGINES": engine,
            "E2E_BACKEND": backend, "E2E_ENFORCE_EAGER": "1", "E2E_RESULTS_DIR": str(res),
            "E2E_GSM8K_N": "4", "E2E_MMLU_N": "4", "PYTHONPATH": extend_pythonpath(ROOT)}
     junit = res / "junit.xml"

@@ -17,6 +17,8 @@ import pytest
 
 from e2e_test.infra.cluster.diagnostics import nested_failure
 from e2e_test.infra.lifecycle.process import extend_pythonpath
+from e2e_test.infra.specs.topology import parse
+from e2e_test.infra.startup import child_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines("vllm"), pytest.mark.backends("cpu")]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,7 +30,7 @@ def _span(t: dict) -> tuple[float, float]:
 
 def test_two_workers_boot_serve_and_tear_down_apart(engine_name, e2e_backend, tmp_path, record):
     res = tmp_path / "results"
-    env = {**os.environ, "E2E_TOPOLOGIES": "1", "E2E_ENGINES": engine_name,
+    env = {**child_env(parse("1"), e2e_backend), "E2E_TOPOLOGIES": "1", "E2E_ENGINES": engine_name,
            "E2E_BACKEND": e2e_backend, "E2E_ENFORCE_EAGER": "1", "E2E_RESULTS_DIR": str(res),
            "PYTHONPATH": extend_pythonpath(ROOT), "CI": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "e2e_test/router/test_chat.py",
