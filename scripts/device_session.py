@@ -377,7 +377,8 @@ def _cited(repo: Path) -> set[str]:
 def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
             repo: Path = REPO, log=print) -> list[Path]:
     """Each NAME.tar.xz of gpu_runs.sh to docs/validation/PREFIX-LANE-ENGINE-NAME-SHA (its
-    clusters/ folder as clusters.tar.xz, the lane log as lane.log.xz, note.json beside), its
+    clusters/ folder as clusters.tar.xz, the lane log as lane.log.xz, its tests/*.json
+    without indentation, note.json beside), its
     line appended to docs/validation/index.jsonl in the given order; then the folders
     reports/index.kept does not name are removed and docs/validation.md's What-has-run table
     is rewritten. Returns the folders filed (some may be pruned again at once)."""
@@ -413,6 +414,8 @@ def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
             staged.append((x, run_dir, run, name, dest))
         for x, run_dir, run, name, dest in staged:
             shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("clusters"))
+            for rec in (dest / "tests").glob("*.json"):     # half the bytes of the indented form
+                rec.write_text(json.dumps(json.loads(rec.read_text()), separators=(",", ":")))
             if (run_dir / "clusters").is_dir():
                 with tarfile.open(dest / "clusters.tar.xz", "w:xz") as t:
                     t.add(run_dir / "clusters", arcname="clusters")

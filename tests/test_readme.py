@@ -39,7 +39,7 @@ KIND = {
     "python -m e2e_test datasets check": RUN,
     "python -m e2e_test settings": RUN,
     "python -m e2e_test lanes": RUN,
-    "python -m e2e_test report docs/validation/h100-e2e-1gpu-pd-vllm-vpd-633b31c": RUN,
+    "python -m e2e_test report docs/validation/h100-e2e-1gpu-pd-vllm-vpd-ee38fb5": RUN,
     "pytest -m tokenspeed --collect-only": COLLECT,
     'pytest e2e_test/router -m "pd and vllm" --topology 1,1p1d --backend cpu': COLLECT,
     "pytest e2e_test/router -n auto --dist loadgroup": COLLECT,

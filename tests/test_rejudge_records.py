@@ -187,6 +187,26 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
          for shape in ("1p2d", "2p1d", "2p2d")
          for t in ["test_pd_answers_match_regular[vllm-{shape}-gsm8k]",
                    "test_pd_answers_match_regular[vllm-{shape}-mmlu]",
+                   "test_pd_kv_recall[vllm-{shape}]"]]
+      # one H100, both engines staged at 807c8c8: the chat, PD, sweep and KV corruption lanes
+      # (TokenSpeed's twice), the default topologies (run tsrouter); vLLM's chat and PD again
+      # at ee38fb5 on a second machine
+      + [(f"h100-e2e-1gpu-chat-{eng}-{name}", f"test_oracle_negative_control[{eng}-1]")
+         for eng, name in [("tokenspeed", "chat-807c8c8"), ("vllm", "vchat-807c8c8"),
+                           ("vllm", "vchat-ee38fb5")]]
+      + [(f"h100-e2e-1gpu-kv-corrupt-tokenspeed-{run}-807c8c8",
+          "test_oracle_negative_control[tokenspeed-1]") for run in ("kv", "kv2")]
+      + [(f"h100-e2e-1gpu-pd-{eng}-{name}", t.format(eng=eng))
+         for eng, name in [("tokenspeed", "pd-807c8c8"), ("vllm", "vpd-807c8c8"),
+                           ("vllm", "vpd-ee38fb5")] for t in PD_LANE]
+      + [("h100-e2e-1gpu-chat-tokenspeed-tsrouter-807c8c8", t)
+         for t in pd_lane("tokenspeed") + ["test_dp_workers_agree[tokenspeed-dp2-gsm8k]",
+                                         "test_dp_workers_agree[tokenspeed-dp2-mmlu]"]]
+      + [("h100-e2e-1gpu-pd-sweep-vllm-vsweep-807c8c8", "test_oracle_negative_control[vllm-1]")]
+      + [("h100-e2e-1gpu-pd-sweep-vllm-vsweep-807c8c8", t.format(shape=shape))
+         for shape in ("1p2d", "2p1d", "2p2d")
+         for t in ["test_pd_answers_match_regular[vllm-{shape}-gsm8k]",
+                   "test_pd_answers_match_regular[vllm-{shape}-mmlu]",
                    "test_pd_kv_recall[vllm-{shape}]"]])
     # what cannot be re-judged says why (recall: its control arm was recorded as a summary
     # only; TokenSpeed: records written before the oracle)

@@ -131,7 +131,7 @@ def test_a_kept_folder_gives_its_committed_line(d):
 
 def test_a_kept_folder_rejudges_the_same_from_its_line_and_its_records():
     lines = rejudge.lines()
-    d = VALIDATION / "h100-e2e-1gpu-pd-vllm-vpd-633b31c"
+    d = VALIDATION / "h100-e2e-1gpu-pd-vllm-vpd-ee38fb5"
     from_dir, from_line = rejudge.rejudge(d), rejudge.rejudge(lines[d.name])
     assert sum(r["rejudged"] for r in from_dir) == 4 and from_dir == from_line
     # negative control: an item that lost its first-step delta judges differently
