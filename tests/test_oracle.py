@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from e2e_test.infra.stats import excess_budget, fisher_greater, wilson_upper
+from e2e_test.infra.stats import binom_cdf, excess_budget, fisher_greater, wilson_upper
 from e2e_test.infra.verdicts import oracle
 from e2e_test.infra.verdicts.oracle import Step, compare_item
 
@@ -853,3 +853,29 @@ def test_a_failure_on_the_tokens_is_a_mismatch_or_numerics_over_budget():
     assert not v.ok and not oracle.failed_on_tokens(v)
     v = oracle.judge(_noisy(seed=7), oracle.ControlArm([bad, _noisy(seed=8)]))
     assert not v.ok and not oracle.failed_on_tokens(v)
+
+
+def test_the_count_is_sized_to_catch_a_kind_that_leaves_an_item_unchanged():
+    """TokenSpeed's `scale` on an H100 changed 39 of 40 items over three runs; sized only to be
+    able to fail (14 items, a budget of 13), the count passed a run with one item left
+    identical. Sized for a kind that changes 95 % of the items, missed at most 1 % of the
+    time, it takes more items, and one identical item no longer hides the kind."""
+    ts = _tied("nnn-nn-n" + "-n--n---" * 3, "n---nn-n" + "--n---n-" * 3)
+    order = list(range(32))
+    can = oracle.items_for_a_count(ts, order, least=8)
+    sized = oracle.items_for_a_count(ts, order, least=8, share=oracle.CAUGHT_SHARE,
+                                     miss=oracle.MISS)
+    assert sized is not None and can < sized <= 32
+
+    def budget(n):
+        return ts.budget(n, indices=set(range(n)))
+    assert budget(can) >= can - 1              # one identical item: the count passes
+    assert budget(sized) < sized - 1           # the same kind, sized: it fails
+    assert binom_cdf(budget(sized), sized, oracle.CAUGHT_SHARE) <= oracle.MISS
+    assert binom_cdf(budget(sized - 1), sized - 1, oracle.CAUGHT_SHARE) > oracle.MISS
+    # a quiet control arm needs no more than asked
+    quiet = _tied("-" * 32, "-" * 32)
+    assert oracle.items_for_a_count(quiet, order, least=8, share=oracle.CAUGHT_SHARE,
+                                    miss=oracle.MISS) == 8
+    # negative control: a kind that changes half the items is never sized for here
+    assert oracle.items_for_a_count(ts, order, least=8, share=0.5, miss=oracle.MISS) is None

@@ -3,10 +3,12 @@
 One `1p1d` boot (cluster profile `kv_corrupt`): its decode worker corrupts in runtime mode
 (vLLM: the corrupting NixlConnector of engines/kv_corrupt.py; TokenSpeed: its Mooncake decode
 path patched in the scheduler process, engines/kv_corrupt_tokenspeed.py), and each case
-switches the kind through the worker's control file, so one boot serves every kind. Per kind, through the gateway: the
-first 8 GSM8K items (64 tokens, the oracle's window; more where the control arm ties so
-often that the numerics count of 8 could not fail: oracle.items_for_a_count) and the first 4
-recall prompts of test_oracle.py,
+switches the kind through the worker's control file, so one boot serves every kind. Per kind,
+through the gateway: the first 8 GSM8K items (64 tokens, the oracle's window; more where the
+control arm ties so often that the numerics count of 8 could not fail:
+oracle.items_for_a_count), then, for an asserted kind not yet caught on the tokens, the rest
+of the count's full size (sized for a kind that changes 95 % of the items, missed at most 1 %
+of the time), which `none` runs whole; and the first 4 recall prompts of test_oracle.py,
 judged exactly as test_pd.py judges `1p1d`: against `1`'s passes and control arm (the
 `baseline` fixture), thresholds unchanged. Then:
 
@@ -77,6 +79,11 @@ def _judged(name, a_label, b_label, base, mine, control, recorded_only, path=Non
     return v, v.comparison.counts()
 
 
+def _caught(v) -> bool:
+    """Failed on the tokens (oracle.failed_on_tokens); no verdict (nothing answered) is not."""
+    return v is not None and oracle.failed_on_tokens(v)
+
+
 def _as_dict(v, counts):
     return v.to_dict() if v else {"ok": False, "counts": counts,
                                   "message": f"no item answered ({counts['error']} requests, "
@@ -104,22 +111,35 @@ def test_kv_corruption_fails_pd_verdicts(baseline, cluster, record, kind):
 
     # At least GSM8K_N items, more where the control arm ties so often on the first ones that
     # their numerics count could not fail (oracle.items_for_a_count: TokenSpeed on an H100,
-    # a budget of 8 of 8): a verdict that cannot fail is no negative control.
-    n_gsm = oracle.items_for_a_count(control, sorted(base), least=GSM8K_N)
+    # a budget of 8 of 8): a verdict that cannot fail is no negative control. An asserted kind
+    # not caught on those goes on to the count's full size (a kind that changes 95 % of the
+    # items missed at most 1 % of the time: oracle.CAUGHT_SHARE), which `none` runs whole.
+    order = sorted(base)
+    n_gsm = oracle.items_for_a_count(control, order, least=GSM8K_N)
     if n_gsm is None:
         pytest.fail(f"{label}: the numerics count cannot fail on any of the {len(base)} GSM8K "
                     f"items of `1`'s pass (control arm {control.classified().numerics()}): "
                     "no GSM8K verdict here could catch a corruption that leaves only near-ties")
+    n_full = oracle.items_for_a_count(control, order, least=n_gsm, share=oracle.CAUGHT_SHARE,
+                                      miss=oracle.MISS) or len(order)
+    asserted = kind in CAUGHT | CAUGHT_BY_GSM8K
+    reqs = comparisons.requests("gsm8k", cluster.model_name, n_full if asserted or kind == "none"
+                                else n_gsm, max_tokens=oracle.WINDOW,
+                                logprobs=cluster.driver.top_logprobs,
+                                api=cluster.driver.logprobs_api)
+    first = len(reqs) if kind == "none" else n_gsm
 
     cluster.driver.forget_received_kv(cluster)
     kv_corrupt.set_kind(folder, kind)
     before = kv_corrupt.read_counts(folder)
     try:
-        mine = comparisons.eval_pass(cluster.gateway_url, cluster.model_name, "gsm8k", n_gsm,
-                                     concurrency=CONCURRENCY,
-                                     watchdog=cluster.watchdog(f"gsm8k, {kind}"),
-                                     logprobs=cluster.driver.top_logprobs,
-                                     api=cluster.driver.logprobs_api)
+        watch = cluster.watchdog(f"gsm8k, {kind}")
+        mine = comparisons.run_pass(cluster.gateway_url, reqs[:first], CONCURRENCY, watch)
+        if reqs[first:] and not _caught(
+                _judged("gsm8k", f"{eng}/1", label, base, mine, control, True, path)[0]):
+            rest = comparisons.run_pass(cluster.gateway_url, reqs[first:], CONCURRENCY, watch)
+            mine.update(rest)
+            mine.errors.update(rest.errors)
         texts: dict = {}
         reqs = comparisons.requests("recall", cluster.model_name, min(RECALL_N, len(rbase)),
                                     logprobs=cluster.driver.top_logprobs,
@@ -149,7 +169,8 @@ def test_kv_corruption_fails_pd_verdicts(baseline, cluster, record, kind):
     copied = sorted(i for i, t in texts.items() if recall.reproduced(i, t))
     lost = sorted(set(want) & set(texts) - set(copied))
     record["kv_corrupt"] = {
-        "kind": kind, "corrupted": done, "gsm8k_items": n_gsm, "gsm8k": _as_dict(v_gsm, gc),
+        "kind": kind, "corrupted": done, "gsm8k_items": len(mine),
+        "gsm8k_sizes": {"can_fail": n_gsm, "full": n_full}, "gsm8k": _as_dict(v_gsm, gc),
         "recall": _as_dict(v_rec, rc),
         "recall_copied": copied, "recall_baseline_copied": want, "recall_lost": lost,
         "kv_proof": proof,

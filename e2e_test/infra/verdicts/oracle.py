@@ -70,7 +70,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import HarnessError
-from ..stats import excess_budget, wilson_upper
+from ..stats import binom_cdf, excess_budget, wilson_upper
 
 # The false-alarm rate of each noise test against the control arm (the per-item tail bound of
 # all m items of a comparison together, the numerics budget's Fisher test, and the rank test
@@ -944,19 +944,30 @@ def judge(comparison: Comparison, control: ControlArm, alpha: float = ALPHA,
                       f"{same['p']:.2g}" if same is not None else ""))
 
 
+# A corruption that a numerics count is to catch changes at least this share of the items
+# (a near-tie or a mismatch each), and the count over as many items as items_for_a_count
+# sizes misses it at most this often: TokenSpeed's `scale` on an H100 changed 39 of 40 items
+# over three runs and was missed once on 14 items sized only to be able to fail
+# (docs/accuracy.md, "`scale` on TokenSpeed: the count's size").
+CAUGHT_SHARE = 0.95
+MISS = 0.01
+
+
 def items_for_a_count(control: ControlArm, order: list, least: int = 1,
-                      alpha: float = ALPHA) -> int | None:
-    """The fewest of `order`'s first items (at least `least`) on which the numerics count can
-    fail: the budget the control arm gives them (ControlArm.budget, its rate on those items)
-    is below their number. On fewer every item may be a near-tie and the verdict still
-    passes: TokenSpeed GSM8K on an H100 tied 10 times in the control's 16 answers on the
-    first 8 items, a budget of 8 of 8, and a 1p1d with every received K and V x 1.05 passed
-    with 8 numerics of 8. None where even all of `order` leaves the budget at their number.
-    Pure."""
+                      alpha: float = ALPHA, share: float = 1.0,
+                      miss: float = 0.0) -> int | None:
+    """The fewest of `order`'s first items (at least `least`) on which the numerics count
+    fails a candidate that changes each item with probability `share` at least 1 - `miss` of
+    the time: P[Bin(n, share) <= budget] <= miss, the budget the control arm gives those
+    items (ControlArm.budget, its rate on them). The defaults (every item changed, no miss)
+    ask only that the count can fail (budget below n). On fewer every item may be a near-tie
+    and the verdict still passes: TokenSpeed GSM8K on an H100 tied 10 times in the control's
+    16 answers on the first 8 items, a budget of 8 of 8, and a 1p1d with every received K and
+    V x 1.05 passed with 8 numerics of 8. None where even all of `order` is too few. Pure."""
     arm = control.classified()
     for n in range(max(1, least), len(order) + 1):
         idx = set(order[:n])
-        if arm.numerics(idx)[1] and arm.budget(n, alpha, idx) < n:
+        if arm.numerics(idx)[1] and binom_cdf(arm.budget(n, alpha, idx), n, share) <= miss:
             return n
     return None
 
