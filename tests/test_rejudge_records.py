@@ -188,9 +188,9 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
          for t in ["test_pd_answers_match_regular[vllm-{shape}-gsm8k]",
                    "test_pd_answers_match_regular[vllm-{shape}-mmlu]",
                    "test_pd_kv_recall[vllm-{shape}]"]]
-      # one H100, both engines staged at 807c8c8: the chat, PD, sweep and KV corruption lanes
+      # one H100, both engines staged: the chat, PD, sweep and KV corruption lanes
       # (TokenSpeed's twice), the default topologies (run tsrouter); vLLM's chat and PD again
-      # at ee38fb5 on a second machine
+      # at the next SHA on a second machine
       + [(f"h100-e2e-1gpu-chat-{eng}-{name}", f"test_oracle_negative_control[{eng}-1]")
          for eng, name in [("tokenspeed", "chat-807c8c8"), ("vllm", "vchat-807c8c8"),
                            ("vllm", "vchat-ee38fb5")]]
