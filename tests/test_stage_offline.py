@@ -220,9 +220,26 @@ def test_select_tokenspeed_lock_against_an_image():
     ("a-1.0-cp312-cp312-manylinux_2_28_aarch64.whl", False),
     ("a-1.0-cp312-cp312-win_amd64.whl", False),
     ("a-1.0-py2.py3-none-manylinux_2_5_x86_64.manylinux1_x86_64.whl", True),
+    ("nvidia_nccl_cu13-2.30.7-py3-none-manylinux_2_18_x86_64.whl", True),
+    ("nvidia_nvjitlink-13.4.92-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl", True),
+    ("a-1.0-cp312-cp312-manylinux_2_40_x86_64.whl", False),
 ])
 def test_wheel_fits(name, ok):
     assert so.wheel_fits(name, "3.12", so.PIP_PLATFORMS) is ok
+
+
+def test_pip_platforms_are_every_glibc_up_to_the_target():
+    """pip matches --platform tags exactly: a manylinux_2_X missing from the list (2_18:
+    nvidia-nccl-cu13) makes `pip download` find no wheel although the target installs it."""
+    tags = so.PIP_PLATFORMS
+    glibc = [int(t.split("_")[2]) for t in tags if t.startswith("manylinux_2_")]
+    assert glibc == list(range(39, 4, -1))                       # newest first, none skipped
+    for legacy, twin in (("manylinux2014", 17), ("manylinux2010", 12), ("manylinux1", 5)):
+        assert tags.index(f"{legacy}_x86_64") == tags.index(f"manylinux_2_{twin}_x86_64") + 1
+    assert tags[-2:] == ["linux_x86_64", "any"]
+    without = [t for t in tags if t != "manylinux_2_18_x86_64"]  # a list that skips 2_18
+    assert not so.wheel_fits("nvidia_nccl_cu13-2.30.7-py3-none-manylinux_2_18_x86_64.whl",
+                             "3.12", without)
 
 
 # ----------------------------------------------------------------------------- slim and pack
