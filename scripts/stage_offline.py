@@ -46,11 +46,13 @@ PART = 48_000_000  # the cut when the checkout's size is unknown (see part_size_
 CARRY_LIMIT = 64 * 2**20   # what one device call carries: the checkout's tracked files + paths
 CARRY_MARGIN = 2 * 2**20   # setup.sh, manifest.json and the small files a call carries beside
 MIN_PART = 8_000_000
-PIP_PLATFORMS = ["manylinux_2_39_x86_64", "manylinux_2_35_x86_64", "manylinux_2_34_x86_64",
-                 "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
-                 "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-                 "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_5_x86_64",
-                 "linux_x86_64", "any"]
+# Every tag a glibc 2.39 x86_64 target installs (PEP 600: manylinux_2_39 down to 2_5), newest
+# first, the legacy names beside their glibc version: pip matches --platform exactly, and wheels
+# such as nvidia-nccl-cu13 (manylinux_2_18) or nvidia-nvjitlink (manylinux2010) carry no other.
+_LEGACY = {17: "manylinux2014_x86_64", 12: "manylinux2010_x86_64", 5: "manylinux1_x86_64"}
+PIP_PLATFORMS = [tag for minor in range(39, 4, -1)
+                 for tag in (f"manylinux_2_{minor}_x86_64", _LEGACY.get(minor)) if tag] + \
+                ["linux_x86_64", "any"]
 # Debian plugin directories (ibverbs providers, SASL/Kerberos modules): never carried as syslibs.
 PLUGIN_DIRS = ("libibverbs", "sasl2", "krb5")
 

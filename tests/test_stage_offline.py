@@ -20,6 +20,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "scripts" / "stage_profiles" / "tokenspeed-0.1.0.yaml"
 LOCK = REPO / "scripts" / "stage_profiles" / "tokenspeed-0.1.0.lock"
+PROFILE_011 = REPO / "scripts" / "stage_profiles" / "tokenspeed-0.1.1.yaml"
+LOCK_011 = REPO / "scripts" / "stage_profiles" / "tokenspeed-0.1.1.lock"
+# torch 2.14.0's pins that differ from torch 2.11.0's (the image's)
+TORCH_214 = {"torch": "2.14.0", "triton": "3.8.0", "torchvision": "0.29.1",
+             "nvidia-cublas": "13.1.1.3", "nvidia-cudnn-cu13": "9.24.0.43",
+             "nvidia-cusparselt-cu13": "0.8.1", "nvidia-nccl-cu13": "2.30.7"}
 
 
 def _load():
@@ -72,6 +78,35 @@ def test_tokenspeed_lock_covers_keep():
     pins = so.read_lock(LOCK)
     prof = so.load_profile(PROFILE)
     assert {so.cn(k) for k in prof["keep"]} == set(pins)
+
+
+def test_tokenspeed_011_profile_and_lock():
+    prof = so.load_profile(PROFILE_011)
+    assert prof["version"] == "0.1.1" and prof["exclude_newer"] == "2026-10-07"
+    assert "tokenspeed==0.1.1" in prof["roots"] and "tokenspeed-kernel==0.1.4" in prof["roots"]
+    pins = so.read_lock(LOCK_011)
+    assert {so.cn(k) for k in prof["keep"]} == set(pins)
+    assert pins["tokenspeed"] == "0.1.1" and pins["tokenspeed-kernel"] == "0.1.4"
+    assert {k: pins[k] for k in TORCH_214} == TORCH_214
+    assert "tokenspeed-triton-kernels" not in pins      # 0.1.0 kept it; 0.1.1's closure lacks it
+    # its own device folders: setup.sh skips the install where a site is already marked ready
+    old = so.load_profile(PROFILE)
+    assert all(prof[k] != old[k] for k in ("stage", "site", "env"))
+
+
+def test_select_tokenspeed_011_carries_torch_over_the_image():
+    """The image has torch 2.11 and its CUDA wheels: force carries torch 2.14's instead, and
+    leaves the CUDA wheels whose pins are the same (nvjitlink, cudart, nvshmem) to the image."""
+    prof = so.load_profile(PROFILE_011)
+    pins = so.read_lock(LOCK_011)
+    image = {"torch", "triton", "torchvision", "grpcio", "protobuf", "numpy", "transformers",
+             "nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-cusparselt-cu13", "nvidia-nccl-cu13",
+             "nvidia-nvjitlink", "nvidia-cuda-runtime", "nvidia-nvshmem-cu13"}
+    chosen = so.select(pins, prof["keep"], image, prof["force"])
+    assert set(TORCH_214) <= set(chosen) and len(chosen) == len(pins)
+    unforced = [x for x in prof["force"] if x not in ("torch", "triton", "torchvision")]
+    chosen = so.select(pins, prof["keep"], image, unforced)
+    assert not {"torch", "triton", "torchvision"} & set(chosen)   # without force: the image's
 
 
 def test_minimal_profile_gets_defaults():
@@ -220,9 +255,26 @@ def test_select_tokenspeed_lock_against_an_image():
     ("a-1.0-cp312-cp312-manylinux_2_28_aarch64.whl", False),
     ("a-1.0-cp312-cp312-win_amd64.whl", False),
     ("a-1.0-py2.py3-none-manylinux_2_5_x86_64.manylinux1_x86_64.whl", True),
+    ("nvidia_nccl_cu13-2.30.7-py3-none-manylinux_2_18_x86_64.whl", True),
+    ("nvidia_nvjitlink-13.4.92-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl", True),
+    ("a-1.0-cp312-cp312-manylinux_2_40_x86_64.whl", False),
 ])
 def test_wheel_fits(name, ok):
     assert so.wheel_fits(name, "3.12", so.PIP_PLATFORMS) is ok
+
+
+def test_pip_platforms_are_every_glibc_up_to_the_target():
+    """pip matches --platform tags exactly: a manylinux_2_X missing from the list (2_18:
+    nvidia-nccl-cu13) makes `pip download` find no wheel although the target installs it."""
+    tags = so.PIP_PLATFORMS
+    glibc = [int(t.split("_")[2]) for t in tags if t.startswith("manylinux_2_")]
+    assert glibc == list(range(39, 4, -1))                       # newest first, none skipped
+    for legacy, twin in (("manylinux2014", 17), ("manylinux2010", 12), ("manylinux1", 5)):
+        assert tags.index(f"{legacy}_x86_64") == tags.index(f"manylinux_2_{twin}_x86_64") + 1
+    assert tags[-2:] == ["linux_x86_64", "any"]
+    without = [t for t in tags if t != "manylinux_2_18_x86_64"]  # a list that skips 2_18
+    assert not so.wheel_fits("nvidia_nccl_cu13-2.30.7-py3-none-manylinux_2_18_x86_64.whl",
+                             "3.12", without)
 
 
 # ----------------------------------------------------------------------------- slim and pack
@@ -289,8 +341,9 @@ def test_split_exact_multiple(tmp_path):
 
 # ---------------------------------------------------------------------------------- setup.sh
 def test_setup_sh_passes_bash_n(tmp_path):
-    for prof in (so.load_profile(PROFILE), so.validate_profile(_minimal())):
-        path = so.write_setup(prof, tmp_path / prof["engine"])
+    for prof in (so.load_profile(PROFILE), so.load_profile(PROFILE_011),
+                 so.validate_profile(_minimal())):
+        path = so.write_setup(prof, tmp_path / f"{prof['engine']}-{prof['version']}")
         r = subprocess.run(["bash", "-n", str(path)], check=False, capture_output=True,
                            text=True)
         assert r.returncode == 0, r.stderr
