@@ -771,6 +771,23 @@ def test_a_pass_subset_keeps_what_its_items_carry():
     assert q.shape == "/v1/x"
 
 
+def test_a_pass_sent_in_two_parts_merges_what_each_part_carries():
+    """The KV cases' rest of the items: merged, the second part's leads (TokenSpeed's answers
+    whose first token carried no logprob) and errors come with its items."""
+    a = oracle.Pass({0: sampled_only(("a", -0.1))})
+    a.shape, a.lead = "/v1/x", {0: ""}
+    b = oracle.Pass({1: sampled_only(("b", -0.1)), 2: None, 3: []})
+    b.lead, b.errors, b.empty_answers = {1: "The"}, {2: "null logprob"}, {3}
+    a.merge(b)
+    assert sorted(a) == [0, 1, 2, 3] and a.shape == "/v1/x"
+    assert a.lead == {0: "", 1: "The"} and a.errors == {2: "null logprob"}
+    assert a.empty_answers == {3}
+    # negative control: a plain dict update takes the items and loses what they carry
+    c = oracle.Pass({0: sampled_only(("a", -0.1))})
+    c.update(b)
+    assert sorted(c) == [0, 1, 2, 3] and c.lead == {} and c.errors == {}
+
+
 def _with_numerics(c, indices):
     for it in c.items:
         if it.index in indices:

@@ -122,24 +122,22 @@ def test_kv_corruption_fails_pd_verdicts(baseline, cluster, record, kind):
                     "no GSM8K verdict here could catch a corruption that leaves only near-ties")
     n_full = oracle.items_for_a_count(control, order, least=n_gsm, share=oracle.CAUGHT_SHARE,
                                       miss=oracle.MISS) or len(order)
-    asserted = kind in CAUGHT | CAUGHT_BY_GSM8K
-    reqs = comparisons.requests("gsm8k", cluster.model_name, n_full if asserted or kind == "none"
-                                else n_gsm, max_tokens=oracle.WINDOW,
-                                logprobs=cluster.driver.top_logprobs,
-                                api=cluster.driver.logprobs_api)
-    first = len(reqs) if kind == "none" else n_gsm
+    sized = kind == "none" or kind in CAUGHT | CAUGHT_BY_GSM8K
+    gsm_reqs = comparisons.requests("gsm8k", cluster.model_name, n_full if sized else n_gsm,
+                                    max_tokens=oracle.WINDOW, logprobs=cluster.driver.top_logprobs,
+                                    api=cluster.driver.logprobs_api)
+    first = len(gsm_reqs) if kind == "none" else n_gsm
 
     cluster.driver.forget_received_kv(cluster)
     kv_corrupt.set_kind(folder, kind)
     before = kv_corrupt.read_counts(folder)
     try:
         watch = cluster.watchdog(f"gsm8k, {kind}")
-        mine = comparisons.run_pass(cluster.gateway_url, reqs[:first], CONCURRENCY, watch)
-        if reqs[first:] and not _caught(
+        mine = comparisons.run_pass(cluster.gateway_url, gsm_reqs[:first], CONCURRENCY, watch)
+        if gsm_reqs[first:] and not _caught(
                 _judged("gsm8k", f"{eng}/1", label, base, mine, control, True, path)[0]):
-            rest = comparisons.run_pass(cluster.gateway_url, reqs[first:], CONCURRENCY, watch)
-            mine.update(rest)
-            mine.errors.update(rest.errors)
+            mine.merge(comparisons.run_pass(cluster.gateway_url, gsm_reqs[first:], CONCURRENCY,
+                                            watch))
         texts: dict = {}
         reqs = comparisons.requests("recall", cluster.model_name, min(RECALL_N, len(rbase)),
                                     logprobs=cluster.driver.top_logprobs,

@@ -544,6 +544,15 @@ class Pass(dict):
         out.errors = {i: v for i, v in self.errors.items() if i in out}
         return out
 
+    def merge(self, other: Pass) -> None:
+        """`other`'s items added to this pass, with what it knows of them (a pass sent in two
+        parts: test_kv_corrupt.py's first items, then the rest)."""
+        self.update(other)
+        self.shape = self.shape or other.shape
+        self.lead.update(other.lead)
+        self.empty_answers |= other.empty_answers
+        self.errors.update(other.errors)
+
 
 def text_lead(steps: list[Step], text: str) -> str | None:
     """The start of an answer's `text` that its steps' tokens do not cover: "" when they
