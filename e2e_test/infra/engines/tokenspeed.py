@@ -204,8 +204,8 @@ def workarounds(tokenspeed: str | None, servicer: str | None = None) -> frozense
 
 
 def workaround_line(tokenspeed: str | None, servicer: str | None = None) -> str:
-    """The line a TokenSpeed worker's log starts with: its versions and which workarounds
-    apply. Pure."""
+    """The line a TokenSpeed worker's log gets after its command: its versions and which
+    workarounds apply (WorkerCommand.log_note). Pure."""
     applied = workarounds(tokenspeed, servicer)
     on = [n for n in WORKAROUND_NAMES if n in applied]
     off = [n for n in WORKAROUND_NAMES if n not in applied]
