@@ -45,6 +45,84 @@ EAGER_TAIL = ["--sampling-backend", "greedy", "--kvstore-ratio", "0.05"]
 GRAPH_TAIL = EAGER_TAIL + ["--max-cudagraph-capture-size", "16", "--disable-prefill-graph"]
 
 
+# The bundles' versions: 0.1.0's and 0.1.1's (scripts/stage_profiles/tokenspeed-0.1.*.lock).
+V010 = {"tokenspeed": "0.1.0", "servicer": "0.7.0.post20260720"}
+V011 = {"tokenspeed": "0.1.1", "servicer": "0.9.1.post20260920"}
+
+
+@pytest.fixture(autouse=True)
+def installed_0_1_0(monkeypatch):
+    """Every build here sees TokenSpeed 0.1.0's bundle, whatever this environment holds."""
+    monkeypatch.setattr(tokenspeed, "installed_versions", lambda: dict(V010))
+
+
+def test_workarounds_by_version():
+    """0.1.0's bundle needs every workaround; 0.1.1's not the EPD gateway's poll (servicer
+    0.9.1 answers an encode worker's GetLoads) nor the host pool's ratio (no host pool with
+    --disable-kvstore); each by its own distribution's version, an unknown one needing all."""
+    every = frozenset(tokenspeed.WORKAROUND_NAMES)
+    assert tokenspeed.workarounds(**V010) == every
+    assert tokenspeed.workarounds(None, None) == every
+    assert tokenspeed.workarounds(**V011) == every - {"epd-gateway-no-load-poll",
+                                                       "host-pool-ratio"}
+    # negative controls: each fix counts only in the distribution that carries it
+    assert "epd-gateway-no-load-poll" in tokenspeed.workarounds("0.1.1", "0.7.0.post20260720")
+    assert "epd-gateway-no-load-poll" in tokenspeed.workarounds("0.1.1", None)
+    assert tokenspeed.workarounds("0.1.0", "0.9.1.post20260920") == every - {
+        "epd-gateway-no-load-poll"}
+    assert "host-pool-ratio" in tokenspeed.workarounds("0.0.9", "0.9.1")
+    assert "host-pool-ratio" not in tokenspeed.workarounds("0.2.0", None)
+    # still needed on 0.1.1: top-k refused, FlushCache not relied on, triton samplers refused
+    assert {"no-top-logprobs", "kv-corrupt-decode-uncached",
+            "triton-sampler-graphs-refused"} <= tokenspeed.workarounds("9.9.9", "9.9.9")
+
+
+@pytest.mark.parametrize("version,want", [("0.9.1.post20260920", (0, 9, 1)), ("0.1.1", (0, 1, 1)),
+                                          ("0.1.10", (0, 1, 10)), (None, None), ("dev", None)])
+def test_release(version, want):
+    assert tokenspeed.release(version) == want
+
+
+def test_the_workers_log_names_its_version_and_workarounds(monkeypatch):
+    """One line per worker: the versions, which workarounds applied, which were not needed."""
+    t, e = entries("1")
+    ports = Ports(api=30000, aux={"dist_init": 30001})
+    cmd = tokenspeed.build(SPEC, t, e["worker"], ports, "/models/q", CUDA)
+    assert cmd.log_note == (
+        "e2e: TokenSpeed 0.1.0 (servicer 0.7.0.post20260720): workarounds applied: "
+        "epd-gateway-no-load-poll, host-pool-ratio, no-top-logprobs, kv-corrupt-decode-uncached, "
+        "triton-sampler-graphs-refused; not needed: none")
+    monkeypatch.setattr(tokenspeed, "installed_versions", lambda: dict(V011))
+    cmd = tokenspeed.build(SPEC, t, e["worker"], ports, "/models/q", CUDA)
+    assert cmd.log_note == (
+        "e2e: TokenSpeed 0.1.1 (servicer 0.9.1.post20260920): workarounds applied: "
+        "no-top-logprobs, kv-corrupt-decode-uncached, triton-sampler-graphs-refused; "
+        "not needed: epd-gateway-no-load-poll, host-pool-ratio")
+    assert "\n" not in cmd.log_note
+
+
+def test_on_0_1_1_no_host_pool_ratio_and_an_epd_gateway_that_polls(monkeypatch):
+    """0.1.1: the defaults leave --kvstore-ratio out (no host pool to bound) and an EPD gateway
+    keeps smg's own policy and load monitor; 0.1.0's (the fixture) keep both."""
+    t, e = entries("1")
+    ports = Ports(api=30000, aux={"dist_init": 30001})
+    assert "--kvstore-ratio" in tokenspeed.build(SPEC, t, e["worker"], ports, "/models/q",
+                                                 CUDA).argv
+    assert tokenspeed.ENGINE.gateway_args(parse("1e1p1d")) == tokenspeed.EPD_GATEWAY_ARGS
+    monkeypatch.setattr(tokenspeed, "installed_versions", lambda: dict(V011))
+    cmd = tokenspeed.build(SPEC, t, e["worker"], ports, "/models/q", CUDA)
+    assert cmd.argv == (head(30000) + ["--dist-init-addr", "127.0.0.1:30001",
+                                       "--sampling-backend", "greedy",
+                                       "--max-cudagraph-capture-size", "16",
+                                       "--disable-prefill-graph"])
+    assert tokenspeed.ENGINE.gateway_args(parse("1e1p1d")) == ()
+    # still refused on 0.1.1: a triton sampler with graphs
+    t_, e_ = entries("1")
+    with pytest.raises(ConfigError, match="stall the boot"):
+        tokenspeed.build(SPEC, t_, e_["worker"], ports, "/models/q",
+                         replace(CUDA, extra_args=("--sampling-backend", "triton")))
+
+
 def test_regular():
     t, e = entries("1")
     # a dist-init port of the harness's own: without it TokenSpeed derives one from --port,
@@ -446,6 +524,20 @@ def test_spawn_env_follows_the_servicers_arguments():
     assert env["TOKENSPEED_MAMBA_SSM_DTYPE"] == "bfloat16" and default == {}
     env, _ = tokenspeed.spawn_env(["--enable-nccl-nvls"])
     assert env["NCCL_NVLS_ENABLE"] == "1"
+
+
+def test_spawn_env_of_0_1_1_sets_the_nccl_variables_only_when_disabled():
+    """0.1.1 sets NCCL_CUMEM_ENABLE / NCCL_NVLS_ENABLE to 0 only for --disable-symm-mem /
+    --disable-nccl-nvls; 0.1.0's values would differ from its servicer's at the request."""
+    env, default = tokenspeed.spawn_env([], "0.1.1")
+    assert "NCCL_CUMEM_ENABLE" not in env and "NCCL_NVLS_ENABLE" not in env
+    assert env["TOKENSPEED_MAMBA_SSM_DTYPE"] == "float32"
+    assert default == tokenspeed.spawn_env([], "0.1.0")[1]
+    env, _ = tokenspeed.spawn_env(["--disable-symm-mem", "--disable-nccl-nvls"], "0.1.1")
+    assert env["NCCL_CUMEM_ENABLE"] == "0" and env["NCCL_NVLS_ENABLE"] == "0"
+    # negative control: 0.1.0 (and an unknown version) set both from their own flags
+    assert tokenspeed.spawn_env([], "0.1.0")[0]["NCCL_CUMEM_ENABLE"] == "0"
+    assert tokenspeed.spawn_env([], None)[0]["NCCL_NVLS_ENABLE"] == "0"
 
 
 def test_warm_spawn_not_for_several_schedulers_nor_when_off():

@@ -219,6 +219,21 @@ def test_exit_code_and_log(tmp_path):
     assert p.log_tail(1) == "hello from child"
 
 
+def test_a_note_is_the_logs_second_line_before_the_childs_output(tmp_path):
+    """The harness's own line (WorkerCommand.log_note) follows the command's, in one line
+    whatever it holds; without one the child's output follows the command at once."""
+    log = tmp_path / "n.log"
+    p = ManagedProcess("n", py("print('child')"), {}, log, note="e2e: a\nb").start()
+    wait_for(lambda: not p.alive())
+    p.stop(grace=1)
+    assert log.read_text().splitlines()[1:] == ["e2e: a b", "child"]
+    bare = tmp_path / "b.log"
+    q = ManagedProcess("b", py("print('child')"), {}, bare).start()
+    wait_for(lambda: not q.alive())
+    q.stop(grace=1)
+    assert bare.read_text().splitlines()[1:] == ["child"]
+
+
 def test_env_overrides_are_added_to_the_inherited_env(spawn, monkeypatch):
     monkeypatch.setenv("E2E_TEST_INHERITED", "yes")
     p = spawn("env", "import os; print(os.environ['E2E_TEST_INHERITED'], "

@@ -35,6 +35,9 @@ flag's contract comes from:
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import re
 import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
@@ -133,8 +136,10 @@ STOP_GRACE_S = 1.5
 # worker/monitor.rs:1421-1428; the default --policy cache_aware is load-aware). TokenSpeed
 # 0.1.0's encode loop takes that query for a request and dies (runtime/epd/encode_loop.py
 # :300-301 -> encode_worker.py:97 `request.request_id`). Fixed upstream by smg PR #2249
-# (encode GetLoads answers empty; servicer newer than the 0.7.0.post20260720 TokenSpeed 0.1.0
-# pins); TokenSpeed PR #1205 passes --disable-load-monitoring. So EPD gateways run without it.
+# (encode GetLoads answers empty: in servicer 0.9.1.post20260920, which TokenSpeed 0.1.1's
+# bundle carries, not in the 0.7.0.post20260720 of 0.1.0's); TokenSpeed PR #1205 passes
+# --disable-load-monitoring. So EPD gateways run without it where the servicer is older
+# (workaround "epd-gateway-no-load-poll", WORKAROUNDS).
 EPD_GATEWAY_ARGS = ("--policy", "round_robin", "--disable-load-monitoring",
                     "--disable-worker-overload-protection")
 ENCODE_GETLOAD_CRASH = KnownCrash(
@@ -144,6 +149,86 @@ ENCODE_GETLOAD_CRASH = KnownCrash(
     refs=("tokenspeed runtime/epd/encode_worker.py:97", "smg worker/monitor.rs load monitor",
           "fixed by smg PR #2249"),
     role="encode")
+
+
+
+# -- What each TokenSpeed release needs of the harness --------------------------------------
+#
+# The harness's workarounds for TokenSpeed, by name, and the first release of a distribution
+# ("tokenspeed", or "servicer": its gRPC servicer, SERVICER_DISTS) that no longer needs one;
+# None: every release read needs it. The evidence, release by release: docs/staging.md,
+# "TokenSpeed 0.1.1: what changed for the harness". A version that cannot be read (the harness
+# outside the engine's environment, the unit tests) counts as needing every workaround.
+SERVICER_DISTS = ("tokenspeed-smg-grpc-servicer", "smg-grpc-servicer")
+WORKAROUNDS = (
+    # EPD_GATEWAY_ARGS: servicer 0.9.1 answers an encode worker's GetLoads itself, empty
+    # (smg_grpc_servicer/tokenspeed/servicer.py GetLoads, disaggregation_mode == "encode"), and
+    # TokenSpeed 0.1.1's encode loop drops a control message (runtime/epd/encode_loop.py).
+    ("epd-gateway-no-load-poll", ("servicer", (0, 9, 1))),
+    # serving_defaults' --kvstore-ratio: TokenSpeed 0.1.1 builds no host pool with
+    # --disable-kvstore (runtime/execution/device.py: L2CacheExecutor only if enable_kvstore).
+    ("host-pool-ratio", ("tokenspeed", (0, 1, 1))),
+    # top_logprobs = 0: 0.1.1 refuses top-k too (runtime/engine/input_processor.py).
+    ("no-top-logprobs", None),
+    # the kv_corrupt decode without prefix caching (build, forget_received_kv): 0.1.1's
+    # FlushCache clears through the compiled scheduler's clear_cache, not read here, and fails
+    # while requests are in flight (runtime/engine/request_handler.py).
+    ("kv-corrupt-decode-uncached", None),
+    # GRAPH_STALL_SAMPLERS: 0.1.1 still captures the generic Gumbel route
+    # (sampling/backends/triton.py prepare_capture); tokenspeed-kernel 0.1.4's kernel unread.
+    ("triton-sampler-graphs-refused", None),
+)
+WORKAROUND_NAMES = tuple(name for name, _ in WORKAROUNDS)
+
+
+def release(version: str | None) -> tuple[int, ...] | None:
+    """The leading numeric release of a version string ("0.9.1.post20260920" -> (0, 9, 1));
+    None for None or a version without one. Pure."""
+    m = re.match(r"\d+(?:\.\d+)*", version or "")
+    return tuple(int(x) for x in m.group(0).split(".")) if m else None
+
+
+def workarounds(tokenspeed: str | None, servicer: str | None = None) -> frozenset[str]:
+    """The workarounds (WORKAROUNDS) that these installed versions of TokenSpeed and of its
+    gRPC servicer need; an unknown version needs them all. Pure."""
+    have = {"tokenspeed": release(tokenspeed), "servicer": release(servicer)}
+    out = set()
+    for name, fixed in WORKAROUNDS:
+        if fixed is None:
+            out.add(name)
+            continue
+        dist, first = fixed
+        if have[dist] is None or have[dist] < first:
+            out.add(name)
+    return frozenset(out)
+
+
+def workaround_line(tokenspeed: str | None, servicer: str | None = None) -> str:
+    """The line a TokenSpeed worker's log gets after its command: its versions and which
+    workarounds apply (WorkerCommand.log_note). Pure."""
+    applied = workarounds(tokenspeed, servicer)
+    on = [n for n in WORKAROUND_NAMES if n in applied]
+    off = [n for n in WORKAROUND_NAMES if n not in applied]
+    return (f"e2e: TokenSpeed {tokenspeed or '(version unknown)'} (servicer "
+            f"{servicer or 'unknown'}): workarounds applied: {', '.join(on) or 'none'}; "
+            f"not needed: {', '.join(off) or 'none'}")
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.cache
+def installed_versions() -> dict[str, str | None]:
+    """{"tokenspeed": version, "servicer": version} of this environment, read once (the
+    harness runs in the engine's environment; None where a distribution is not installed)."""
+    return {"tokenspeed": _dist_version("tokenspeed"),
+            "servicer": _dist_version(*SERVICER_DISTS)}
 
 
 def _disagg(topology: Topology, entry: PlanEntry) -> bool:
@@ -198,6 +283,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     disagg = _disagg(topology, entry)
     if topology.kind in ("pd", "epd") and not disagg:
         raise ConfigError(f"{topology.kind} topology has no role {entry.role!r} for TokenSpeed")
+    versions = installed_versions()
+    applied = workarounds(**versions)
     transport = options.opt("mooncake_transport", DEFAULT_TRANSPORT)
     if transport not in TRANSPORTS:
         raise ConfigError(f"mooncake transport {transport!r}: use one of "
@@ -258,7 +345,8 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     # the control request here"), so a page corrupted in one case would be reused, unreceived
     # and uncounted, by the next case's identical prompts (forget_received_kv). Prefix caching
     # is on by default (runtime/utils/server_args.py: enable_prefix_caching = True), so it is
-    # turned off by name; leaving out --enable-prefix-caching leaves it on.
+    # turned off by name; leaving out --enable-prefix-caching leaves it on. Every release read
+    # ("kv-corrupt-decode-uncached", WORKAROUNDS).
     corrupt = options.opt("kv_corrupt", "")
     corrupting = bool(corrupt) and entry.role == "decode"
     if disagg:
@@ -288,11 +376,11 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     extra = list(spec.engine_args("tokenspeed", entry.role)) + list(options.extra_args)
     sampler = _flag_value(extra, "--sampling-backend")
     graphs = not (eager or options.enforce_eager or "--enforce-eager" in extra)
-    if sampler in GRAPH_STALL_SAMPLERS and graphs:
+    if sampler in GRAPH_STALL_SAMPLERS and graphs and "triton-sampler-graphs-refused" in applied:
         raise ConfigError(f"TokenSpeed {entry.name}: CUDA graphs with --sampling-backend "
                           f"{sampler} stall the boot: {GRAPH_STALL_SAMPLERS[sampler]}; "
                           f"run it eager (E2E_ENFORCE_EAGER=1) or with another sampler")
-    argv += extra + serving_defaults(extra, graphs=graphs)
+    argv += extra + serving_defaults(extra, graphs=graphs, applied=applied)
     warm = bool(options.opt("warm_spawn", DEFAULT_WARM_SPAWN)) and entry.tp == 1 and entry.dp == 1
     preload = ()
     if corrupting:
@@ -313,9 +401,10 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
                                                                           entry.name)})
         preload = (kv_corrupt_tokenspeed.MODULE,)
     if warm:
-        argv = warm_spawn_argv(argv, preload=preload)
+        argv = warm_spawn_argv(argv, preload=preload, version=versions["tokenspeed"])
         env["PYTHONPATH"] = extend_pythonpath(LAUNCHERS)
     return WorkerCommand(argv=argv, env=env, protocol="grpc",
+                         log_note=workaround_line(**versions),
                          readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",
                          bootstrap_port=bootstrap, start_stage=entry.start_stage,
@@ -357,7 +446,9 @@ GRAPH_STALL_SAMPLERS = {
 #   register_host_tensor_for_gpu_access): 6 GB for SmolLM2's 131072-token pool, in every
 #   worker, which lengthens every worker's `allocating KV cache` to ready by seconds.
 #   The suites never fill the device pool (at most 16 requests of at most 4096 tokens in
-#   flight, half of it), so nothing is retracted; the host tier is not under test.
+#   flight, half of it), so nothing is retracted; the host tier is not under test. 0.1.1
+#   builds no host pool with --disable-kvstore (execution/device.py), so the ratio is given
+#   only where workaround "host-pool-ratio" applies (WORKAROUNDS).
 # Eager (E2E_ENFORCE_EAGER=1, and the always-eager prefill) TokenSpeed's scheduler is
 # CPU-bound for this 135M model, every request shape alike (scripts/probe_shapes.py); with
 # graphs `1`'s oracle passes take a tenth of the time.
@@ -374,9 +465,11 @@ def _has_flag(args: list[str], flags) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
-def spawn_env(args: list[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """What TokenSpeed 0.1.0's servicer puts in its environment before it starts the
-    scheduler, for these server arguments: (set, set where unset). Pure.
+def spawn_env(args: list[str], version: str | None = None
+              ) -> tuple[dict[str, str], dict[str, str]]:
+    """What TokenSpeed's servicer puts in its environment before it starts the scheduler,
+    for these server arguments and TokenSpeed `version` (None: as 0.1.0): (set, set where
+    unset). Pure.
 
     runtime/entrypoints/engine.py _set_envs_and_config sets TF_CPP_MIN_LOG_LEVEL, the two CUDA
     variables, NCCL_CUMEM_ENABLE (--enable-symm-mem) and, without it, NCCL_NVLS_ENABLE
@@ -387,13 +480,24 @@ def spawn_env(args: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     TokenSpeed compiles with torch.compile at import (runtime/sampling/utils.py,
     layers/common.py), which reads inductor's config, TORCHINDUCTOR_ENABLE_PDL with it, so a
     warm scheduler imported without them compiles without PDL where a spawned one compiles
-    with it (the launcher's line "the parent's environment differs in" names any left out)."""
-    symm = _has_flag(args, ("--enable-symm-mem",))
-    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "NCCL_CUMEM_ENABLE": "1" if symm else "0",
+    with it (the launcher's line "the parent's environment differs in" names any left out).
+    0.1.1 (engine.py _set_envs_and_config) sets NCCL_CUMEM_ENABLE=0 only with
+    --disable-symm-mem and NCCL_NVLS_ENABLE=0 only with --disable-nccl-nvls, and neither
+    otherwise: a warm interpreter given 0.1.0's values would see another environment than the
+    servicer's at the request, and the launcher would spawn the scheduler cold."""
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3",
            "CUDA_DEVICE_MAX_CONNECTIONS": "4", "CUDA_MODULE_LOADING": "AUTO",
            "TOKENSPEED_MAMBA_SSM_DTYPE": _flag_value(args, "--mamba-ssm-dtype") or "float32"}
-    if not symm:
-        env["NCCL_NVLS_ENABLE"] = "1" if _has_flag(args, ("--enable-nccl-nvls",)) else "0"
+    if (release(version) or (0, 1, 0)) >= (0, 1, 1):
+        if _has_flag(args, ("--disable-symm-mem",)):
+            env["NCCL_CUMEM_ENABLE"] = "0"
+        if _has_flag(args, ("--disable-nccl-nvls",)):
+            env["NCCL_NVLS_ENABLE"] = "0"
+    else:
+        symm = _has_flag(args, ("--enable-symm-mem",))
+        env["NCCL_CUMEM_ENABLE"] = "1" if symm else "0"
+        if not symm:
+            env["NCCL_NVLS_ENABLE"] = "1" if _has_flag(args, ("--enable-nccl-nvls",)) else "0"
     default = {}
     if not _has_flag(args, ("--disable-tf32",)):
         default.update(NVIDIA_TF32_OVERRIDE="1", TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1")
@@ -402,12 +506,13 @@ def spawn_env(args: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     return env, default
 
 
-def warm_spawn_argv(argv: list[str], preload: tuple[str, ...] = ()) -> list[str]:
+def warm_spawn_argv(argv: list[str], preload: tuple[str, ...] = (),
+                    version: str | None = None) -> list[str]:
     """The servicer's argv (`python -m SERVICER_MODULE ARGS`) run through the warm-spawn
     launcher (see WARM_SPAWN), whose imports run with the garbage collector off (the
     launcher's default), and whose waiting interpreter then fills the caches of WARM_CALLS
     before the request. `preload`: modules its waiting interpreter imports after the
-    scheduler's own (the KV corruption's patch). Pure."""
+    scheduler's own (the KV corruption's patch). `version`: TokenSpeed's (spawn_env). Pure."""
     module, target, spawn_preload = WARM_SPAWN
     if argv[1:3] != ["-m", SERVICER_MODULE]:
         raise ValueError(f"not a servicer command: {argv[:3]}")
@@ -416,17 +521,19 @@ def warm_spawn_argv(argv: list[str], preload: tuple[str, ...] = ()) -> list[str]
         out += ["--preload", name]
     for name in WARM_CALLS:
         out += ["--call", name]
-    env, default = spawn_env(argv[3:])
+    env, default = spawn_env(argv[3:], version)
     out += [a for k, v in env.items() for a in ("--child-env", f"{k}={v}")]
     out += [a for k, v in default.items() for a in ("--child-env-default", f"{k}={v}")]
     return [*out, "--", *argv[3:]]
 
 
-def serving_defaults(extra: list[str], graphs: bool) -> list[str]:
-    """The flags of the harness's defaults that `extra` does not set (see above). Pure."""
+def serving_defaults(extra: list[str], graphs: bool,
+                     applied: frozenset[str] = frozenset(WORKAROUND_NAMES)) -> list[str]:
+    """The flags of the harness's defaults that `extra` does not set (see above); the host
+    pool's ratio only where workaround "host-pool-ratio" is in `applied`. Pure."""
     out = [] if _has_flag(extra, ("--sampling-backend",)) else [
         "--sampling-backend", DEFAULT_SAMPLER]
-    if not _has_flag(extra, _KVSTORE_FLAGS):
+    if "host-pool-ratio" in applied and not _has_flag(extra, _KVSTORE_FLAGS):
         out += ["--kvstore-ratio", KVSTORE_RATIO]
     if graphs:
         if not _has_flag(extra, _CAPTURE_FLAGS):
@@ -501,7 +608,7 @@ def beside(plan, device_shares: dict):
 #
 # TokenSpeed's servicer serves no /metrics; with --enable-metrics its engine writes Prometheus
 # multiprocess files (the builder points PROMETHEUS_MULTIPROC_DIR at the cluster's state
-# folder; Worker.metrics reads them). Its 0.1.0 KV-transfer metrics are no-ops
+# folder; Worker.metrics reads them). Its KV-transfer metrics are no-ops in 0.1.0 and 0.1.1
 # (runtime/metrics/collector.py KVTransferMetrics), so the proof combines:
 # - the gateway sent every request to a prefill AND a decode worker
 #   (smg_worker_selection_total{worker_type=...}) and counted no bootstrap / KV-transfer
@@ -789,9 +896,10 @@ class TokenSpeedEngine(Engine):
                              "start a TokenSpeed worker's scheduler interpreter, and its "
                              "imports, beside the servicer's own (launchers/e2e_warm_spawn.py; "
                              "a worker of tp 1, dp 1); 0: as TokenSpeed spawns it"))
-    # TokenSpeed 0.1.0 refuses top-k output logprobs: "top_logprobs_num
+    # TokenSpeed 0.1.0 and 0.1.1 refuse top-k output logprobs: "top_logprobs_num
     # > 0 (output top-k logprobs) is not supported yet; use top_logprobs_num=0 (the sampled
-    # token's logprob)", a 400 through smg. The oracle then bounds the gap from the sampled
+    # token's logprob)", a 400 through smg (runtime/engine/input_processor.py;
+    # "no-top-logprobs", WORKAROUNDS). The oracle then bounds the gap from the sampled
     # token's logprob alone (oracle.compare_item).
     top_logprobs = 0
     # smg 1.13's gRPC router drops logprobs from every completions response
@@ -860,7 +968,8 @@ class TokenSpeedEngine(Engine):
         return out
 
     def gateway_args(self, topology) -> tuple[str, ...]:
-        return EPD_GATEWAY_ARGS if topology.kind == "epd" else ()
+        needed = "epd-gateway-no-load-poll" in workarounds(**installed_versions())
+        return EPD_GATEWAY_ARGS if topology.kind == "epd" and needed else ()
 
     def forget_received_kv(self, cluster) -> None:
         """Nothing to drop: the decode of the kv_corrupt profile runs without prefix

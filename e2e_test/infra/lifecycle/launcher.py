@@ -41,6 +41,7 @@ class WorkerCommand:
     unset_env: tuple[str, ...] = ()    # dropped from the inherited environment
     owned_ports: tuple[int, ...] = ()  # ports it binds beyond Ports (checked at teardown)
     stop_grace_s: float | None = None  # SIGTERM -> SIGKILL at stop; None: the cluster's
+    log_note: str = ""                 # one line the harness writes into its log at the start
 
     @property
     def health_path(self) -> str | None:
@@ -160,7 +161,7 @@ class LocalLauncher:
             Path(command.metrics_dir).mkdir(parents=True)
         return ManagedProcess(name, command.argv, command.env, log_path,
                               unset_env=command.unset_env, cpu_affinity=cores,
-                              held=held).start()
+                              held=held, note=command.log_note).start()
 
     def verify(self, stops: list[StopReport], ports: set[int],
                baseline: Baseline) -> teardown.TeardownReport:

@@ -165,7 +165,8 @@ def pidfd_ended(fd: int) -> bool:
 class ManagedProcess:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
                  cwd: str | None = None, unset_env: tuple[str, ...] | list[str] = (),
-                 cpu_affinity: tuple[int, ...] | list[int] = (), held: bool = False):
+                 cpu_affinity: tuple[int, ...] | list[int] = (), held: bool = False,
+                 note: str = ""):
         self.name = name
         self.argv = [str(a) for a in argv]
         self.env_overrides = dict(env)
@@ -178,6 +179,7 @@ class ManagedProcess:
         # Started ahead and held (launcher.held_command): its standard input is a pipe on which
         # release() sends `go`; until then it waits, and it exits when the pipe closes unsent.
         self.held = held
+        self.note = note        # a line of the harness's own, after the command's (one line)
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
         self.known: dict[int, float] = {}   # pid -> reaper.started, descendants seen alive
@@ -190,6 +192,8 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab", buffering=0)
         self._log.write(f"# {self.name}: {' '.join(self.argv)}\n".encode())
+        if self.note:
+            self._log.write(f"{' '.join(self.note.splitlines())}\n".encode())
         env = {k: v for k, v in os.environ.items() if k not in self.unset_env}
         env.update(self.env_overrides)
         env.update(reaper.marker_env())     # ownership: sweeps stop marked processes only
