@@ -1,10 +1,17 @@
 """TokenSpeed's KV corruption (engines/kv_corrupt_tokenspeed.py), its pure parts over host
-memory: a KV pool laid out as TokenSpeed's MHA pool registers it for the transfer (per layer a
-K and a V buffer, page p of buffer b at ptr[b] + p * item_len[b], `offsets` naming each layer's
-two), and stand-ins of the two TokenSpeed classes it patches (a unit test of the patching
-logic, not an engine: the real decode runs in the lane e2e-1gpu-kv-corrupt). The "transfer"
-writes a pattern into the pages the receiver was given, as Mooncake writes the prefill's KV,
-then reports success the way DisaggDecodeExecutor.generate_events does.
+memory, in both layouts of the decode's KV pool it knows:
+
+- per_buffer (TokenSpeed 0.1.0): per layer a K and a V buffer, page p of buffer b at
+  ptr[b] + p * item_len[b], `offsets` naming each layer's two; `prefill(kv_indices)`;
+- arena (TokenSpeed 0.1.1): one uint8 arena laid out by a cache plan, page p of field
+  `layer.N.k` at `field_page_byte_offset(field, 0) + p * page_stride_bytes` (here each layer's
+  K and V interleaved in one plane: a page stride twice the payload); `prefill(block_manifest)`.
+
+Stand-ins of the two TokenSpeed classes it patches, of the plan and of the manifest (fakes for
+a unit test of the patching and index logic, not an engine: the real decode runs in the lane
+e2e-1gpu-kv-corrupt). The "transfer" writes a pattern into the pages the receiver was given, as
+Mooncake writes the prefill's KV, then reports success the way
+DisaggDecodeExecutor.generate_events does.
 """
 
 import types
@@ -24,10 +31,11 @@ except ImportError:                 # a `.[dev]` venv: the patching logic still 
 needs_torch = pytest.mark.skipif(torch is None, reason="needs torch: pip install -e '.[cpu]'")
 
 LAYERS, PAGES, PAGE_TOKENS, HEADS, DIM = 3, 12, 4, 2, 8
+PAYLOAD = PAGE_TOKENS * HEADS * DIM * 2          # bytes of one page of one K (or V), bf16
 
 
 @dataclass
-class KVArgs:                      # the fields of TokenSpeed's KVArgs that the module reads
+class KVArgs:                      # the fields of TokenSpeed 0.1.0's KVArgs that the module reads
     kv_data_ptrs: list
     kv_data_lens: list
     kv_item_lens: list
@@ -35,33 +43,146 @@ class KVArgs:                      # the fields of TokenSpeed's KVArgs that the 
 
 
 def pool():
-    """(K buffers, V buffers, kv_args) of a bfloat16 MHA pool in host memory, every value
-    distinct from the patterns the transfers write."""
-    ks = [torch.full((PAGES * PAGE_TOKENS, HEADS, DIM), -1.0 - i, dtype=torch.bfloat16)
+    """(K, V, kv_args) of a bfloat16 per-buffer MHA pool in host memory (0.1.0): K and V
+    [pages, tokens, heads, dim] per layer, every value distinct from the transfers' patterns."""
+    ks = [torch.full((PAGES, PAGE_TOKENS, HEADS, DIM), -1.0 - i, dtype=torch.bfloat16)
           for i in range(LAYERS)]
-    vs = [torch.full((PAGES * PAGE_TOKENS, HEADS, DIM), -10.0 - i, dtype=torch.bfloat16)
+    vs = [torch.full((PAGES, PAGE_TOKENS, HEADS, DIM), -10.0 - i, dtype=torch.bfloat16)
           for i in range(LAYERS)]
     bufs = ks + vs
     args = KVArgs([b.data_ptr() for b in bufs], [b.nbytes for b in bufs],
-                  [b[0].nbytes * PAGE_TOKENS for b in bufs],
+                  [b[0].nbytes for b in bufs],
                   [[i, LAYERS + i] for i in range(LAYERS)])
     return ks, vs, args
 
 
+# -- fakes of TokenSpeed 0.1.1's cache plan (pd/cache_protocol.py, recipes/plan.py) ------------
+
+@dataclass
+class FakeGroup:
+    group_id: str
+    page_count: int
+
+
+@dataclass
+class FakePlane:
+    plane_id: str
+    bytes_per_lcm_block: int
+    arena_offset_bytes: int
+
+
+@dataclass
+class FakeField:
+    group_id: str
+    field_id: str
+    plane_id: str
+    dtype: str
+    field_offset_bytes: int
+    page_stride_bytes: int
+    payload_bytes: int
+
+
+@dataclass
+class FakePlan:
+    groups: list
+    planes: list
+    fields: list
+    arena_bytes: int
+
+    def group(self, group_id):
+        return next(g for g in self.groups if g.group_id == group_id)
+
+    def field_page_byte_offset(self, field_id, page_id):    # recipes/plan.py's formula
+        f = next(x for x in self.fields if x.field_id == field_id)
+        plane = next(x for x in self.planes if x.plane_id == f.plane_id)
+        return (plane.arena_offset_bytes + plane.bytes_per_lcm_block - f.page_stride_bytes
+                + page_id * f.page_stride_bytes + f.field_offset_bytes)
+
+
+@dataclass
+class FakeContract:                # CacheTransferContract: the plan, fields per group
+    plan: FakePlan
+
+    def fields_for_group(self, group_id):
+        return tuple(sorted((f for f in self.plan.fields if f.group_id == group_id),
+                            key=lambda f: f.field_id))
+
+
+@dataclass
+class ArenaKVArgs:                 # the fields of TokenSpeed 0.1.1's KVArgs that the module reads
+    kv_data_ptr: int
+    cache_layout: FakeContract
+    arena: object = None           # keeps the host memory alive
+
+
+@dataclass
+class FakeGroupBlocks:
+    group_id: str
+    block_ids: tuple
+
+
+@dataclass
+class FakeManifest:                # CachePDBlockManifest
+    groups: tuple
+    prefix_len: int = 0
+    prompt_len: int = 1
+
+
+def manifest(pages, group="full"):
+    return FakeManifest((FakeGroupBlocks(group, tuple(pages)),), 0, len(pages) * PAGE_TOKENS)
+
+
+def arena_pool():
+    """(K, V, kv_args) of a bfloat16 arena (0.1.1): one plane per layer, page p of it holding
+    that layer's K then its V (stride 2 * PAYLOAD), so K and V are strided views of the arena;
+    values as in `pool`."""
+    stride = 2 * PAYLOAD
+    plane_bytes = PAGES * stride                  # (num_lcm_blocks + 1) parents of one page
+    arena = torch.zeros(LAYERS * plane_bytes, dtype=torch.uint8)
+    planes, fields, ks, vs = [], [], [], []
+    el = arena.view(torch.bfloat16)
+    for i in range(LAYERS):
+        planes.append(FakePlane(f"unit.{i}", stride, i * plane_bytes))
+        for plane, off in (("k", 0), ("v", PAYLOAD)):
+            fields.append(FakeField("full", f"layer.{i}.{plane}", f"unit.{i}", "bfloat16", off,
+                                    stride, PAYLOAD))
+            view = el.as_strided((PAGES, PAGE_TOKENS, HEADS, DIM),
+                                 (stride // 2, HEADS * DIM, DIM, 1),
+                                 (i * plane_bytes + off) // 2)
+            (ks if plane == "k" else vs).append(view)
+        ks[-1].fill_(-1.0 - i)
+        vs[-1].fill_(-10.0 - i)
+    plan = FakePlan([FakeGroup("full", PAGES)], planes, fields, arena.nbytes)
+    return ks, vs, ArenaKVArgs(arena.data_ptr(), FakeContract(plan), arena)
+
+
 def page(t, p):
-    return t[p * PAGE_TOKENS:(p + 1) * PAGE_TOKENS]
+    return t[p]
 
 
-def stand_ins():
-    """Modules named as TokenSpeed's with the two classes, their methods' arguments as in
-    TokenSpeed 0.1.0."""
-    class MooncakeKVReceiver:
-        def __init__(self, mgr, bootstrap_room):
-            self.kv_mgr, self.bootstrap_room, self.asked = mgr, bootstrap_room, None
+def stand_ins(shape="per_buffer"):
+    """Modules named as TokenSpeed's with the two classes (and the KVArgs the decode module
+    imports), their methods' arguments as in TokenSpeed 0.1.0 (`per_buffer`) or 0.1.1
+    (`arena`)."""
+    if shape == "per_buffer":
+        class MooncakeKVReceiver:
+            def __init__(self, mgr, bootstrap_room):
+                self.kv_mgr, self.bootstrap_room, self.asked = mgr, bootstrap_room, None
 
-        def prefill(self, kv_indices, aux_index=None, decode_prefix_len=0, mla_l1_5_args=None,
-                    mamba_indices=None):
-            self.asked = list(kv_indices)
+            def prefill(self, kv_indices, aux_index=None, decode_prefix_len=0,
+                        mla_l1_5_args=None, mamba_indices=None):
+                self.asked = list(kv_indices)
+        kv_args_cls = KVArgs
+    else:
+        class MooncakeKVReceiver:
+            def __init__(self, mgr, bootstrap_room):
+                self.kv_mgr, self.bootstrap_room, self.asked = mgr, bootstrap_room, None
+
+            def prefill(self, block_manifest=None):
+                if block_manifest is None:
+                    raise ValueError("Mooncake PD requires a block manifest")
+                self.asked = list(block_manifest.groups[0].block_ids)
+        kv_args_cls = ArenaKVArgs
 
     class MooncakeKVManagerDecode:
         def __init__(self, kv_args):
@@ -75,14 +196,22 @@ def stand_ins():
     rmod.MooncakeKVReceiver = MooncakeKVReceiver
     dmod = types.ModuleType("decode")
     dmod.MooncakeKVManagerDecode = MooncakeKVManagerDecode
+    dmod.KVArgs = kv_args_cls
     return {kt.PATCHES[0][0]: rmod, kt.PATCHES[1][0]: dmod}
 
 
+POOLS = {"per_buffer": pool, "arena": arena_pool}
+
+
 def transfer(mods, mgr, ks, vs, room, pages, value):
-    """One request's KV through the stand-ins: the decode asks for it into `pages`, the
-    "prefill" writes `value` + layer into each (K) and its negative (V), success is reported."""
+    """One request's KV through the stand-ins: the decode asks for it into `pages` (as each
+    release's DisaggDecodeExecutor calls `prefill`), the "prefill" writes `value` + layer into
+    each (K) and its negative (V), success is reported."""
     r = mods[kt.PATCHES[0][0]].MooncakeKVReceiver(mgr, room)
-    r.prefill(pages, 0, 0)
+    if isinstance(mgr.kv_args, ArenaKVArgs):
+        r.prefill(block_manifest=manifest(pages))
+    else:
+        r.prefill(pages, 0, 0)
     assert r.asked == pages                       # the engine's own method still ran
     for layer in range(LAYERS):
         for p in pages:
@@ -92,13 +221,14 @@ def transfer(mods, mgr, ks, vs, room, pages, value):
     assert mgr.popped[-1] == room
 
 
-@pytest.fixture
-def decode(tmp_path):
-    mods = stand_ins()
-    ks, vs, args = pool()
+@pytest.fixture(params=list(POOLS))
+def decode(request, tmp_path):
+    mods = stand_ins(request.param)
+    ks, vs, args = POOLS[request.param]()
     mgr = mods[kt.PATCHES[1][0]].MooncakeKVManagerDecode(args)
     folder = str(tmp_path / "kv-corrupt" / "decode-0")
     state = kt.install("runtime", folder, modules=mods, device="cpu", seed=0)
+    assert state.layout.name == request.param
     return mods, mgr, ks, vs, folder, state
 
 
@@ -233,30 +363,108 @@ def test_a_patch_point_gone_or_changed_is_refused_before_patching():
         kt.install("runtime", "", modules=mods, device="cpu")
 
 
-def test_install_from_env_says_what_it_did(capsys, monkeypatch):
+@pytest.mark.parametrize("shape", list(POOLS))
+def test_install_from_env_says_what_it_did(shape, capsys, monkeypatch):
     assert kt.install_from_env({}) is None                      # not asked: nothing, silent
     assert capsys.readouterr().err == ""
     # TokenSpeed is not installed here: the patch points cannot be imported
     assert kt.install_from_env({kt.ENV_SETTING: "runtime", kt.ENV_DIR: "/x"}) is None
     assert "NOT installed on TokenSpeed's decode: ModuleNotFoundError" in capsys.readouterr().err
-    mods = stand_ins()
-    monkeypatch.setattr(kt, "patch_points", lambda modules=None: [
-        (mods[kt.PATCHES[0][0]].MooncakeKVReceiver, "prefill"),
-        (mods[kt.PATCHES[1][0]].MooncakeKVManagerDecode, "pop_prefill_metadata")])
+    mods = stand_ins(shape)
+    real = kt.patch_points
+    monkeypatch.setattr(kt, "patch_points", lambda modules=None: real(mods))
     assert kt.install_from_env({kt.ENV_SETTING: "runtime", kt.ENV_DIR: ""}) is not None
     err = capsys.readouterr().err
     assert "installed on TokenSpeed's decode (setting 'runtime'" in err
     assert "MooncakeKVReceiver.prefill, MooncakeKVManagerDecode.pop_prefill_metadata" in err
+    arg = {"per_buffer": "kv_indices", "arena": "block_manifest"}[shape]
+    assert f"; layout {shape} (prefill({arg}))" in err
+
+
+def test_an_unknown_or_mixed_shape_is_refused_with_its_line(capsys, monkeypatch):
+    """A receiver whose `prefill` names neither layout's argument, or one that names 0.1.1's
+    while KVArgs is 0.1.0's: nothing patched, and the decode's log says why."""
+    mods = stand_ins("arena")
+    recv = mods[kt.PATCHES[0][0]].MooncakeKVReceiver
+    original = recv.prefill
+    recv.prefill = lambda self, blocks=None: None
+    with pytest.raises(ValueError, match="first argument is none of 'kv_indices' "
+                                         r"\(per_buffer\), 'block_manifest' \(arena\)"):
+        kt.install("runtime", "", modules=mods, device="cpu")
+    real = kt.patch_points
+    monkeypatch.setattr(kt, "patch_points", lambda modules=None: real(mods))
+    assert kt.install_from_env({kt.ENV_SETTING: "runtime", kt.ENV_DIR: ""}) is None
+    err = capsys.readouterr().err
+    assert "NOT installed on TokenSpeed's decode: ValueError: " in err
+    assert "first argument is none of" in err
+    recv.prefill = original
+    mods[kt.PATCHES[1][0]].KVArgs = KVArgs                        # 0.1.0's fields
+    with pytest.raises(ValueError, match=r"arena layout, but KVArgs has no \['kv_data_ptr', "
+                                         r"'cache_layout'\]"):
+        kt.install("runtime", "", modules=mods, device="cpu")
+    assert mods[kt.PATCHES[0][0]].MooncakeKVReceiver.prefill is original   # nothing patched
+
+
+@needs_torch
+def test_arena_page_views_alias_the_arena_at_the_transfers_offsets():
+    ks, vs, args = arena_pool()
+    layers = kt.arena_page_layers(args, device="cpu")
+    assert list(layers) == [f"layer.{i}" for i in range(LAYERS)]
+    k1, v1 = layers["layer.1"]
+    assert tuple(k1.shape) == (PAGES, PAYLOAD) and k1.stride() == (2 * PAYLOAD, 1)
+    assert v1.data_ptr() - k1.data_ptr() == PAYLOAD and v1.stride() == k1.stride()
+    k1[5].zero_()                                  # bytes of page 5 of layer 1's K
+    assert (page(ks[1], 5) == 0).all() and (page(ks[1], 4) == -2).all()
+    assert (page(vs[1], 5) == -11).all() and (ks[0] == -1).all() and (vs[2] == -12).all()
+    assert kt.arena_value_dtype(args) == "bfloat16"
+    # a layer with another plane (mxfp8 scales) is refused, as is a pool of two groups
+    plan = args.cache_layout.plan
+    plan.fields.append(FakeField("full", "layer.2.k_scale", "unit.2", "uint8", 0,
+                                 2 * PAYLOAD, 8))
+    with pytest.raises(ValueError, match="layer 2: fields .* are not a k and a v"):
+        kt.arena_page_layers(args, device="cpu")
+    plan.fields.pop()
+    plan.groups.append(FakeGroup("swa", PAGES))
+    with pytest.raises(ValueError, match=r"cache groups \['full', 'swa'\], not one"):
+        kt.arena_page_layers(args, device="cpu")
+
+
+def test_arena_pages_are_checked_against_the_plan_before_any_device_op():
+    """Pure index logic (no memory is touched: the plan alone): a manifest's block IDs are the
+    pages, each inside the group and inside every field's span of the arena."""
+    stride = 2 * PAYLOAD
+    planes = [FakePlane(f"unit.{i}", stride, i * PAGES * stride) for i in range(LAYERS)]
+    fields = [FakeField("full", f"layer.{i}.{p}", f"unit.{i}", "bfloat16", off, stride, PAYLOAD)
+              for i in range(LAYERS) for p, off in (("k", 0), ("v", PAYLOAD))]
+    plan = FakePlan([FakeGroup("full", PAGES)], planes, fields, LAYERS * PAGES * stride)
+    args = ArenaKVArgs(0, FakeContract(plan))
+    assert kt.manifest_pages(args, manifest([3, 4, 11])) == [3, 4, 11]
+    assert kt.manifest_pages(args, None) == []
+    with pytest.raises(ValueError, match=r"manifest names groups \['swa'\], the arena"):
+        kt.manifest_pages(args, manifest([3], group="swa"))
+    kt.check_arena_pages(args, [0, 3, 11])
+    kt.check_arena_pages(args, [])
+    for bad in (12, -1, 10**6):
+        with pytest.raises(ValueError, match=rf"pages \[{bad}\].*arena's 12 pages"):
+            kt.check_arena_pages(args, [1, bad])
+    # an arena shorter than the plan's pages bounds them: the last plane holds 9 pages only
+    plan.arena_bytes -= 3 * stride
+    with pytest.raises(ValueError, match=r"pages \[9\].*arena's 9 pages"):
+        kt.check_arena_pages(args, [9])
 
 
 # -- through the real launcher: the preload installs the patch in the waiting interpreter ----
 
-RECEIVER = """
+RECEIVERS = {"per_buffer": """
 class MooncakeKVReceiver:
     def prefill(self, kv_indices, aux_index=None, decode_prefix_len=0, mla_l1_5_args=None,
                 mamba_indices=None):
         pass
-"""
+""", "arena": """
+class MooncakeKVReceiver:
+    def prefill(self, block_manifest=None):
+        pass
+"""}
 DECODE = """
 class MooncakeKVManagerDecode:
     def pop_prefill_metadata(self, bootstrap_room):
@@ -287,7 +495,8 @@ if __name__ == "__main__":
 """
 
 
-def test_the_launchers_preload_installs_it_in_the_scheduler_only_when_asked(tmp_path):
+@pytest.mark.parametrize("shape", list(RECEIVERS))
+def test_the_launchers_preload_installs_it_in_the_scheduler_only_when_asked(shape, tmp_path):
     """The decode's command as engines/tokenspeed.py builds it for the kv_corrupt profile: the
     waiting scheduler interpreter preloads this module, which patches TokenSpeed's two classes
     (stand-in modules of those names here) in the process that runs the target, and says so in
@@ -304,7 +513,7 @@ def test_the_launchers_preload_installs_it_in_the_scheduler_only_when_asked(tmp_
     for d in (tmp_path / "tokenspeed", tmp_path / "tokenspeed" / "runtime",
               tmp_path / "tokenspeed" / "runtime" / "pd", pkg):
         (d / "__init__.py").write_text("")
-    (pkg / "receiver.py").write_text(RECEIVER)
+    (pkg / "receiver.py").write_text(RECEIVERS[shape])
     (pkg / "decode.py").write_text(DECODE)
     (tmp_path / "stand_in_ts_target.py").write_text(TARGET)
     (tmp_path / "stand_in_ts_entry.py").write_text(ENTRY)
@@ -326,3 +535,4 @@ def test_the_launchers_preload_installs_it_in_the_scheduler_only_when_asked(tmp_
         assert (out["receiver"], out["decode"]) == (asked, asked), (out, proc.stderr)
         line = f"e2e-kv-corrupt (pid {out['pid']}): installed on TokenSpeed's decode"
         assert (line in proc.stderr) == asked, proc.stderr
+        assert (f"; layout {shape} (" in proc.stderr) == asked, proc.stderr
