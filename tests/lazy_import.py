@@ -13,6 +13,8 @@ class _Lazy:
         self._name = name
 
     def __getattr__(self, attr: str):
+        if attr.startswith("_"):     # what collection asks of every object in a test module
+            raise AttributeError(attr)
         return getattr(importlib.import_module(self._name), attr)
 
     def __repr__(self) -> str:
