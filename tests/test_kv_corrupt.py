@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+from lazy_import import lazy
 
 from e2e_test.infra.engines import EngineOptions, Ports, vllm
 from e2e_test.infra.engines import kv_corrupt as kc
@@ -16,10 +17,7 @@ from e2e_test.infra.specs.plan import plan_cpu
 from e2e_test.infra.specs.topology import parse
 from e2e_test.infra.verdicts import oracle
 
-try:
-    import torch
-except ImportError:                 # a `.[dev]` venv: the pure parts still run
-    torch = None
+torch = lazy("torch")               # None in a `.[dev]` venv: the pure parts still run
 
 # The cache views and corruptor tests work on torch tensors (torch comes with the cpu extra).
 needs_torch = pytest.mark.skipif(torch is None, reason="needs torch: pip install -e '.[cpu]'")

@@ -18,14 +18,12 @@ import types
 from dataclasses import dataclass
 
 import pytest
+from lazy_import import lazy
 
 from e2e_test.infra.engines import kv_corrupt as kc
 from e2e_test.infra.engines import kv_corrupt_tokenspeed as kt
 
-try:
-    import torch
-except ImportError:                 # a `.[dev]` venv: the patching logic still runs
-    torch = None
+torch = lazy("torch")               # None in a `.[dev]` venv: the patching logic still runs
 
 # The KV pool's tests write through torch tensors (torch comes with the cpu extra).
 needs_torch = pytest.mark.skipif(torch is None, reason="needs torch: pip install -e '.[cpu]'")

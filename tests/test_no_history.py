@@ -51,6 +51,10 @@ def prose(source: str, shell: bool = False) -> list[tuple[int, str]]:
 
 def history_hits(source: str, name: str, shell: bool = False) -> list[str]:
     """`name:line: what: text` for each comment or docstring line that cites history."""
+    # Each comment and docstring line is a line of the source: a source none of the patterns
+    # matches has no hit, and is not tokenized and parsed (most are not).
+    if not any(pat.search(source) for _, pat in PATTERNS):
+        return []
     hits = []
     for n, text in prose(source, shell):
         for what, pat in PATTERNS:

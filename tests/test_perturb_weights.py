@@ -7,15 +7,27 @@ from __future__ import annotations
 import json
 
 import pytest
+from lazy_import import lazy
 
-torch = pytest.importorskip("torch")
-from safetensors.torch import load_file, save_file  # noqa: E402
+from e2e_test.infra.errors import ConfigError
+from e2e_test.infra.specs import models
 
-from e2e_test.infra.errors import ConfigError  # noqa: E402
-from e2e_test.infra.specs import models  # noqa: E402
+torch = lazy("torch")
+pytestmark = pytest.mark.skipif(torch is None, reason="could not import 'torch'")
 
 
-def _model(folder, dtype=torch.float32):
+def load_file(path):
+    from safetensors.torch import load_file
+    return load_file(path)
+
+
+def save_file(tensors, path):
+    from safetensors.torch import save_file
+    save_file(tensors, path)
+
+
+def _model(folder, dtype=None):
+    dtype = dtype or torch.float32
     folder.mkdir()
     gen = torch.Generator().manual_seed(1)
     save_file({"a.weight": torch.randn(64, 32, generator=gen).to(dtype),

@@ -3,15 +3,13 @@
 import json
 
 import pytest
+from lazy_import import lazy
 
 from e2e_test.infra.errors import ConfigError
 from e2e_test.tools import tiny_models
 
-try:
-    import torch
-    import transformers
-except ImportError:                 # a `.[dev]` venv: the input checks still run
-    torch = transformers = None
+# None in a `.[dev]` venv: the input checks still run
+torch, transformers = lazy("torch"), lazy("transformers")
 
 # Building and loading a model needs torch and transformers (the cpu extra).
 needs_torch = pytest.mark.skipif(transformers is None,

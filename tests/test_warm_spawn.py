@@ -1,10 +1,14 @@
 """The warm-spawn launcher (engines/launchers/e2e_warm_spawn.py) with real processes.
 
 A stand-in entry point (pure multiprocessing, no engine) sets a variable, switches to spawn
-and starts a child whose module takes 1 s to import, as TokenSpeed's servicer starts its
+and starts a child whose module takes 0.5 s to import, as TokenSpeed's servicer starts its
 scheduler. Through the launcher the child's imports are done before the request (the warmed
 interpreter ran it, with the late variable, the pipe it was given and its exit code); without
 it (the negative control) they come after. Another target spawns as usual.
+
+The order is made by handshakes, not by sleeping: the stand-in's modules leave a mark file
+(`imported.PID`, `keyed.PID`, ...) in STAND_IN_MARKS, and an entry point given STAND_IN_AWAIT
+waits for another process's mark (the waiting interpreter's) before its request.
 """
 
 from __future__ import annotations
@@ -27,8 +31,14 @@ LAUNCHERS = Path(launchers.__file__).parent
 
 TARGET = """
 import functools, gc, os, sys, time
-time.sleep(1.0)                 # a heavy import
+
+def mark(what):                 # a file that says this process got here (STAND_IN_AWAIT)
+    if os.environ.get("STAND_IN_MARKS"):
+        open(os.path.join(os.environ["STAND_IN_MARKS"], f"{what}.{os.getpid()}"), "w").close()
+
+time.sleep(0.5)                 # a heavy import
 IMPORTED_AT = time.time()
+mark("imported")
 GC_AT_IMPORT = gc.isenabled()
 ENV_AT_IMPORT = {k: os.environ.get(k) for k in ("STAND_IN_EARLY", "STAND_IN_DEF")}
 KEYED = {}
@@ -36,6 +46,7 @@ KEYED = {}
 @functools.lru_cache()
 def key():                      # a hash of installed files, cached for the process
     KEYED["at"] = time.time()
+    mark("keyed")
     return "k"
 
 def broken():
@@ -44,6 +55,7 @@ def broken():
 @functools.lru_cache()
 def slow_key():                 # one that takes longer than the parent's wait for the child
     KEYED["slow_started"] = time.time()
+    mark("slow_started")
     time.sleep(float(os.environ.get("STAND_IN_SLOW", "2.0")))
     KEYED["slow_done"] = time.time()
     return "s"
@@ -82,7 +94,15 @@ if __name__ == "__main__":
     os.environ["STAND_IN_EARLY"] = os.environ.get("STAND_IN_EARLY_SET", "early")
     os.environ.setdefault("STAND_IN_DEF", "d")
     mp.set_start_method("spawn", force=True)
-    time.sleep(float(os.environ.get("STAND_IN_SLEEP", "1.5")))  # its own imports, meanwhile
+    if os.environ.get("STAND_IN_AWAIT"):   # its own imports, meanwhile: then another's mark
+        marks, mine = os.environ["STAND_IN_MARKS"], f".{os.getpid()}"
+        deadline, found = time.time() + 30, []
+        while not found and time.time() < deadline:
+            found = [f for f in os.listdir(marks)
+                     if f.startswith(os.environ["STAND_IN_AWAIT"] + ".") and not f.endswith(mine)]
+            time.sleep(0.02)
+        if found and os.environ.get("STAND_IN_AWAIT_EXIT"):   # and that process's end
+            os.waitid(os.P_PID, int(found[0].rsplit(".", 1)[1]), os.WEXITED | os.WNOWAIT)
     out = {"argv": sys.argv[1:], "parent": os.getpid()}
     for name, target, args in (("first", stand_in_target.work, (3,)),
                                ("second", stand_in_target.other, ())):
@@ -102,12 +122,20 @@ if __name__ == "__main__":
 def stand_in(tmp_path):
     (tmp_path / "stand_in_target.py").write_text(textwrap.dedent(TARGET))
     (tmp_path / "stand_in_entry.py").write_text(textwrap.dedent(ENTRY))
+    (tmp_path / "marks").mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(LAUNCHERS), str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+        [str(LAUNCHERS), str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "STAND_IN_MARKS": str(tmp_path / "marks")}
     return tmp_path, env
 
 
+def _clear_marks(cwd):
+    for f in (Path(cwd) / "marks").glob("*"):
+        f.unlink()
+
+
 def _run(argv, env, cwd):
+    _clear_marks(cwd)
     proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=60,
                           check=False)
     assert proc.returncode == 0, proc.stderr
@@ -120,10 +148,10 @@ def test_warm_child_imported_before_the_request_and_runs_the_target(stand_in):
     out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
                      "--target", "stand_in_target:work", "--preload", "stand_in_target",
                      "--child-env", "STAND_IN_EARLY=early", "--", "--flag", "x"],
-                    {**env, "STAND_IN_SLEEP": "3"}, tmp)
+                    {**env, "STAND_IN_AWAIT": "imported"}, tmp)
     first, second = out["first"], out["second"]
     assert out["argv"] == ["--flag", "x"]
-    # Warm: its 1 s import was done while the entry point slept, before the request.
+    # Warm: its import was done (its mark awaited) before the request.
     assert first["imported_at"] < first["started"], (first, err)
     assert first["pid"] == first["popen_pid"] and first["ppid"] == out["parent"]
     assert first["late"] == "late" and first["early"] == "early"  # the parent's env then
@@ -160,7 +188,7 @@ def test_a_variable_the_imports_saw_otherwise_spawns_as_usual(stand_in):
     out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
                      "--target", "stand_in_target:work", "--preload", "stand_in_target",
                      "--child-env", "STAND_IN_EARLY=early", "--"],
-                    {**env, "STAND_IN_SLEEP": "2", "STAND_IN_EARLY_SET": "other"}, tmp)
+                    {**env, "STAND_IN_AWAIT": "imported", "STAND_IN_EARLY_SET": "other"}, tmp)
     first = out["first"]
     assert first["imported_at"] > first["started"], (first, err)   # a fresh spawn
     assert first["env_at_import"]["STAND_IN_EARLY"] == "other" and first["exitcode"] == 3
@@ -178,7 +206,7 @@ def test_child_env_default_only_where_the_environment_has_none(stand_in):
             "--child-env", "STAND_IN_EARLY=early", "--child-env-default", "STAND_IN_DEF=d", "--"]
     env = {k: v for k, v in env.items() if k != "STAND_IN_DEF"}
     for given, want in ((None, "d"), ("user", "user")):
-        e = {**env, "STAND_IN_SLEEP": "2", **({"STAND_IN_DEF": given} if given else {})}
+        e = {**env, "STAND_IN_AWAIT": "imported", **({"STAND_IN_DEF": given} if given else {})}
         out, err = _run(argv, e, tmp)
         first = out["first"]
         assert first["imported_at"] < first["started"], (first, err)   # the warm one
@@ -194,7 +222,7 @@ def test_calls_fill_the_childs_cache_before_the_request(stand_in):
     out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
                      "--target", "stand_in_target:work", "--preload", "stand_in_target",
                      "--call", "stand_in_target:key", "--"],
-                    {**env, "STAND_IN_SLEEP": "2.5"}, tmp)
+                    {**env, "STAND_IN_AWAIT": "keyed"}, tmp)
     first = out["first"]
     assert first["keyed_before"] is not None, (first, err)
     assert first["imported_at"] < first["keyed_before"] < first["started"]
@@ -206,7 +234,7 @@ def test_calls_fill_the_childs_cache_before_the_request(stand_in):
                      "--target", "stand_in_target:work", "--preload", "stand_in_target",
                      "--call", "stand_in_target:broken", "--call", "stand_in_target:key",
                      "--call", "stand_in_absent:key", "--"],
-                    {**env, "STAND_IN_SLEEP": "2.5"}, tmp)
+                    {**env, "STAND_IN_AWAIT": "keyed"}, tmp)
     first = out["first"]
     assert first["exitcode"] == 3 and first["keyed_before"] is not None
     assert "call stand_in_target:broken failed: FileNotFoundError: libtriton.so" in err
@@ -223,25 +251,26 @@ def test_calls_beside_do_not_hold_the_request_back(stand_in):
     argv = [sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
             "--target", "stand_in_target:work", "--preload", "stand_in_target",
             "--call", "stand_in_target:slow_key"]
-    slow = {**env, "STAND_IN_SLEEP": "0.5", "STAND_IN_SLOW": "3.0", "STAND_IN_WAIT_SLOW": "1"}
+    slow = {**env, "STAND_IN_AWAIT": "slow_started", "STAND_IN_SLOW": "2.0",
+            "STAND_IN_WAIT_SLOW": "1"}
     out, err = _run([*argv, "--calls-beside", "--"], slow, tmp)
     first = out["first"]
     assert first["exitcode"] == 3
     assert first["slow_started"] is not None and first["slow_done_at_run"] is None, (first, err)
     assert first["slow_started"] < first["run_at"]
     assert "1 calls beside the target (running at the request), request " in err, err
-    assert "1 calls beside the target: 3.0 s (0 failed), ended " in err, err
+    assert "1 calls beside the target: 2.0 s (0 failed), ended " in err, err
     assert "s after the request came" in err
     # the time report reads these lines (time_report.warm_spawn_status)
     st = time_report.warm_spawn_status(err)
-    assert st["calls_mode"] == "beside" and st["calls_s"] == 3.0 and st["waited_for_calls_s"] == 0
-    assert st["beside_ended_after_request_s"] > 1.0 and st["imports_s"] >= 1.0
+    assert st["calls_mode"] == "beside" and st["calls_s"] == 2.0 and st["waited_for_calls_s"] == 0
+    assert st["beside_ended_after_request_s"] > 1.0 and st["imports_s"] >= 0.5
     # the negative control: made before the request, the call holds it back
     out, err = _run([*argv, "--"], slow, tmp)
     first = out["first"]
     assert first["slow_done_at_run"] is not None, (first, err)
     assert first["slow_done_at_run"] < first["run_at"]
-    assert "1 calls 3.0 s (0 failed), request " in err and "beside" not in err
+    assert "1 calls 2.0 s (0 failed), request " in err and "beside" not in err
     st = time_report.warm_spawn_status(err)
     assert st["calls_mode"] == "before" and st["waited_for_calls_s"] > 1.0, (st, err)
 
@@ -277,27 +306,31 @@ def test_bad_calls_are_refused_before_anything_starts(argv, why, capsys, monkeyp
 
 def test_an_unused_waiting_interpreter_ends_with_its_parent(stand_in, tmp_path):
     tmp, env = stand_in
-    (tmp / "stand_in_idle.py").write_text("import time\nif __name__ == '__main__':\n"
-                                          "    time.sleep(3)\n")
+    (tmp / "stand_in_idle.py").write_text("import sys\nif __name__ == '__main__':\n"
+                                          "    sys.stdin.readline()\n")   # ends when told
     p = subprocess.Popen([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_idle",
                           "--target", "stand_in_target:work", "--preload", "stand_in_target",
-                          "--"], env=env, cwd=tmp)
+                          "--"], env=env, cwd=tmp, stdin=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 10
     while not (kids := psutil.Process(p.pid).children()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(kids) == 1, kids  # the waiting interpreter
-    assert p.wait(30) == 0
+    p.communicate("\n", timeout=30)
+    assert p.returncode == 0
     kids[0].wait(10)  # raises psutil.TimeoutExpired if it outlived its parent
     assert not kids[0].is_running()
 
 
 def test_a_dead_waiting_interpreter_falls_back_to_spawn(stand_in):
     tmp, env = stand_in
-    (tmp / "stand_in_crash.py").write_text("import os\nos._exit(9)\n")
-    # the entry point waits long enough for the interpreter to have died on a loaded machine
+    (tmp / "stand_in_crash.py").write_text(
+        "import os\nopen(os.path.join(os.environ['STAND_IN_MARKS'], f'crashed.{os.getpid()}'),"
+        " 'w').close()\nos._exit(9)\n")
+    # the entry point waits for the interpreter to have died (without reaping it)
     out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_entry",
                      "--target", "stand_in_target:work", "--preload", "stand_in_crash",
-                     "--"], {**env, "STAND_IN_SLEEP": "4"}, tmp)
+                     "--"], {**env, "STAND_IN_AWAIT": "crashed", "STAND_IN_AWAIT_EXIT": "1"},
+                    tmp)
     assert "not using the waiting interpreter" in err and "it is gone" in err
     assert out["first"]["imported_at"] > out["first"]["started"]  # a plain spawn
     assert out["first"]["exitcode"] == 3 and out["first"]["late"] == "late"
@@ -317,14 +350,14 @@ if __name__ == "__main__":
 """
 
 
-def _held(argv, env, cwd, settle_s=0.3):
-    """Start a held interpreter, wait for its held line (and `settle_s`), send `go`:
+def _held(argv, env, cwd):
+    """Start a held interpreter, wait for its held line, send `go`:
     (its RESULT, stderr, the held line, when go was sent)."""
+    _clear_marks(cwd)
     p = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     line = p.stderr.readline()
     assert f"e2e_warm_spawn (pid {p.pid}): held: imports" in line, line
-    time.sleep(settle_s)
     go_at = time.time()
     out, err = p.communicate("go\n", timeout=60)
     assert p.returncode == 0, err
@@ -333,7 +366,7 @@ def _held(argv, env, cwd, settle_s=0.3):
 
 
 def test_held_imports_ahead_and_runs_the_body_once_at_go(stand_in):
-    """The held interpreter runs its module's import statements (stand_in_target's 1 s),
+    """The held interpreter runs its module's import statements (stand_in_target's 0.5 s),
     prints its line and waits; `go` runs the module as __main__ (its body once, after the
     go, never under its own name), with the arguments it was started with."""
     tmp, env = stand_in
@@ -352,7 +385,7 @@ def test_negative_control_unheld_the_imports_come_after_the_start(stand_in):
     t0 = time.time()
     out, _ = _run([sys.executable, "-m", "e2e_warm_spawn", "--run", "stand_in_held", "--"],
                   env, tmp)
-    assert out["imported_at"] >= t0 + 1.0
+    assert out["imported_at"] >= t0 + 0.5
 
 
 def test_held_without_go_exits_and_runs_nothing(stand_in):
@@ -375,7 +408,7 @@ def test_held_with_a_warm_child_hands_the_target_over_after_go(stand_in):
     out, err, _, _ = _held([sys.executable, "-m", "e2e_warm_spawn", "--hold", "--run",
                             "stand_in_entry", "--target", "stand_in_target:work", "--preload",
                             "stand_in_target", "--", "--flag", "x"],
-                           {**env, "STAND_IN_SLEEP": "0"}, tmp, settle_s=1.0)
+                           {**env, "STAND_IN_AWAIT": "imported"}, tmp)
     assert out["argv"] == ["--flag", "x"] and out["first"]["exitcode"] == 3
     assert out["first"]["imported_at"] < out["first"]["started"], (out, err)
     assert out["first"]["pid"] == out["first"]["popen_pid"]
@@ -475,7 +508,7 @@ def test_the_childs_preload_with_collector_on_keeps_it_on(stand_in):
     tmp, env = stand_in
     out, err = _run([sys.executable, "-m", "e2e_warm_spawn", "--collector-on", "--run",
                      "stand_in_entry", "--target", "stand_in_target:work", "--preload",
-                     "stand_in_target", "--"], {**env, "STAND_IN_SLEEP": "2"}, tmp)
+                     "stand_in_target", "--"], {**env, "STAND_IN_AWAIT": "imported"}, tmp)
     first = out["first"]
     assert first["imported_at"] < first["started"], (first, err)
     assert first["gc_at_import"] is True and first["frozen"] == 0
