@@ -52,6 +52,19 @@ def test_control_arm(baseline, cluster, record, name):
     assert not errors, f"{name} control arm: {errors} requests failed"
     problems = arm.problems()
     assert not problems, problems[0]
+    # The session's item count against what its own control arm needs (docs/accuracy.md,
+    # "Items per pass"): the numerics count of a comparison of these items must be able to
+    # fail, or no verdict judged against this arm is a negative control of anything.
+    order = sorted(ev.passes)
+    can_fail = oracle.items_for_a_count(arm, order)
+    caught = oracle.items_for_a_count(arm, order, share=oracle.CAUGHT_SHARE, miss=oracle.MISS)
+    record["oracle_items"] = {name: {"n": len(order), "can_fail_from": can_fail,
+                                     "caught_from": caught}}
+    print(f"{name}: {len(order)} items; the numerics count can fail from {can_fail}, catches a "
+          f"change of {oracle.CAUGHT_SHARE:.0%} of the items from {caught}")
+    assert can_fail is not None, (
+        f"{name}: the numerics count cannot fail on any of the {len(order)} items "
+        f"(control arm {arm.classified().numerics()}): ask more items (E2E_{name.upper()}_N)")
 
 
 @pytest.mark.eval
