@@ -1,7 +1,8 @@
 """Re-judge the recorded comparison-oracle runs under the current rule (oracle.judge: bounds
 from the control arm, the first-step rank test), from their result records alone.
 
-    python scripts/rejudge_oracle.py [INDEX.jsonl | RUN_DIR ...]   # default: the committed index
+    python scripts/rejudge_oracle.py [--items N] [INDEX.jsonl | RUN_DIR ...]
+                                                  # default: the committed index
 
 A run is read from its index line (docs/validation/index.jsonl: its records' oracle inputs,
 items compacted, reports/index.py) or from its folder's tests/*.json. It can be re-judged where
@@ -9,6 +10,10 @@ its records hold the control arm's items (test_control_arm's `oracle_control` wi
 first-step deltas and gaps) and the comparison's items. What a run lacks is said, per
 comparison, instead of a verdict. Prints one JSON line per comparison;
 tests/test_rejudge_records.py asserts healthy runs pass and negative controls fail.
+
+`--items N`: each comparison, its control arm and its path arm cut to the items a pass of N
+items asks (`asked_items`), as though the run had asked N: what a smaller item count would
+have judged on the same answers (docs/accuracy.md, "Items per pass").
 """
 
 from __future__ import annotations
@@ -102,6 +107,23 @@ def comparisons(records: list[dict]) -> list[tuple[str, str, str, dict, bool]]:
     return out
 
 
+def asked_items(name: str, of: int, n: int) -> set[int] | None:
+    """The indices, in a pass recorded with `of` items, of the items a pass of `n` asks:
+    GSM8K and the recall prompts the first n (the first rows, the first prompts); MMLU
+    spreads its sample evenly over the test file (evals/mmlu.py `sample`), so n of `of` are
+    every (of / n)-th where n divides `of`. None where `of` has fewer, or MMLU's do not
+    divide. Pure."""
+    if n > of:
+        return None
+    if name != "mmlu":
+        return set(range(n))
+    return set(range(0, of, of // n)) if of % n == 0 else None
+
+
+def cut(c: oracle.Comparison, keep: set[int]) -> oracle.Comparison:
+    return oracle.Comparison(c.name, c.a, c.b, [it for it in c.items if it.index in keep])
+
+
 def _not_rejudged(run: Path | dict) -> str | None:
     """A run whose note.json (or index line) says `rejudge: "no: why"` (its items were judged
     on evidence the harness has since learnt to read differently)."""
@@ -115,7 +137,9 @@ def _not_rejudged(run: Path | dict) -> str | None:
     return why if isinstance(why, str) and why.startswith("no") else None
 
 
-def rejudge(run: Path | dict) -> list[dict]:
+def rejudge(run: Path | dict, items: int | None = None) -> list[dict]:
+    """Every comparison of `run` judged again; `items`: on the items a pass of that many
+    asks (asked_items), where the record holds them."""
     records = read_records(run)
     skip = _not_rejudged(run)
     arms, path_arms = controls(records), paths(records)
@@ -133,12 +157,23 @@ def rejudge(run: Path | dict) -> list[dict]:
             res["rejudged"] = False
             res["why"] = (f"no {name} control arm with per-item first-step deltas in this "
                           "run's records")
+        elif items and asked_items(name, len(cmp["items"]), items) is None:
+            res["rejudged"] = False
+            res["why"] = f"{len(cmp['items'])} {name} items hold no pass of {items}"
         else:
             # a disaggregated topology's first steps are held to `1`'s path arm, where one
             # was recorded (test_pd.py)
             path = path_arms.get((engine, name)) if "test_pd_" in test else None
-            v = oracle.judge(oracle.Comparison.from_dict(cmp), arms[(engine, name)], path=path,
-                             same_path=same_path)
+            comparison, arm = oracle.Comparison.from_dict(cmp), arms[(engine, name)]
+            if items:
+                keep = asked_items(name, len(cmp["items"]), items)
+                comparison = cut(comparison, keep)
+                arm = oracle.ControlArm([cut(c, keep) for c in arm.comparisons])
+                if path is not None:
+                    path = oracle.PathArm([cut(c, keep) for c in path.comparisons], path.how,
+                                          path.decides, path.why)
+                res["items"] = len(comparison.items)
+            v = oracle.judge(comparison, arm, path=path, same_path=same_path)
             same = v.same_path_rank_test
             res.update(rejudged=True, ok=v.ok, message=v.message,
                        path_p=v.path_rank_test and v.path_rank_test["p"],
@@ -146,7 +181,7 @@ def rejudge(run: Path | dict) -> list[dict]:
                        gap_max=round(v.thresholds.gap_max, 4),
                        rank_p=v.rank_test and v.rank_test["p"],
                        same_path_p=same and same["p"],
-                       max_first_step_delta=cmp.get("max_first_step_delta"),
+                       max_first_step_delta=comparison.summary()["max_first_step_delta"],
                        as_expected=(v.ok if expect == "pass" else
                                     not v.ok and bool(same) and same["p"] < oracle.ALPHA
                                     if expect == "shift" else
@@ -159,11 +194,18 @@ def main(argv: list[str]) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="python scripts/rejudge_oracle.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--items", type=int, default=None, metavar="N",
+                    help="judge each comparison on the items a pass of N asks")
     ap.add_argument("runs", nargs="*",
                     help="index files or result folders (default: the committed index, "
                          f"{INDEX.relative_to(INDEX.parents[2])})")
+    args = ap.parse_args(argv)
+    if args.items is not None and args.items < 1:
+        print(f"rejudge_oracle: error: --items {args.items}: must be at least 1",
+              file=sys.stderr)
+        return 2
     runs: list[Path | dict] = []
-    for a in ap.parse_args(argv).runs or [str(INDEX)]:
+    for a in args.runs or [str(INDEX)]:
         p = Path(a)
         if p.is_file():
             runs += index.read(p)
@@ -175,7 +217,7 @@ def main(argv: list[str]) -> int:
             return 2
     bad = 0
     for run in runs:
-        for res in rejudge(run):
+        for res in rejudge(run, args.items):
             print(json.dumps(res))
             bad += int(res.get("rejudged", False) and not res["as_expected"])
     return 1 if bad else 0

@@ -358,3 +358,103 @@ def test_a_same_path_change_modelled_on_the_recorded_control_arms_is_caught():
             if v.ok or v.same_path_rank_test["p"] >= oracle.ALPHA:
                 missed.append(f"{run} {name} {c.b}: {v.message}")
     assert cases >= 100 and not missed, missed[:3]
+
+
+# -- items per pass (docs/accuracy.md, "Items per pass") ---------------------------------------
+# The CPU lanes' E2E_GSM8K_N: the same recorded answers judged on the items a pass of this many
+# asks (rejudge --items). MMLU keeps the registry's 32 (the last test says why).
+ITEMS = 16
+
+
+def _at(n: int) -> list[dict]:
+    return [res for run in RUNS for res in rejudge.rejudge(run, n)]
+
+
+def test_the_cpu_lanes_ask_the_items_sized_here():
+    from e2e_test import lanes
+    for name in ("e2e-cpu", "e2e-cpu-full"):
+        env = lanes.load_lanes()[name].env
+        assert env["E2E_GSM8K_N"] == str(ITEMS) and "E2E_MMLU_N" not in env, (name, env)
+
+
+def test_the_items_a_smaller_pass_asks():
+    from e2e_test.infra.verdicts.evals import mmlu
+    rows = list(range(14042))          # MMLU's test file
+    for of, n in [(32, 16), (32, 8), (64, 16)]:
+        keep = rejudge.asked_items("mmlu", of, n)
+        assert [mmlu.sample(rows, of)[j] for j in sorted(keep)] == mmlu.sample(rows, n)
+        assert rejudge.asked_items("gsm8k", of, n) == set(range(n))
+    assert rejudge.asked_items("mmlu", 32, 12) is None
+    assert rejudge.asked_items("recall", 8, 16) is None
+
+
+def test_on_the_lanes_items_every_recorded_gsm8k_verdict_holds():
+    """Every recorded GSM8K comparison judged again on its first ITEMS items, its control arm
+    cut alike: the healthy ones still pass, every negative control still fails on the tokens
+    (a mismatch), and on vLLM's records (the CPU lanes' engine) the rank test is below alpha
+    too. On TokenSpeed's it is not (p 0.0010-0.0019: its first token carries no logprob); the
+    GPU lanes keep the registry's 32."""
+    full = {(r["run"], r["test"]): r for r in JUDGED if r["eval"] == "gsm8k"}
+    cut = {(r["run"], r["test"]): r for r in _at(ITEMS) if r["rejudged"] and r["eval"] == "gsm8k"}
+    assert set(cut) == set(full) and len(cut) >= 200
+    for r in cut.values():
+        assert r["items"] == ITEMS, r
+        if r["expect"] == "pass":
+            assert r["ok"] and r["max_first_step_delta"] < r["first_step_max"], r["message"]
+        else:
+            assert not r["ok"] and r["as_expected"], r["message"]
+            if "[vllm-" in r["test"]:
+                assert r["rank_p"] < oracle.ALPHA, r["message"]
+
+
+def test_on_too_few_items_a_negative_control_passes():
+    """The negative control of the sizing: on 8 items the recorded TokenSpeed negative controls
+    (a budget of 8 of 8: every item a near-tie of the control arm) no longer fail, so the
+    re-judge above can tell too few items from enough."""
+    missed = [r for r in _at(8) if r["rejudged"] and r["expect"] == "fail"
+              and not r["as_expected"]]
+    assert missed and all("numerics budget 8 from the control arm" in r["message"]
+                          for r in missed), missed[:1]
+
+
+def _same_path_misses(name: str, n: int) -> tuple[int, list[tuple[str, str]]]:
+    """The modelled same-path change above (every first-step delta of a recorded vLLM control
+    pass tripled) on the items a pass of n asks, the control arm cut alike: (cases, the
+    (run, pass) it missed). Each pass as it is must pass."""
+    cases, missed = 0, []
+    for run, ev, arm in _control_arms("vllm", (name,)):
+        keep = rejudge.asked_items(ev, len({it.index for it in arm.comparisons[0].items}), n)
+        if keep is None:
+            continue
+        arm = oracle.ControlArm([rejudge.cut(c, keep) for c in arm.comparisons])
+        for c in arm.comparisons:
+            assert oracle.judge(c, arm, same_path=True).ok, f"{run} {ev} {c.b}"
+            if statistics.median(c.first_step_deltas()) == 0:
+                continue
+            tripled = oracle.Comparison.from_dict(c.to_dict())
+            for it in tripled.items:
+                if it.first_step_delta is not None:
+                    it.first_step_delta *= 3
+            v = oracle.judge(tripled, arm, same_path=True)
+            cases += 1
+            if v.ok or v.same_path_rank_test["p"] >= oracle.ALPHA:
+                missed.append((run, c.b))
+    return cases, missed
+
+
+def test_a_same_path_change_on_the_lanes_gsm8k_items_is_caught():
+    """On 16 GSM8K items the tripled change is caught on every recorded vLLM control pass
+    but one: an H200's serial pass (p 0.0012 against the rest of its arm). The CPU's own
+    negative control of the rank test, test_perturbed.py, ranked at p 2.8e-6 to 7.3e-6 on
+    16 items of three CPU runs (docs/accuracy.md, "Items per pass")."""
+    cases, missed = _same_path_misses("gsm8k", ITEMS)
+    assert cases >= 60 and missed == [("h200-e2e-1gpu-pd-vllm-5b38e55", "vllm/1 serial")], missed
+
+
+def test_mmlu_on_sixteen_items_would_lose_the_same_path_change():
+    """Why MMLU keeps its 32: on 16 of them the tripled change escapes the same-path rank test
+    on about a third of the recorded vLLM control passes (p 0.0012-0.016), where all 32 catch
+    it on every one."""
+    assert _same_path_misses("mmlu", 32)[1] == []
+    cases, missed = _same_path_misses("mmlu", 16)
+    assert len(missed) >= cases // 4, (cases, missed)

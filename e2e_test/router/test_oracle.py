@@ -52,6 +52,17 @@ def test_control_arm(baseline, cluster, record, name):
     assert not errors, f"{name} control arm: {errors} requests failed"
     problems = arm.problems()
     assert not problems, problems[0]
+    # The session's item count against what its own control arm needs (docs/accuracy.md,
+    # "Items per pass"): from how many items the numerics count can fail at all, and from how
+    # many it catches a change of CAUGHT_SHARE of the items (None: not on these). Recorded,
+    # not asserted: the shuffle check's nested session asks 4 items, on which it cannot.
+    order = sorted(ev.passes)
+    can_fail = oracle.items_for_a_count(arm, order)
+    caught = oracle.items_for_a_count(arm, order, share=oracle.CAUGHT_SHARE, miss=oracle.MISS)
+    record["oracle_items"] = {name: {"n": len(order), "can_fail_from": can_fail,
+                                     "caught_from": caught}}
+    print(f"{name}: {len(order)} items; the numerics count can fail from {can_fail}, catches a "
+          f"change of {oracle.CAUGHT_SHARE:.0%} of the items from {caught}")
 
 
 @pytest.mark.eval

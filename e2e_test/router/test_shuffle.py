@@ -5,7 +5,9 @@ seeded random order (`--e2e-shuffle`) must pass every test, as the lane itself d
 collected order: no test leans on what another left. The order must differ from the collected
 one (a nested `--collect-only`), or the check ran nothing new. One order, not two compared
 with each other: the lane's own session is the other order, and two nested sessions cost four
-eager boots (393 s on 2 cores)."""
+eager boots (393 s on 2 cores). GSM8K only: each eval test runs the same code for MMLU with
+other prompts (the same memos, evidence and verdicts, keyed by the eval's name), so MMLU's
+cases would shuffle nothing new, and they cost `1` three more passes and a path arm."""
 
 import os
 import re
@@ -33,12 +35,12 @@ def _run(tmp_path, engine: str, backend: str, seed: int | None) -> tuple[dict, l
     res = tmp_path / f"seed{seed}"
     env = {**child_env(parse("1"), backend), "E2E_TOPOLOGIES": "1,1p1d", "E2E_ENGINES": engine,
            "E2E_BACKEND": backend, "E2E_ENFORCE_EAGER": "1", "E2E_RESULTS_DIR": str(res),
-           "E2E_GSM8K_N": "4", "E2E_MMLU_N": "4", "PYTHONPATH": extend_pythonpath(ROOT)}
+           "E2E_GSM8K_N": "4", "PYTHONPATH": extend_pythonpath(ROOT)}
     junit = res / "junit.xml"
     how = ["--collect-only", "-q"] if seed is None else [
         "-v", "--e2e-shuffle", str(seed), "--junitxml", str(junit)]
     r = subprocess.run([sys.executable, "-m", "pytest", *FILES, "-p", "no:cacheprovider",
-                        "-k", "not kv_recall", *how],
+                        "-k", "not kv_recall and not mmlu", *how],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400,
                        check=False)
     out = r.stdout + r.stderr
@@ -65,4 +67,4 @@ def test_a_shuffled_order_passes_every_test(engine_name, e2e_backend, tmp_path, 
         f"it collects: {sorted(set(order) ^ set(collected))}"
     assert order != collected, f"seed {SEED} ran the tests in the collected order"
     bad = {t: o for t, o in outcomes.items() if o != "passed"}
-    assert len(outcomes) >= 15 and not bad, bad or outcomes
+    assert len(outcomes) >= 13 and not bad, bad or outcomes
