@@ -22,7 +22,7 @@ sys.modules["device_session"] = ds       # dataclasses look their module up
 _spec.loader.exec_module(ds)
 RUNS = ROOT / "scripts" / "gpu_runs.sh"
 MiB = 2**20
-RECORDED = ROOT / "docs" / "validation" / "h100-e2e-1gpu-pd-tokenspeed-pd-807c8c8"
+RECORDED = ROOT / "docs" / "validation" / "h100-e2e-1gpu-pd-tokenspeed-pd-896a6a9"
 
 
 # A fresh HOME (as .ci/run's clone runs) has no git identity: every commit here names one.
@@ -224,7 +224,7 @@ def test_publish_indexes_a_run_keeps_its_folder_and_rewrites_the_table(tmp_path)
     f = _packed_run(tmp_path)
     [dest] = ds.publish([f], "nvidia-h200 (1x H200)", "One H200 machine.", repo=repo,
                         log=lambda s: None)
-    assert dest.name == "h200-e2e-1gpu-pd-tokenspeed-serial-807c8c8"
+    assert dest.name == "h200-e2e-1gpu-pd-tokenspeed-serial-896a6a9"
     assert (dest / "clusters.tar.xz").is_file() and not (dest / "clusters").exists()
     assert len(list((dest / "tests").glob("*.json"))) == 23
     assert all("\n" not in f.read_text() for f in (dest / "tests").glob("*.json"))

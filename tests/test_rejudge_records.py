@@ -207,7 +207,14 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
          for shape in ("1p2d", "2p1d", "2p2d")
          for t in ["test_pd_answers_match_regular[vllm-{shape}-gsm8k]",
                    "test_pd_answers_match_regular[vllm-{shape}-mmlu]",
-                   "test_pd_kv_recall[vllm-{shape}]"]])
+                   "test_pd_kv_recall[vllm-{shape}]"]]
+      # one H100, TokenSpeed 0.1.0 staged: the KV corruption lane three times, PD, EPD, chat
+      + [("h100-e2e-1gpu-chat-tokenspeed-chat-896a6a9",
+          "test_oracle_negative_control[tokenspeed-1]")]
+      + [(f"h100-e2e-1gpu-kv-corrupt-tokenspeed-{run}-896a6a9",
+          "test_oracle_negative_control[tokenspeed-1]") for run in ("kv", "kv2", "kv3")]
+      + [("h100-e2e-1gpu-pd-tokenspeed-pd-896a6a9", t.format(eng="tokenspeed"))
+         for t in PD_LANE])
     # what cannot be re-judged says why (recall: its control arm was recorded as a summary
     # only; TokenSpeed: records written before the oracle)
     for r in ALL:

@@ -80,12 +80,12 @@ def test_the_report_carries_the_runs_time_report_and_its_boot_phases(tmp_path):
 
     from e2e_test.infra.reports import report
     src = (Path(__file__).parent.parent
-           / "docs/validation/h100-e2e-1gpu-pd-tokenspeed-pd-807c8c8")
+           / "docs/validation/h100-e2e-1gpu-pd-tokenspeed-pd-896a6a9")
     text = report.render([src])
-    assert ("- time: boots 45 %, traffic 42 %, teardown 6 %, idle 6 % of 63 s "
-            "(3 boots, 28 s; compile cache: 5 unknown); 4 topologies at once") in text
-    assert ("- boot phases (median of 5 worker boots): starting 8.4 s, server imported, "
-            "starting engine 1.8 s") in text
+    assert ("- time: boots 39 %, traffic 50 %, teardown 7 %, idle 4 % of 57 s "
+            "(3 boots, 22 s; compile cache: 5 unknown); 4 topologies at once") in text
+    assert ("- boot phases (median of 5 worker boots): starting 7.9 s, server imported, "
+            "starting engine 1.0 s") in text
     d = tmp_path / "run"
     shutil.copytree(src, d)
     rep = json.loads((d / "timing.json").read_text())
