@@ -89,6 +89,10 @@ def test_tokenspeed_011_profile_and_lock():
     assert pins["tokenspeed"] == "0.1.1" and pins["tokenspeed-kernel"] == "0.1.4"
     assert {k: pins[k] for k in TORCH_214} == TORCH_214
     assert "tokenspeed-triton-kernels" not in pins      # 0.1.0 kept it; 0.1.1's closure lacks it
+    # tokenspeed-kernel 0.1.4 imports deep_ep and trtllm_kernel (`if is_nvidia`) and flash_mla
+    # (`if is_hopper_plus`) at module level: carried, not dropped
+    for name in ("tokenspeed-deepep", "tokenspeed-trtllm-kernel", "tokenspeed-flashmla"):
+        assert name in pins and name not in prof["dropped"]
     # its own device folders: setup.sh skips the install where a site is already marked ready
     old = so.load_profile(PROFILE)
     assert all(prof[k] != old[k] for k in ("stage", "site", "env"))
