@@ -9,7 +9,9 @@ see docs/staging.md.
   2. select    from that closure only the distributions of the profile's `keep` list (the set
                shown to be imported on the serving path), minus what the target image already
                has (--image-packages), plus `force` (carried even though the image has them);
-  3. fetch     each wheel at its pinned version (pip download --no-deps, target tags);
+  3. fetch     each wheel at its pinned version (pip download --no-deps, target tags), then
+               check that every carried wheel's Requires-Dist (markers evaluated for the target)
+               is carried, on the image, or named in the profile's `dropped`;
   4. slim      drop files the serving path never touches (profile `slim` globs) and re-zip the
                wheel uncompressed, so that the outer xz sees raw bytes (about 2x smaller than
                the wheels' own deflate);
@@ -39,6 +41,8 @@ import zipfile
 from pathlib import Path
 
 import yaml
+from packaging.markers import InvalidMarker, default_environment
+from packaging.requirements import InvalidRequirement, Requirement  # packaging: a pytest dependency
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_IMAGE_PACKAGES = REPO.parent / "shared" / "device" / "image-packages.txt"
@@ -221,6 +225,58 @@ def select(pins: dict, keep, image: set, force, full: bool = False) -> list:
     if not chosen:
         raise StageError("nothing to carry: every kept name is on the image")
     return chosen
+
+
+def target_environment(prof: dict) -> dict:
+    """PEP 508 marker environment of the profile's target (CPython X.Y on x86_64 Linux)."""
+    env = default_environment()
+    env.update(python_version=prof["python"], python_full_version=prof["python"] + ".0",
+               implementation_name="cpython", platform_python_implementation="CPython",
+               sys_platform="linux", platform_system="Linux", os_name="posix",
+               platform_machine="x86_64", extra="")
+    return env
+
+
+def wheel_requires(path) -> list:
+    """Requires-Dist lines of a wheel's METADATA."""
+    with zipfile.ZipFile(path) as z:
+        meta = [n for n in z.namelist() if n.count("/") == 1
+                and n.endswith(".dist-info/METADATA")]
+        if not meta:
+            raise StageError(f"{Path(path).name}: no .dist-info/METADATA")
+        text = z.read(meta[0]).decode("utf-8", "replace")
+    head = text.split("\n\n", 1)[0]  # the headers; the description follows the blank line
+    return [line.split(":", 1)[1].strip() for line in head.splitlines()
+            if line.lower().startswith("requires-dist:")]
+
+
+def unmet_requirements(requires: dict, carried, image: set, dropped, env: dict) -> dict:
+    """{missing name: [carried names that require it]}: requirements (extras ignored, markers
+    evaluated in env, so `extra == "dev"` ones fall away) that are neither carried, nor on the
+    image, nor dropped with a reason. requires: carried name -> its Requires-Dist strings."""
+    have = {cn(x) for x in carried} | image | {cn(x) for x in dropped}
+    missing = {}
+    for name in sorted(requires):
+        for line in requires[name]:
+            try:
+                req = Requirement(line)
+                if req.marker is not None and not req.marker.evaluate(env):
+                    continue
+            except (InvalidRequirement, InvalidMarker) as e:
+                raise StageError(f"{name}: unreadable Requires-Dist {line!r}: {e}") from None
+            if cn(req.name) not in have:
+                missing.setdefault(cn(req.name), []).append(name)
+    return missing
+
+
+def check_requirements(requires: dict, carried, image: set, prof: dict) -> None:
+    """Raise StageError (one line) naming what carried wheels require and nobody provides."""
+    missing = unmet_requirements(requires, carried, image, prof["dropped"],
+                                 target_environment(prof))
+    if missing:
+        raise StageError("required by carried wheels but neither carried, on the image, nor "
+                         "dropped (add to keep, or to dropped with a reason): " + ", ".join(
+                             f"{m} (by {', '.join(by)})" for m, by in sorted(missing.items())))
 
 
 # -------------------------------------------------------------------------------------- steps
@@ -520,14 +576,18 @@ def write_setup(prof: dict, out: Path) -> Path:
 
 # --------------------------------------------------------------------------------------- main
 def build(prof: dict, pins: dict, image: set, out: Path, cache: Path, full: bool = False,
-          xz_preset: int = 6, part_size: int = PART) -> dict:
+          xz_preset: int = 6, part_size: int = PART, check_only: bool = False) -> dict:
     chosen = select(pins, prof["keep"], image, prof["force"], full=full)
+    wheels = {n: pip_download(n, pins[n], cache / "raw", prof) for n in chosen}
+    check_requirements({n: wheel_requires(w) for n, w in wheels.items()}, chosen, image, prof)
+    if check_only:
+        print(f"{len(chosen)} wheels: every Requires-Dist is carried, on the image, or dropped")
+        return {}
     work = cache / "pack"
     shutil.rmtree(work, ignore_errors=True)
     (work / "whl").mkdir(parents=True)
     rows = []
-    for n in chosen:
-        w = pip_download(n, pins[n], cache / "raw", prof)
+    for n, w in wheels.items():
         dst = work / "whl" / w.name
         dropped = slim_store(w, dst, prof["slim"].get(n, []))
         rows.append((w.name, w.stat().st_size, dst.stat().st_size, dropped))
@@ -572,6 +632,8 @@ def parse_args(argv=None):
                     help="carry the whole closure minus the image, not just keep")
     ap.add_argument("--xz-preset", type=int, default=6, choices=range(10), metavar="0-9")
     ap.add_argument("--setup-only", action="store_true", help="only (re)write setup.sh in --out")
+    ap.add_argument("--check-only", action="store_true",
+                    help="only fetch the wheels and check their Requires-Dist; build nothing")
     ap.add_argument("--part-mb", type=int, default=None,
                     help="part size in MB (default: what fits a 64 MiB call beside the "
                          "checkout's tracked files)")
@@ -621,7 +683,7 @@ def main(argv=None) -> int:
             pins = resolve(prof, cache, cache / "closure.lock")
         select(pins, prof["keep"], image, prof["force"], full=a.full)  # fail before downloads
         build(prof, pins, image, out, cache, full=a.full, xz_preset=a.xz_preset,
-              part_size=part_size)
+              part_size=part_size, check_only=a.check_only)
         return 0
     except StageError as e:
         print(f"stage_offline: error: {e}", file=sys.stderr)

@@ -89,6 +89,10 @@ def test_tokenspeed_011_profile_and_lock():
     assert pins["tokenspeed"] == "0.1.1" and pins["tokenspeed-kernel"] == "0.1.4"
     assert {k: pins[k] for k in TORCH_214} == TORCH_214
     assert "tokenspeed-triton-kernels" not in pins      # 0.1.0 kept it; 0.1.1's closure lacks it
+    # tokenspeed-kernel 0.1.4 imports deep_ep and trtllm_kernel (`if is_nvidia`) and flash_mla
+    # (`if is_hopper_plus`) at module level: carried, not dropped
+    for name in ("tokenspeed-deepep", "tokenspeed-trtllm-kernel", "tokenspeed-flashmla"):
+        assert name in pins and name not in prof["dropped"]
     # its own device folders: setup.sh skips the install where a site is already marked ready
     old = so.load_profile(PROFILE)
     assert all(prof[k] != old[k] for k in ("stage", "site", "env"))
@@ -244,6 +248,110 @@ def test_select_tokenspeed_lock_against_an_image():
     assert "grpcio" in chosen and "protobuf" in chosen  # forced
     assert "pydantic" not in chosen and "fastapi" not in chosen
     assert len(chosen) == 34
+
+
+# ----------------------------------------------------------------------- Requires-Dist check
+FAKE_REQUIRES = {
+    "eng": ["dep-a>=1", "NumPy", "opt-thing==2; python_version >= '3.8'",
+            "dev-tool; extra == 'dev'", "win-only; sys_platform == 'win32'",
+            "old-py; python_version < '3.10'", "dep-b[extra1]"],
+    "dep-a": ["dep_b"],
+    "dep-b": [],
+}
+
+
+def _check(carried, image=frozenset({"numpy"}), dropped=None):
+    prof = so.validate_profile(_minimal(keep=list(carried),
+                                        dropped=dropped if dropped is not None
+                                        else {"opt-thing": "lazy import"}))
+    requires = {n: FAKE_REQUIRES[n] for n in carried}
+    so.check_requirements(requires, carried, set(image), prof)
+
+
+def test_requirements_complete_closure_passes():
+    """Carried (dep-a, dep-b[extra1] by name), on the image (NumPy), dropped (opt-thing); the
+    markers of the target drop dev-tool (an extra), win-only and old-py."""
+    _check(["eng", "dep-a", "dep-b"])
+
+
+def test_requirements_missing_one_is_named():
+    with pytest.raises(so.StageError) as e:
+        _check(["eng", "dep-b"])
+    msg = str(e.value)
+    assert "\n" not in msg and "dep-a (by eng)" in msg and "opt-thing" not in msg
+    with pytest.raises(so.StageError, match=r": numpy \(by eng\)$"):
+        _check(["eng", "dep-a", "dep-b"], image=set())
+    with pytest.raises(so.StageError, match=r": opt-thing \(by eng\)$"):
+        _check(["eng", "dep-a", "dep-b"], dropped={})
+    with pytest.raises(so.StageError, match=r"dep-b \(by dep-a, eng\)"):
+        _check(["eng", "dep-a"])
+
+
+def test_requirements_markers_follow_the_profile_python():
+    prof = so.validate_profile(_minimal(python="3.9"))
+    with pytest.raises(so.StageError, match=r": old-py \(by eng\)$"):
+        so.check_requirements({"eng": FAKE_REQUIRES["eng"]}, ["eng", "dep-a", "dep-b"],
+                              {"numpy", "opt-thing"}, prof)
+
+
+def test_requirements_unreadable_line_is_one_line_error():
+    prof = so.validate_profile(_minimal())
+    with pytest.raises(so.StageError, match="eng: unreadable Requires-Dist 'not a req !!'"):
+        so.check_requirements({"eng": ["not a req !!"]}, ["eng"], set(), prof)
+
+
+def _meta_wheel(path, name, requires):
+    meta = (f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n"
+            + "".join(f"Requires-Dist: {r}\n" for r in requires)
+            + "\nRequires-Dist: in-the-description\n")
+    return _wheel(path, {f"{name.replace('-', '_')}/__init__.py": "",
+                         f"{name.replace('-', '_')}-0.1.dist-info/METADATA": meta})
+
+
+def test_wheel_requires_reads_the_headers_only(tmp_path):
+    w = _meta_wheel(tmp_path / "eng-0.1-py3-none-any.whl", "eng", ["dep-a>=1", "x; extra == 'dev'"])
+    assert so.wheel_requires(w) == ["dep-a>=1", "x; extra == 'dev'"]
+
+
+def test_build_checks_requirements_before_packing(tmp_path, monkeypatch):
+    """The wheels in the cache (no download): build stops before packing, naming what the
+    carried wheels require and nobody provides; complete, --check-only builds nothing."""
+    monkeypatch.setattr(so, "syslibs", lambda *a, **k: pytest.fail("packing began"))
+    raw = tmp_path / "cache" / "raw"
+    raw.mkdir(parents=True)
+    for n in ("eng", "dep-a", "dep-b"):
+        _meta_wheel(raw / f"{n.replace('-', '_')}-0.1-py3-none-any.whl", n, FAKE_REQUIRES[n])
+    pins = {"eng": "0.1", "dep-a": "0.1", "dep-b": "0.1", "opt-thing": "2"}
+    out = tmp_path / "out"
+    prof = so.validate_profile(_minimal(keep=["eng", "dep-b"], dropped={"opt-thing": "lazy"}))
+    with pytest.raises(so.StageError, match=r"dropped \(add to keep.*\): dep-a \(by eng\)$"):
+        so.build(prof, pins, {"numpy"}, out, tmp_path / "cache")
+    assert not out.exists() and not (tmp_path / "cache" / "pack").exists()
+    prof = so.validate_profile(_minimal(keep=["eng", "dep-a", "dep-b"],
+                                        dropped={"opt-thing": "lazy"}))
+    assert so.build(prof, pins, {"numpy"}, out, tmp_path / "cache", check_only=True) == {}
+    assert not out.exists()
+
+
+def test_cli_check_only_names_the_missing_requirement(tmp_path, capsys, monkeypatch):
+    raw = tmp_path / "cache" / "raw"
+    raw.mkdir(parents=True)
+    for n in ("eng", "dep-a", "dep-b"):
+        _meta_wheel(raw / f"{n.replace('-', '_')}-0.1-py3-none-any.whl", n, FAKE_REQUIRES[n])
+    lock = tmp_path / "l.lock"
+    lock.write_text("eng==0.1\ndep-a==0.1\ndep-b==0.1\n")
+    img = tmp_path / "img.txt"
+    img.write_text("numpy\n")
+    prof = tmp_path / "p.yaml"
+    base = ["--profile", str(prof), "--out", str(tmp_path / "o"), "--lock", str(lock),
+            "--image-packages", str(img), "--cache", str(tmp_path / "cache"), "--check-only"]
+    prof.write_text(yaml.safe_dump(_minimal(keep=["eng", "dep-a", "dep-b"])))
+    rc, err = _cli(capsys, *base)
+    assert rc == 2 and err.count("\n") == 1 and err.rstrip().endswith(": opt-thing (by eng)")
+    prof.write_text(yaml.safe_dump(_minimal(keep=["eng", "dep-a", "dep-b"],
+                                            dropped={"opt-thing": "lazy"})))
+    rc, err = _cli(capsys, *base)
+    assert rc == 0 and err == "" and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("name, ok", [
