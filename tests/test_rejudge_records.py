@@ -342,6 +342,16 @@ def _control_arms(engine: str, evals=("gsm8k", "mmlu")):
                 yield run["run"], name, arm
 
 
+
+def _tripled(c):
+    """A copy of comparison `c` with every item's first-step delta tripled: a same-path change
+    three times the healthy pass's size (issue 53.3's modelled change)."""
+    out = oracle.Comparison.from_dict(c.to_dict())
+    for it in out.items:
+        if it.first_step_delta is not None:
+            it.first_step_delta *= 3
+    return out
+
 def test_a_same_path_change_modelled_on_the_recorded_control_arms_is_caught():
     """No recorded run holds a same-path comparison (DP, another engine version): modelled on
     each recorded vLLM control pass (a same-path comparison of `1` against itself), its
@@ -356,11 +366,7 @@ def test_a_same_path_change_modelled_on_the_recorded_control_arms_is_caught():
             assert healthy.ok, f"{run} {name} {c.b}: {healthy.message}"
             if statistics.median(c.first_step_deltas()) == 0:
                 continue
-            tripled = oracle.Comparison.from_dict(c.to_dict())
-            for it in tripled.items:
-                if it.first_step_delta is not None:
-                    it.first_step_delta *= 3
-            v = oracle.judge(tripled, arm, same_path=True)
+            v = oracle.judge(_tripled(c), arm, same_path=True)
             cases += 1
             if v.ok or v.same_path_rank_test["p"] >= oracle.ALPHA:
                 missed.append(f"{run} {name} {c.b}: {v.message}")
@@ -438,11 +444,7 @@ def _same_path_misses(name: str, n: int) -> tuple[int, list[tuple[str, str]]]:
             assert oracle.judge(c, arm, same_path=True).ok, f"{run} {ev} {c.b}"
             if statistics.median(c.first_step_deltas()) == 0:
                 continue
-            tripled = oracle.Comparison.from_dict(c.to_dict())
-            for it in tripled.items:
-                if it.first_step_delta is not None:
-                    it.first_step_delta *= 3
-            v = oracle.judge(tripled, arm, same_path=True)
+            v = oracle.judge(_tripled(c), arm, same_path=True)
             cases += 1
             if v.ok or v.same_path_rank_test["p"] >= oracle.ALPHA:
                 missed.append((run, c.b))
