@@ -154,7 +154,7 @@ def test_compact_item_keeps_what_judging_reads():
     assert back.position == 0 and back.first_step_delta == 0.0 and back.divergence == "bound"
 
 
-def test_kept_is_the_latest_green_per_lane_and_engine():
+def test_kept_is_the_latest_green_per_lane_and_engine_and_every_cited_run():
     def line(run, date, outcome, lane="l", engine="e"):
         return {"run": run, "date": date, "lane": lane, "engine": engine, "exit_code": 0,
                 "tests": [{"id": "t", "outcome": outcome}]}
@@ -163,7 +163,8 @@ def test_kept_is_the_latest_green_per_lane_and_engine():
              line("y", "2026-01-02", "failed", lane="m")]
     assert index.kept(lines) == {"b"}
     assert index.kept(lines, cited={"x"}) == {"b", "x"}
-    assert index.kept(lines, cited={"c"}) == {"b"}       # a green one takes the place
+    assert index.kept(lines, cited={"c"}) == {"b", "c"}  # cited: kept beside the green one
+    assert index.kept(lines, cited={"a"}) == {"a", "b"}
 
 
 # -- the flake view ----------------------------------------------------------------------------

@@ -426,16 +426,16 @@ def date_key(line: dict) -> str:
 
 
 def kept(lines: list[dict], cited: set[str] = frozenset()) -> set[str]:
-    """The runs whose folders stay beside the index: per lane × engine the latest green run;
-    where a lane × engine has none, the latest of its runs that `cited` names (docs, code,
-    tests cite a folder by name), if any."""
+    """The runs whose folders stay beside the index: per lane × engine the latest green run,
+    and every run that `cited` names (docs, code, tests cite a folder by name: a run with
+    another selection of the same lane, or a failure a document reads from)."""
     groups: dict[tuple, list[dict]] = {}
     for x in lines:
         groups.setdefault(lane_engine(x), []).append(x)
-    out = set()
+    out = {x["run"] for x in lines if x["run"] in cited}
     for runs in groups.values():
         runs = sorted(runs, key=lambda x: (date_key(x), x["run"]))
-        pick = [x for x in runs if green(x)] or [x for x in runs if x["run"] in cited]
+        pick = [x for x in runs if green(x)]
         if pick:
             out.add(pick[-1]["run"])
     return out
