@@ -322,8 +322,15 @@ def test_metrics_dir_and_tcp_transport():
     assert cmd.argv[:len(head(32000)) + 1] == head(32000)[:-2] + [
         "--enable-metrics", "--max-model-len", "8192"]
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "5", "MC_FORCE_TCP": "1",
+                       "MC_TCP_ENABLE_CONNECTION_POOL": "1",
                        "TOKENSPEED_SKIP_GRPC_WARMUP": "1", "NO_PROXY": "*", "no_proxy": "*",
                        "PROMETHEUS_MULTIPROC_DIR": "/r/state/prometheus/decode-0", **HOPPER}
+    assert cmd.unset_env == ()
+    nv = tokenspeed.build(SPEC, t, e["decode"], Ports(api=32000, aux={"dist_init": 32001}),
+                          "/models/q", EngineOptions(backend="cuda", state_dir="/r/state",
+                                                     engine_opts={**COLD}))
+    # nvlink (the default): an inherited MC_FORCE_TCP, which Mooncake reads first, is dropped
+    assert nv.env["MC_INTRANODE_NVLINK"] == "1" and nv.unset_env == ("MC_FORCE_TCP",)
     assert cmd.metrics_dir == "/r/state/prometheus/decode-0"
     with pytest.raises(ConfigError, match="mooncake transport 'rdma'"):
         tokenspeed.build(SPEC, t, e["decode"], Ports(api=1, aux={"dist_init": 2}), "/m",

@@ -116,12 +116,21 @@ IDLE_GAUGES = {"running": "tokenspeed:num_requests_running",
                "waiting": "tokenspeed:num_requests_waiting",
                "kv_cache_usage": "tokenspeed:kv_cache_usage_perc"}
 IDLE_SKIP_ROLES = ("encode",)
-TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"}, "tcp": {"MC_FORCE_TCP": "1"}}
+TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"},
+              "tcp": {"MC_FORCE_TCP": "1", "MC_TCP_ENABLE_CONNECTION_POOL": "1"}}
+# Over TCP, Mooncake opens a socket per transfer request and closes it after unless its pool is on
+# (tcp_transport.cpp getConnection/startTransfer; the pool is off by default), and TokenSpeed's
+# prefill sends one request per page, layer and K/V (runtime/pd/mooncake/prefill.py): the ports
+# left in TIME_WAIT towards the decode's one address ran out within a KV corruption lane on an
+# H100 ("connect: Cannot assign requested address", then Mooncake failed the session for 30 s;
+# docs/gpu.md, "TokenSpeed on one H100 (896a6a9)"). Mooncake's troubleshooting guide names the
+# pool as the fix (docs/source/troubleshooting/troubleshooting.md, "TCP Transport").
 # EngineOptions.engine_opts["mooncake_transport"]: Mooncake's transport between workers on one
 # host. "nvlink" = MC_INTRANODE_NVLINK=1 (smg's CI; CUDA IPC), "tcp" = MC_FORCE_TCP=1 (through
 # host memory). With neither, Mooncake picks multi-node NVLink (fabric handles), which does not
 # publish torch's cudaMalloc memory. Env E2E_MOONCAKE_TRANSPORT.
 DEFAULT_TRANSPORT = "nvlink"
+UNSET_FOR_NVLINK = "MC_FORCE_TCP"
 # SIGTERM -> SIGKILL after this many seconds. The servicer cannot stop cleanly sooner: its SIGTERM
 # path polls for in-flight requests every 0.5 s, SIGKILLs the scheduler children, then gives gRPC a
 # fixed 5 s stop grace (smg_grpc_servicer/tokenspeed/server.py:193-208, servicer.py:865-910), while
@@ -403,7 +412,10 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
     if warm:
         argv = warm_spawn_argv(argv, preload=preload, version=versions["tokenspeed"])
         env["PYTHONPATH"] = extend_pythonpath(LAUNCHERS)
-    return WorkerCommand(argv=argv, env=env, protocol="grpc",
+    # Mooncake reads MC_FORCE_TCP before MC_INTRANODE_NVLINK, so a TCP setting inherited from
+    # the environment (a staging env file exports it) would silently win over "nvlink".
+    unset = (UNSET_FOR_NVLINK,) if disagg and transport == "nvlink" else ()
+    return WorkerCommand(argv=argv, env=env, protocol="grpc", unset_env=unset,
                          log_note=workaround_line(**versions),
                          readiness=GrpcHealth(ports.api, service=""),
                          worker_type=entry.role if disagg else "regular",
