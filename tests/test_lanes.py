@@ -882,7 +882,8 @@ def test_run_lane_killed_leaves_no_pytest_running(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=10)
     deadline = time.time() + 10
-    while not done.exists() and time.time() < deadline:
+    # the file exists from the child's open(), before its write: wait for the text
+    while not (done.exists() and done.read_text()) and time.time() < deadline:
         time.sleep(0.05)
     assert done.read_text() == "SIGTERM"
 

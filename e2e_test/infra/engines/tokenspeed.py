@@ -123,8 +123,9 @@ TRANSPORTS = {"nvlink": {"MC_INTRANODE_NVLINK": "1"},
 # prefill sends one request per page, layer and K/V (runtime/pd/mooncake/prefill.py): the ports
 # left in TIME_WAIT towards the decode's one address ran out within a KV corruption lane on an
 # H100 ("connect: Cannot assign requested address", then Mooncake failed the session for 30 s;
-# docs/gpu.md, "TokenSpeed on one H100 (896a6a9)"). Mooncake's troubleshooting guide names the
-# pool as the fix (docs/source/troubleshooting/troubleshooting.md, "TCP Transport").
+# docs/gpu.md, the KV corruption lane's `bitflip:0.1` on one H100). Mooncake's troubleshooting
+# guide names the pool as the fix (docs/source/troubleshooting/troubleshooting.md, "TCP
+# Transport").
 # EngineOptions.engine_opts["mooncake_transport"]: Mooncake's transport between workers on one
 # host. "nvlink" = MC_INTRANODE_NVLINK=1 (smg's CI; CUDA IPC), "tcp" = MC_FORCE_TCP=1 (through
 # host memory). With neither, Mooncake picks multi-node NVLink (fabric handles), which does not
