@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import re
 import sys
 import uuid
 from dataclasses import asdict, dataclass, replace
+
+from packaging.version import InvalidVersion, Version
 
 from ..errors import ConfigError, HarnessError
 from ..lifecycle.launcher import WorkerCommand
@@ -192,10 +193,12 @@ WORKAROUND_NAMES = tuple(name for name, _ in WORKAROUNDS)
 
 
 def release(version: str | None) -> tuple[int, ...] | None:
-    """The leading numeric release of a version string ("0.9.1.post20260920" -> (0, 9, 1));
-    None for None or a version without one. Pure."""
-    m = re.match(r"\d+(?:\.\d+)*", version or "")
-    return tuple(int(x) for x in m.group(0).split(".")) if m else None
+    """The release of a PEP 440 version string ("0.9.1.post20260920" -> (0, 9, 1)); None for
+    None or a string that is no version. Pure."""
+    try:
+        return Version(version).release if version else None
+    except InvalidVersion:
+        return None
 
 
 def workarounds(tokenspeed: str | None, servicer: str | None = None) -> frozenset[str]:
