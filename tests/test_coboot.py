@@ -151,11 +151,18 @@ def test_tokenspeed_with_its_pool_bounded_runs_beside_others_at_their_total_shar
     assert vdriver.beside(vl, {0: 0.5}) is vl and vdriver.held_share(vl) is None
 
 
-def test_tokenspeed_serving_a_hybrid_model_boots_alone():
-    """The tiny VLM (Qwen3.5, Gated DeltaNet layers): TokenSpeed sizes its recurrent-state
-    pool from the utilization, unbounded by --max-total-tokens, so the EPD lane's topologies
-    boot one at a time even with a KV budget."""
-    from e2e_test.infra.engines.tokenspeed import ENGINE as TS
+def test_tokenspeed_serving_a_hybrid_model_boots_alone_on_0_1_0(monkeypatch):
+    """The tiny VLM (Qwen3.5, Gated DeltaNet layers): TokenSpeed 0.1.0 sizes its
+    recurrent-state pool from the utilization, unbounded by --max-total-tokens, so the EPD
+    lane's topologies boot one at a time even with a KV budget; 0.1.1's token limit caps KV
+    and state together, so they boot at once (the negative control: the same spec)."""
+    from e2e_test.infra.engines import tokenspeed
+    TS = tokenspeed.ENGINE
     vlm = get_spec("tiny-random/Qwen3.5-VL")
     assert vlm.kv_budget_tokens and "hybrid" in vlm.features
+    monkeypatch.setattr(tokenspeed, "installed_versions",
+                        lambda: {"tokenspeed": "0.1.0", "servicer": "0.7.0"})
     assert "hybrid" in TS.alone_reason(vlm)
+    monkeypatch.setattr(tokenspeed, "installed_versions",
+                        lambda: {"tokenspeed": "0.1.1", "servicer": "0.9.1"})
+    assert TS.alone_reason(vlm) is None

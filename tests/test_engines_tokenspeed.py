@@ -64,7 +64,7 @@ def test_workarounds_by_version():
     assert tokenspeed.workarounds(**V010) == every
     assert tokenspeed.workarounds(None, None) == every
     assert tokenspeed.workarounds(**V011) == every - {"epd-gateway-no-load-poll",
-                                                       "host-pool-ratio"}
+                                                       "host-pool-ratio", "hybrid-boots-alone"}
     # negative controls: each fix counts only in the distribution that carries it
     assert "epd-gateway-no-load-poll" in tokenspeed.workarounds("0.1.1", "0.7.0.post20260720")
     assert "epd-gateway-no-load-poll" in tokenspeed.workarounds("0.1.1", None)
@@ -90,14 +90,14 @@ def test_the_workers_log_names_its_version_and_workarounds(monkeypatch):
     cmd = tokenspeed.build(SPEC, t, e["worker"], ports, "/models/q", CUDA)
     assert cmd.log_note == (
         "e2e: TokenSpeed 0.1.0 (servicer 0.7.0.post20260720): workarounds applied: "
-        "epd-gateway-no-load-poll, host-pool-ratio, no-top-logprobs, kv-corrupt-decode-uncached, "
-        "triton-sampler-graphs-refused; not needed: none")
+        "epd-gateway-no-load-poll, host-pool-ratio, hybrid-boots-alone, no-top-logprobs, "
+        "kv-corrupt-decode-uncached, triton-sampler-graphs-refused; not needed: none")
     monkeypatch.setattr(tokenspeed, "installed_versions", lambda: dict(V011))
     cmd = tokenspeed.build(SPEC, t, e["worker"], ports, "/models/q", CUDA)
     assert cmd.log_note == (
         "e2e: TokenSpeed 0.1.1 (servicer 0.9.1.post20260920): workarounds applied: "
         "no-top-logprobs, kv-corrupt-decode-uncached, triton-sampler-graphs-refused; "
-        "not needed: epd-gateway-no-load-poll, host-pool-ratio")
+        "not needed: epd-gateway-no-load-poll, host-pool-ratio, hybrid-boots-alone")
     assert "\n" not in cmd.log_note
 
 

@@ -179,6 +179,11 @@ WORKAROUNDS = (
     # serving_defaults' --kvstore-ratio: TokenSpeed 0.1.1 builds no host pool with
     # --disable-kvstore (runtime/execution/device.py: L2CacheExecutor only if enable_kvstore).
     ("host-pool-ratio", ("tokenspeed", (0, 1, 1))),
+    # alone_reason for a hybrid model: 0.1.0 gives the recurrent-state pool the budget's share
+    # beside the KV (runtime/layers/attention/utils.py profile_cache_budget), unbounded by
+    # --max-total-tokens; 0.1.1 pages KV and state in one arena whose parents the token limit
+    # caps (layers/attention/kv_cache/recipes/base.py num_lcm_blocks, configured_token_limit).
+    ("hybrid-boots-alone", ("tokenspeed", (0, 1, 1))),
     # top_logprobs = 0: 0.1.1 refuses top-k too (runtime/engine/input_processor.py).
     ("no-top-logprobs", None),
     # the kv_corrupt decode without prefix caching (build, forget_received_kv): 0.1.1's
@@ -960,11 +965,12 @@ class TokenSpeedEngine(Engine):
     def alone_reason(self, spec):
         # With the pool bounded (--max-total-tokens) a worker holds about its share, and
         # beside() gives each the utilization of everything booting on its device. Not for a
-        # hybrid model: its recurrent-state pool is the budget's share beside the KV
-        # (runtime/layers/attention/utils.py profile_cache_budget: mamba_memory = budget x
-        # ratio / (1 + ratio)), which --max-total-tokens does not bound, so at the shared
-        # utilization it would take what the others were promised.
-        if spec is not None and "hybrid" in spec.features:
+        # hybrid model where the version sizes its recurrent-state pool as the budget's share
+        # beside the KV, which --max-total-tokens does not bound (workaround
+        # "hybrid-boots-alone"): at the shared utilization it would take what the others were
+        # promised.
+        if (spec is not None and "hybrid" in spec.features
+                and "hybrid-boots-alone" in workarounds(**installed_versions())):
             return (f"model {spec.id!r} is hybrid: TokenSpeed sizes its recurrent-state pool "
                     "from the device's free memory at start, whatever --max-total-tokens")
         if spec is not None and spec.kv_budget_tokens:
