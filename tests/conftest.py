@@ -1,11 +1,26 @@
 """Fixtures shared by the harness's own unit tests."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """Bytecode is written while the unit tests run, also where the caller's environment sets
+    PYTHONDONTWRITEBYTECODE: the run starts a few hundred Python processes over the same
+    modules (its xdist workers, the pytest and `python -m e2e_test` runs that tests start), and
+    without .pyc files each compiles its imports from source and pytest rewrites the asserts
+    of every module it imports again: under PYTHONDONTWRITEBYTECODE that was about a quarter
+    of the run's CPU time (collecting tests/ alone 5.1 CPU-s a process, 60 % of it in
+    rewriting). Set here, in each process before it collects, and in the environment that
+    the workers and the tests' subprocesses inherit; the files go to __pycache__ (git
+    ignores them), as without the variable."""
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def _real_dataset_dir() -> Path | None:
