@@ -419,6 +419,9 @@ TITLES = {"ready_s": ("Ready time per role", "s"),
           "teardown_s": ("Teardown time", "s")}
 
 
+MAX_XTICKS = 16   # runs on a trend plot's x axis labelled one by one; more: thinned
+
+
 def _plot(group: str, runs: list[str], rows: dict[str, list], marks: dict[str, list]) -> bytes:
     import matplotlib
     matplotlib.use("Agg")
@@ -443,8 +446,16 @@ def _plot(group: str, runs: list[str], rows: dict[str, list], marks: dict[str, l
             ax.scatter([x for x, _ in flagged], fy, s=160, facecolors="none",
                        edgecolors="red", linewidths=2, zorder=5)
         del line
-    ax.set_xticks(xs)
-    ax.set_xticklabels([f"#{i + 1}" for i in xs])
+    if len(xs) <= MAX_XTICKS:
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"#{i + 1}" for i in xs])
+    else:
+        # a label per run overlaps its neighbours on a many-run page, and laying each one out
+        # is most of such a page's render time: at most MAX_XTICKS ticks, each its run's #
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=MAX_XTICKS, integer=True))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"#{int(x) + 1}"))
+        ax.set_xlim(-1, len(xs))      # no tick past the last run
     ax.set_ylabel(TITLES[group][1])
     ax.set_title(TITLES[group][0] + " (red ring: change beyond the noise)", fontsize=10)
     ax.grid(alpha=.3)
