@@ -47,7 +47,10 @@ def _url(target: str | Path) -> str:
 
 
 def render(target: str | Path, screenshot: str | Path | None = None, width: int = 1400,
-           height: int = 1000, timeout: float = 60.0, settle_s: float = 0.5) -> PageReport:
+           height: int = 1000, timeout: float = 60.0, settle_s: float = 0.5,
+           full_page: bool = True) -> PageReport:
+    """Load `target`; with `screenshot`, a PNG of the whole page there (`full_page`), or of
+    the first width x height of it (a page of some 10^8 pixels takes Chromium seconds)."""
     from websockets.sync.client import connect
 
     exe = find_chromium()
@@ -129,7 +132,8 @@ def render(target: str | Path, screenshot: str | Path | None = None, width: int 
                        returnByValue=True)
             rep.title, rep.text_length = res.get("result", {}).get("value", ["", 0])
             if screenshot:
-                shot = call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+                shot = call("Page.captureScreenshot", format="png",
+                            captureBeyondViewport=full_page)
                 Path(screenshot).parent.mkdir(parents=True, exist_ok=True)
                 Path(screenshot).write_bytes(base64.b64decode(shot["data"]))
                 rep.screenshot = str(screenshot)
