@@ -36,8 +36,11 @@ def _git(repo, *args):
 
 
 def _file(p: Path, size: int) -> Path:
+    """A file of `size` bytes, sparse: the packing reads sizes (st_size) only, and a session
+    tree written out byte by byte was some 280 MB a test."""
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_bytes(b"x" * size)
+    with open(p, "wb") as f:
+        f.truncate(size)
     return p
 
 
