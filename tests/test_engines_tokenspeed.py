@@ -77,6 +77,14 @@ def test_workarounds_by_version():
             "triton-sampler-graphs-refused"} <= tokenspeed.workarounds("9.9.9", "9.9.9")
 
 
+@pytest.mark.parametrize("version,flag", [("0.1.0", "--no-enable-prefix-caching"),
+                                          (None, "--no-enable-prefix-caching"),
+                                          ("0.1.1", "--disable-prefix-caching")])
+def test_the_flag_that_turns_prefix_caching_off_by_version(version, flag):
+    """0.1.1 refuses 0.1.0's --no-enable-prefix-caching (argparse exit 2 at start)."""
+    assert tokenspeed.no_prefix_cache_flag(version) == flag
+
+
 @pytest.mark.parametrize("version,want", [("0.9.1.post20260920", (0, 9, 1)), ("0.1.1", (0, 1, 1)),
                                           ("0.1.10", (0, 1, 10)), (None, None), ("dev", None)])
 def test_release(version, want):
@@ -589,7 +597,7 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
     assert ns.preload == ["tokenspeed.runtime.engine.event_loop", kt.MODULE]
     # it caches nothing it receives (TokenSpeed cannot be asked to flush): prefix caching is on
     # by default in TokenSpeed's ServerArgs, so it is turned off by name; the prefill caches
-    assert "--enable-prefix-caching" not in rest and tokenspeed.NO_PREFIX_CACHE in rest
+    assert "--enable-prefix-caching" not in rest and "--no-enable-prefix-caching" in rest
     assert dec.env[kt.ENV_SETTING] == "runtime"
     assert dec.env[kt.ENV_DIR] == "/s/kv-corrupt/decode-0"
     pre = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", opts)

@@ -75,8 +75,18 @@ from . import (
 )
 
 SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
-# TokenSpeed's ServerArgs flag that turns its default-on prefix caching off
-NO_PREFIX_CACHE = "--no-enable-prefix-caching"
+# TokenSpeed's ServerArgs flag that turns its default-on prefix caching off, by release: 0.1.0's
+# BooleanOptionalAction gives --no-enable-prefix-caching, 0.1.1 a mutually exclusive
+# --disable-prefix-caching and refuses the other (runtime/utils/server_args.py).
+NO_PREFIX_CACHE_FLAGS = ("--no-enable-prefix-caching", "--disable-prefix-caching")
+
+
+def no_prefix_cache_flag(tokenspeed: str | None) -> str:
+    """The flag that turns prefix caching off on this TokenSpeed version (0.1.0's for an
+    unknown one). Pure."""
+    rel = release(tokenspeed)
+    return NO_PREFIX_CACHE_FLAGS[1] if rel is not None and rel >= (0, 1, 1) else \
+        NO_PREFIX_CACHE_FLAGS[0]
 # Warm spawn (launchers/e2e_warm_spawn.py): the servicer's process imports TokenSpeed's runtime,
 # then starts the scheduler in a spawn child (0.1.0 runtime/entrypoints/engine.py
 # _set_envs_and_config: mp.set_start_method("spawn", force=True); _launch_subprocesses:
@@ -377,7 +387,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         if entry.role == "prefill" or (entry.role == "decode" and not corrupting):
             argv.append("--enable-prefix-caching")
         elif corrupting:
-            argv.append(NO_PREFIX_CACHE)
+            argv.append(no_prefix_cache_flag(installed_versions()["tokenspeed"]))
         if entry.role == "prefill":
             argv.append("--enforce-eager")
             eager = True
@@ -1000,7 +1010,7 @@ class TokenSpeedEngine(Engine):
         runtime/engine/request_handler.py). Checked here from each decode's command; a prefill
         caches only what it computed itself."""
         cached = [w.name for w in cluster.workers if w.entry.role == "decode"
-                  and NO_PREFIX_CACHE not in w.command.argv]
+                  and not set(NO_PREFIX_CACHE_FLAGS) & set(w.command.argv)]
         if cached:
             raise HarnessError(f"{cluster.name}: {', '.join(cached)} caches the KV it receives "
                                "and TokenSpeed 0.1.0 cannot flush it (FlushCache is a no-op): "
