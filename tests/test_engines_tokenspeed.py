@@ -235,7 +235,7 @@ def test_prefill():
     assert cmd.argv == head(31000) + [
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "31001",
         "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:31002",
-        "--enable-prefix-caching", "--enforce-eager", "--skip-server-warmup"] + EAGER_TAIL
+        "--enable-prefix-caching", "--enforce-eager"] + EAGER_TAIL
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", **DISAGG_ENV}
     assert (cmd.protocol, cmd.worker_type, cmd.bootstrap_port) == ("grpc", "prefill", 31001)
 
@@ -251,7 +251,7 @@ def test_decode():
     assert cmd.argv == head(32000) + [
         "--disaggregation-mode", "decode",
         "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:32001",
-        "--enable-prefix-caching", "--skip-server-warmup", "--enforce-eager"] + EAGER_TAIL
+        "--enable-prefix-caching", "--enforce-eager"] + EAGER_TAIL
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "5", **DISAGG_ENV}
     assert (cmd.worker_type, cmd.bootstrap_port) == ("decode", None)
 
@@ -274,7 +274,7 @@ def test_epd_encode_prefill_decode():
     assert cmd.argv == head(33000) + [
         "--disaggregation-mode", "encode", "--disaggregation-bootstrap-port", "33001",
         "--disaggregation-transfer-backend", "mooncake", "--dist-init-addr", "127.0.0.1:33002",
-        "--skip-server-warmup"] + GRAPH_TAIL
+        ] + GRAPH_TAIL
     # No embedding cache on the encoder: every image runs the tower (EPD proof).
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4", **DISAGG_ENV,
                        "TOKENSPEED_EPD_ENCODE_EMBED_CACHE_MB": "0"}

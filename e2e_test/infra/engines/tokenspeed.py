@@ -8,13 +8,16 @@ flag's contract comes from:
   `--enable-output-logprobs`, and per disaggregation role
   `--disaggregation-mode {encode,prefill,decode}`, `--disaggregation-bootstrap-port` (prefill and
   encode only), `--disaggregation-transfer-backend mooncake`, `--dist-init-addr HOST:PORT`,
-  `--enable-prefix-caching` (prefill, decode), `--enforce-eager` (prefill), `--skip-server-warmup`:
+  `--enable-prefix-caching` (prefill, decode), `--enforce-eager` (prefill):
   smg-project/smg e2e_test/infra/worker.py (Worker._build_tokenspeed_grpc_cmd), pinned by
   smg-project/smg e2e_test/infra/test_epd_cmd_builders.py.
 - smg's harness also passes `--grammar-backend xgrammar` (its structured-output tests). This
   harness has none, and TokenSpeed's default grammar backend is none, so the flag is left out:
   a runner without xgrammar (0.2.2, 45 MB) still serves. Add it through the model's
   args (`args: {tokenspeed: [...]}`) or E2E_ENGINE_ARGS where structured output is tested.
+- smg's harness passes `--skip-server-warmup` too. Nothing in TokenSpeed 0.1.0 or its servicer
+  reads it (the servicer's warmup skip is TOKENSPEED_SKIP_GRPC_WARMUP, below), and 0.1.1's
+  ServerArgs refuses it (exit 2 at start), so it is left out.
 - Worker env for disaggregation roles only (MC_INTRANODE_NVLINK=1, TOKENSPEED_SKIP_GRPC_WARMUP=1,
   NO_PROXY/no_proxy=*) and CUDA_VISIBLE_DEVICES: smg-project/smg e2e_test/infra/worker.py
   (Worker._build_env; smg uses setdefault, this builder returns plain overrides). Which ports a
@@ -391,7 +394,6 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         if entry.role == "prefill":
             argv.append("--enforce-eager")
             eager = True
-        argv.append("--skip-server-warmup")
         env.update({**TRANSPORTS[transport],
                     "NO_PROXY": "*", "no_proxy": "*"})
         if entry.role == "encode":
