@@ -214,7 +214,12 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
       + [(f"h100-e2e-1gpu-kv-corrupt-tokenspeed-{run}-896a6a9",
           "test_oracle_negative_control[tokenspeed-1]") for run in ("kv", "kv2", "kv3")]
       + [("h100-e2e-1gpu-pd-tokenspeed-pd-896a6a9", t.format(eng="tokenspeed"))
-         for t in PD_LANE])
+         for t in PD_LANE]
+      # one H100, TokenSpeed 0.1.1 staged: chat, then PD, EPD and KV whose disaggregation
+      # workers did not start (0.1.1 refused two flags); their `1` negative controls ran
+      + [(f"h100-e2e-1gpu-{lane}-tokenspeed-{run}-c0c8ee9",
+          "test_oracle_negative_control[tokenspeed-1]")
+         for lane, run in (("chat", "chat011"), ("pd", "pd011"), ("kv-corrupt", "kv011"))])
     # what cannot be re-judged says why (recall: its control arm was recorded as a summary
     # only; TokenSpeed: records written before the oracle)
     for r in ALL:
