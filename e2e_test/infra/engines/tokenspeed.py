@@ -82,14 +82,6 @@ SERVICER_MODULE = "smg_grpc_servicer.tokenspeed"
 # BooleanOptionalAction gives --no-enable-prefix-caching, 0.1.1 a mutually exclusive
 # --disable-prefix-caching and refuses the other (runtime/utils/server_args.py).
 NO_PREFIX_CACHE_FLAGS = ("--no-enable-prefix-caching", "--disable-prefix-caching")
-
-
-def no_prefix_cache_flag(tokenspeed: str | None) -> str:
-    """The flag that turns prefix caching off on this TokenSpeed version (0.1.0's for an
-    unknown one). Pure."""
-    rel = release(tokenspeed)
-    return NO_PREFIX_CACHE_FLAGS[1] if rel is not None and rel >= (0, 1, 1) else \
-        NO_PREFIX_CACHE_FLAGS[0]
 # Warm spawn (launchers/e2e_warm_spawn.py): the servicer's process imports TokenSpeed's runtime,
 # then starts the scheduler in a spawn child (0.1.0 runtime/entrypoints/engine.py
 # _set_envs_and_config: mp.set_start_method("spawn", force=True); _launch_subprocesses:
@@ -217,6 +209,13 @@ def release(version: str | None) -> tuple[int, ...] | None:
         return Version(version).release if version else None
     except InvalidVersion:
         return None
+
+
+def no_prefix_cache_flag(tokenspeed: str | None) -> str:
+    """The flag that turns prefix caching off on this TokenSpeed version (0.1.0's for an
+    unknown one). Pure."""
+    rel = release(tokenspeed)
+    return NO_PREFIX_CACHE_FLAGS[rel is not None and rel >= (0, 1, 1)]
 
 
 def workarounds(tokenspeed: str | None, servicer: str | None = None) -> frozenset[str]:
@@ -390,7 +389,7 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         if entry.role == "prefill" or (entry.role == "decode" and not corrupting):
             argv.append("--enable-prefix-caching")
         elif corrupting:
-            argv.append(no_prefix_cache_flag(installed_versions()["tokenspeed"]))
+            argv.append(no_prefix_cache_flag(versions["tokenspeed"]))
         if entry.role == "prefill":
             argv.append("--enforce-eager")
             eager = True
