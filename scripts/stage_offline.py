@@ -583,20 +583,23 @@ def build(prof: dict, pins: dict, image: set, out: Path, cache: Path, full: bool
     if check_only:
         print(f"{len(chosen)} wheels: every Requires-Dist is carried, on the image, or dropped")
         return {}
-    work = cache / "pack"
+    # A work folder per bundle: two builds at once (0.1.0 and 0.1.1) share raw/ and debs/ but
+    # never each other's tar.
+    work = cache / "pack" / f"{prof['engine']}-{prof['version']}"
     shutil.rmtree(work, ignore_errors=True)
-    (work / "whl").mkdir(parents=True)
+    tree = work / "tree"                                  # what the tar holds
+    (tree / "whl").mkdir(parents=True)
     rows = []
     for n, w in wheels.items():
-        dst = work / "whl" / w.name
+        dst = tree / "whl" / w.name
         dropped = slim_store(w, dst, prof["slim"].get(n, []))
         rows.append((w.name, w.stat().st_size, dst.stat().st_size, dropped))
-    libs = syslibs(prof, cache, work / "syslibs")
+    libs = syslibs(prof, cache, tree / "syslibs")
     lock_txt = "".join(f"{n}=={pins[n]}\n" for n in chosen)
-    (work / "wheels.lock").write_text(lock_txt)
+    (tree / "wheels.lock").write_text(lock_txt)
     out.mkdir(parents=True, exist_ok=True)
     (out / "wheels.lock").write_text(lock_txt)
-    packed = pack(work, cache, out, part_size=part_size, xz_preset=xz_preset)
+    packed = pack(tree, work, out, part_size=part_size, xz_preset=xz_preset)
     write_setup(prof, out)
     manifest = {"parts": packed["parts"], "sha256": packed["sha256"], "engine": prof["engine"],
                 "version": prof["version"], "exclude_newer": prof["exclude_newer"],

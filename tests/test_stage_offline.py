@@ -333,6 +333,36 @@ def test_build_checks_requirements_before_packing(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+def test_two_builds_in_one_cache_keep_their_own_trees(tmp_path, monkeypatch):
+    """Each bundle packs in its own work folder of the shared cache: a second version built
+    into the same cache (also while the first still runs) leaves the first's tree alone, so
+    the first bundle holds none of the second's wheels."""
+    monkeypatch.setattr(so, "syslibs", lambda *a, **k: [])
+    monkeypatch.setattr(so, "write_setup", lambda *a, **k: None)
+    raw = tmp_path / "cache" / "raw"
+    raw.mkdir(parents=True)
+    for n in ("eng", "dep-a", "dep-b"):
+        _meta_wheel(raw / f"{n.replace('-', '_')}-0.1-py3-none-any.whl", n, FAKE_REQUIRES[n])
+    pins = {"eng": "0.1", "dep-a": "0.1", "dep-b": "0.1", "opt-thing": "2"}
+    kw = dict(keep=["eng", "dep-a", "dep-b"], dropped={"opt-thing": "lazy"})
+    one = so.validate_profile(_minimal(version="0.1", **kw))
+    two = so.validate_profile(_minimal(version="0.2", **{**kw, "keep": ["eng", "dep-b"],
+                                                         "dropped": {"opt-thing": "lazy",
+                                                                     "dep-a": "x"}}))
+    cache = tmp_path / "cache"
+    m1 = so.build(one, pins, {"numpy"}, tmp_path / "o1", cache, xz_preset=0)
+    so.build(two, pins, {"numpy"}, tmp_path / "o2", cache, xz_preset=0)
+    trees = sorted(p.name for p in (cache / "pack").iterdir())
+    assert trees == ["fakeeng-0.1", "fakeeng-0.2"]
+    held = sorted(p.name for p in (cache / "pack" / "fakeeng-0.1" / "tree" / "whl").iterdir())
+    assert held == ["dep_a-0.1-py3-none-any.whl", "dep_b-0.1-py3-none-any.whl",
+                    "eng-0.1-py3-none-any.whl"]
+    # the first bundle's xz is still the one its manifest names
+    import hashlib
+    got = hashlib.sha256((cache / "pack" / "fakeeng-0.1" / "bundle.tar.xz").read_bytes())
+    assert got.hexdigest() == m1["sha256"]
+
+
 def test_cli_check_only_names_the_missing_requirement(tmp_path, capsys, monkeypatch):
     raw = tmp_path / "cache" / "raw"
     raw.mkdir(parents=True)
