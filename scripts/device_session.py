@@ -9,8 +9,9 @@ the publication of what they brought back (docs/gpu.md, "A device session in thr
 
 A device call carries at most 64 MiB: the working tree that travels (tracked files and
 untracked ones git does not ignore, each rounded up to a 4 KiB block as on disk) plus at most
-8 carried paths. The published runs are data (docs/validation/index.jsonl and a few kept
-folders), small enough to travel with every call.
+8 carried paths. The published runs are data (docs/validation/index.jsonl, the oracle records
+beside it in oracle_records.jsonl.xz, and a few kept folders), small enough to travel with
+every call.
 
 `prepare` builds, into git-ignored folders of the checkout: the engines' parts (TokenSpeed:
 scripts/stage_offline.py with its version's profile and lock, xz preset 1, parts cut to what
@@ -386,7 +387,8 @@ def publish(files: list[Path], device: str, note: str, prefix: str = "h200",
     """Each NAME.tar.xz of gpu_runs.sh to docs/validation/PREFIX-LANE-ENGINE-NAME-SHA (its
     clusters/ folder as clusters.tar.xz, the lane log as lane.log.xz, its tests/*.json
     without indentation, note.json beside), its
-    line appended to docs/validation/index.jsonl in the given order; then the folders
+    line appended to docs/validation/index.jsonl in the given order (its oracle records to
+    oracle_records.jsonl.xz beside it, reports/index.append); then the folders
     reports/index.kept does not name are removed and docs/validation.md's What-has-run table
     is rewritten. Returns the folders filed (some may be pruned again at once)."""
     if not note.strip():

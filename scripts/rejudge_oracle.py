@@ -5,9 +5,10 @@ from the control arm, the first-step rank test), from their result records alone
                                                   # default: the committed index
 
 A run is read from its index line (docs/validation/index.jsonl: its records' oracle inputs,
-items compacted, reports/index.py) or from its folder's tests/*.json. It can be re-judged where
-its records hold the control arm's items (test_control_arm's `oracle_control` with per-item
-first-step deltas and gaps) and the comparison's items. What a run lacks is said, per
+items compacted, from oracle_records.jsonl.xz beside the index, reports/index.py) or from its
+folder's tests/*.json. It can be re-judged where its records hold the control arm's items
+(test_control_arm's `oracle_control` with per-item first-step deltas and gaps) and the
+comparison's items. What a run lacks is said, per
 comparison, instead of a verdict. Prints one JSON line per comparison;
 tests/test_rejudge_records.py asserts healthy runs pass and negative controls fail.
 

@@ -234,8 +234,14 @@ def test_publish_indexes_a_run_keeps_its_folder_and_rewrites_the_table(tmp_path)
     note = json.loads((dest / "note.json").read_text())
     assert note["lane"] == "e2e-1gpu-pd (tokenspeed), serial"
     assert note["note"].startswith("One H200 machine. This run: serial. boots ")
-    [line] = index.read(repo / "docs" / "validation" / "index.jsonl")
+    idx = repo / "docs" / "validation" / "index.jsonl"
+    [line] = index.read(idx)
     assert line["run"] == dest.name and line["lane"] == "e2e-1gpu-pd"
+    # the oracle records in the sidecar beside the index, not in its line
+    assert json.loads(index.dumps(index.index_line(dest))) == line
+    assert line["oracle_records"]
+    assert "oracle_records" not in json.loads(idx.read_text())
+    assert index.sidecar(idx).is_file()
     assert index.counts(line)["passed"] == 23 and index.green(line)
     md = (repo / "docs" / "validation.md").read_text()
     assert "old table" not in md and md.startswith("# Validation\n\nprose\n")

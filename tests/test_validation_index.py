@@ -4,6 +4,7 @@ on a glob and beside its input, the committed table, citations and the size of d
 
 import importlib.util
 import json
+import lzma
 import shutil
 import subprocess
 import sys
@@ -95,10 +96,59 @@ def test_index_line_of_a_synthetic_run_round_trips(tmp_path):
     idx = tmp_path / "index.jsonl"
     index.append(idx, d)
     assert index.read(idx) == [line]
-    assert idx.read_text() == index.dumps(line) + "\n"
     assert index.dumps(line) == index.dumps(index.index_line(d))        # deterministic
     with pytest.raises(ValueError, match="indexed already"):
         index.append(idx, d)
+
+
+def _sidecar_lines(idx: Path) -> list[dict]:
+    return [json.loads(x) for x in lzma.decompress(index.sidecar(idx).read_bytes()).splitlines()]
+
+
+def test_append_puts_the_oracle_records_in_the_sidecar_and_read_merges_them(tmp_path):
+    """index.jsonl's line is the line less `oracle_records`; the sidecar beside it holds them,
+    one entry per run with records, in order; read gives index_line's line back. A run with
+    none adds no entry and reads back []."""
+    a = _run_folder(tmp_path)
+    b = _run_folder(tmp_path, name="h200-e2e-1gpu-pd-vllm-abc1234-second")
+    bare = tmp_path / "bare"
+    (bare / "tests").mkdir(parents=True)
+    idx = tmp_path / "pub" / "index.jsonl"
+    idx.parent.mkdir()
+    lines = [index.append(idx, d) for d in (a, bare, b)]
+    assert index.read(idx) == lines == [index.index_line(d) for d in (a, bare, b)]
+    assert lines[0]["oracle_records"] and lines[1]["oracle_records"] == []
+    stored = [json.loads(x) for x in idx.read_text().splitlines()]
+    assert stored == [{k: v for k, v in x.items() if k != "oracle_records"} for x in lines]
+    assert _sidecar_lines(idx) == [{"run": x["run"], "oracle_records": x["oracle_records"]}
+                                   for x in (lines[0], lines[2])]
+    xz = index.sidecar(idx).read_bytes()
+    assert xz == lzma.compress(lzma.decompress(xz), preset=index.XZ_PRESET)    # deterministic
+    assert sorted(p.name for p in idx.parent.iterdir()) == ["index.jsonl", index.SIDECAR]
+    shutil.copy(idx, tmp_path / "index.jsonl")                # the index without its sidecar
+    assert all(x["oracle_records"] == [] for x in index.read(tmp_path / "index.jsonl"))
+
+
+def test_a_sidecar_entry_for_a_run_the_index_lacks_is_an_error(tmp_path):
+    d = _run_folder(tmp_path)
+    idx = tmp_path / "index.jsonl"
+    index.append(idx, d)
+    index.read(idx)                                             # the control: it reads
+    idx.write_text("")
+    with pytest.raises(ValueError, match=f"oracle_records.jsonl.xz: {d.name} is not a run of"):
+        index.read(idx)
+    # the run appended again: its sidecar entry is there already, nothing is written
+    with pytest.raises(ValueError, match=f"{d.name} has oracle records there already"):
+        index.append(idx, d)
+    assert idx.read_text() == "" and len(_sidecar_lines(idx)) == 1
+    idx.write_text(index.dumps(index.index_line(d)) + "\n")    # the records in the line too
+    with pytest.raises(ValueError, match="has oracle records in its line and in"):
+        index.read(idx)
+    index.sidecar(idx).unlink()                       # a line of its own records, no sidecar
+    assert index.read(idx) == [index.index_line(d)]
+    index.sidecar(idx).write_bytes(b"not xz")
+    with pytest.raises(ValueError, match="not an xz file"):
+        index.read(idx)
 
 
 def test_a_value_the_run_did_not_record_is_null(tmp_path):
@@ -282,7 +332,8 @@ def _tracked(*paths) -> list[str]:
 def test_every_cited_run_is_a_kept_folder_or_an_index_line():
     """docs/validation/NAME in docs and code: a run of the index (its folder kept or not);
     NAME followed by * or { is a pattern some run must match."""
-    runs = {x["run"] for x in index.read(INDEX)} | {"index.jsonl", "trend.html", "flakes.html"}
+    runs = {x["run"] for x in index.read(INDEX)} | {"index.jsonl", index.SIDECAR, "trend.html",
+                                                     "flakes.html"}
     missing = []
     for f in _tracked("docs", "e2e_test", "scripts", "README.md"):
         p = REPO / f

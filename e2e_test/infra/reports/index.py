@@ -1,4 +1,5 @@
-"""The published runs as data: one JSON line per run in docs/validation/index.jsonl.
+"""The published runs as data: one JSON line per run in docs/validation/index.jsonl, and the
+runs' oracle records beside it in docs/validation/oracle_records.jsonl.xz.
 
 A line holds what the reports read across runs, so they need no run folder:
   run, lane, engine, device, sha, date, command, exit_code, wall_s, note
@@ -14,12 +15,20 @@ A line holds what the reports read across runs, so they need no run folder:
 A value the run did not record is null, never guessed. Lines are sorted-key JSON, so the
 same folder always gives the same line.
 
+`oracle_records` is most of a line's bytes and compresses some fortyfold, so index.jsonl holds
+every key but it: the sidecar beside the index (SIDECAR) holds one line per run that has
+records, {"run", "oracle_records"}, in publication order, xz-compressed; docs/ travels with
+every device call and stays under 8 MiB. append writes both files; read merges the sidecar
+back, so a line read is the line index_line gives.
+
   index_line(run_dir) -> dict     append(index, run_dir)     read(index) -> [dict]
 """
 
 from __future__ import annotations
 
 import json
+import lzma
+import os
 import re
 import shlex
 import xml.etree.ElementTree as ET
@@ -372,31 +381,101 @@ def dumps(line: dict) -> str:
     return json.dumps(line, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def read(index: Path) -> list[dict]:
-    """The index's lines, in file order (publication order). A line that is not a JSON
-    object is an error naming the line."""
+SIDECAR = "oracle_records.jsonl.xz"
+RECORDS = "oracle_records"
+# xz's strongest preset: about 0.5 s to rewrite 2 MB of records on publish, a tenth smaller
+# than the default preset; lzma.compress gives the same bytes for the same content.
+XZ_PRESET = 9 | lzma.PRESET_EXTREME
+
+
+def sidecar(index: Path) -> Path:
+    """The oracle records' file beside an index."""
+    return Path(index).with_name(SIDECAR)
+
+
+def _run_lines(text: str, where) -> list[dict]:
+    """Each non-blank line of `text` as a JSON object with a `run` key; one that is not is an
+    error naming `where` and the line."""
     out = []
-    for i, text in enumerate(Path(index).read_text().splitlines(), 1):
-        if not text.strip():
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
             continue
         try:
-            line = json.loads(text)
+            obj = json.loads(line)
         except ValueError as e:
-            raise ValueError(f"{index}:{i}: not JSON ({e})") from None
-        if not isinstance(line, dict) or "run" not in line:
-            raise ValueError(f"{index}:{i}: not a run line (no `run` key)")
-        out.append(line)
+            raise ValueError(f"{where}:{i}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or "run" not in obj:
+            raise ValueError(f"{where}:{i}: not a run line (no `run` key)")
+        out.append(obj)
     return out
 
 
+def _sidecar_text(path: Path) -> str:
+    """The sidecar's lines as text; empty where there is no sidecar."""
+    if not path.is_file():
+        return ""
+    try:
+        return lzma.decompress(path.read_bytes()).decode()
+    except (lzma.LZMAError, EOFError) as e:
+        raise ValueError(f"{path}: not an xz file ({e})") from None
+
+
+def _records(path: Path) -> dict[str, list]:
+    """run -> its oracle records, from the sidecar; a run named twice is an error."""
+    out: dict[str, list] = {}
+    for e in _run_lines(_sidecar_text(path), path):
+        if e["run"] in out:
+            raise ValueError(f"{path}: {e['run']} is named twice")
+        out[e["run"]] = e.get(RECORDS) or []
+    return out
+
+
+def read(index: Path) -> list[dict]:
+    """The index's lines, in file order (publication order), each with its `oracle_records`
+    from the sidecar ([] where it has none; a line that holds the key itself keeps it). A
+    line that is not a JSON object, a run with records both in its line and in the sidecar,
+    and a sidecar entry for a run the index lacks are errors naming them."""
+    lines = _run_lines(Path(index).read_text(), index)
+    side = sidecar(index)
+    records = _records(side)
+    unknown = sorted(records.keys() - {x["run"] for x in lines})
+    if unknown:
+        raise ValueError(f"{side}: {unknown[0]} is not a run of {index}")
+    out = []
+    for x in lines:
+        if RECORDS in x and x["run"] in records:
+            raise ValueError(f"{index}: {x['run']} has oracle records in its line and in {side}")
+        own = x.get(RECORDS) or []
+        out.append(dict(sorted({**x, RECORDS: records.get(x["run"], own)}.items())))
+    return out
+
+
+def _write_xz(path: Path, text: str) -> None:
+    """The whole file, compressed, replaced at once (a reader never sees half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(lzma.compress(text.encode(), preset=XZ_PRESET))
+    os.replace(tmp, path)
+
+
 def append(index: Path, run_dir: Path) -> dict:
-    """Add run_dir's line to the index; a run already indexed is an error."""
+    """Add run_dir's line to the index, its oracle records (where it has any) to the sidecar;
+    a run already indexed, or already in the sidecar, is an error and nothing is written.
+    Returns the line as read gives it."""
     index = Path(index)
+    side = sidecar(index)
     line = index_line(run_dir)
-    if index.is_file() and any(x["run"] == line["run"] for x in read(index)):
+    if index.is_file() and any(x["run"] == line["run"]
+                               for x in _run_lines(index.read_text(), index)):
         raise ValueError(f"{index}: {line['run']} is indexed already")
+    text = _sidecar_text(side)
+    if any(e["run"] == line["run"] for e in _run_lines(text, side)):
+        raise ValueError(f"{side}: {line['run']} has oracle records there already")
+    # the sidecar first: a failure between the two writes leaves an entry read() names as
+    # unknown, never a line read without its records
+    if line[RECORDS]:
+        _write_xz(side, text + dumps({"run": line["run"], RECORDS: line[RECORDS]}) + "\n")
     with index.open("a") as f:
-        f.write(dumps(line) + "\n")
+        f.write(dumps({k: v for k, v in line.items() if k != RECORDS}) + "\n")
     return line
 
 
