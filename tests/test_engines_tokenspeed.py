@@ -629,3 +629,75 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
     with pytest.raises(ConfigError, match="needs a state folder"):
         tokenspeed.build(SPEC, t, e["decode"], ports, "/m",
                          EngineOptions(backend="cuda", engine_opts={"kv_corrupt": "runtime"}))
+
+
+# Each staged release's flags, read from its wheel (scripts/engine_flags.py; device_session.py
+# prepare re-reads the wheel and refuses a file that drifted).
+FLAG_FILES = {v["tokenspeed"]: Path(__file__).resolve().parents[1] / "scripts" / "stage_profiles"
+              / f"tokenspeed-{v['tokenspeed']}.flags.json" for v in (V010, V011)}
+
+
+def _flags(version: str) -> dict:
+    import json
+    return json.loads(FLAG_FILES[version].read_text())["flags"]
+
+
+def _engine_flags():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "scripts" / "engine_flags.py"
+    spec = importlib.util.spec_from_file_location("engine_flags", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _servicer_args(argv: list[str]) -> list[str]:
+    """The arguments the servicer's parser reads: after `-m SERVICER_MODULE`, or after the
+    warm-spawn launcher's `--`."""
+    return argv[argv.index("--") + 1:] if "--" in argv else argv[3:]
+
+
+def _lane_commands():
+    """Every worker argv the GPU lanes build: the default model on 1, dp2 and 1p1d (graphs and
+    eager, warm spawn on and off, the kv_corrupt decode), the tiny VLM on 1e1p1d."""
+    small = get_spec("SmolLM2-135M-Instruct")
+    vlm = get_spec("tiny-random/Qwen3.5-VL")
+    ports = Ports(api=1, aux={"bootstrap": 3, "dist_init": 2})
+    for spec, topo in ((small, "1"), (small, "dp2"), (small, "1p1d"), (vlm, "1e1p1d"), (vlm, "1")):
+        t = parse(topo)
+        for entry in plan_gpu(t, spec, (0,)).entries:
+            for warm in (True, False):
+                for eager in (True, False):
+                    opts = EngineOptions(backend="cuda", enforce_eager=eager, state_dir="/s",
+                                         engine_opts={"warm_spawn": warm})
+                    yield f"{topo}/{entry.name}", tokenspeed.build(spec, t, entry, ports, "/m", opts)
+            if entry.role == "decode":
+                opts = EngineOptions(backend="cuda", state_dir="/s",
+                                     engine_opts={"kv_corrupt": "runtime"})
+                yield f"{topo}/{entry.name}/kv_corrupt", tokenspeed.build(spec, t, entry, ports,
+                                                                         "/m", opts)
+
+
+@pytest.mark.parametrize("versions", [V010, V011], ids=["0.1.0", "0.1.1"])
+def test_every_lane_argv_parses_on_the_staged_release(monkeypatch, versions):
+    """Each release refuses a flag it does not declare (argparse, allow_abbrev off: exit 2 at
+    the worker's start on the device, as 0.1.1 did with --skip-server-warmup and 0.1.0's
+    --no-enable-prefix-caching). Every argv the lanes build is checked here against the flags of
+    the release it is built for, values against literal choices."""
+    refused = _engine_flags().refused
+    monkeypatch.setattr(tokenspeed, "installed_versions", lambda: dict(versions))
+    flags = _flags(versions["tokenspeed"])
+    seen = 0
+    for name, cmd in _lane_commands():
+        assert refused(_servicer_args(cmd.argv), flags) == [], name
+        seen += 1
+    assert seen >= 20
+    # negative controls: each flag 0.1.1 refused on an H100, and a choice it does not offer
+    assert refused(["--skip-server-warmup"], _flags("0.1.1")) == [
+        "--skip-server-warmup: no such flag"]
+    assert refused(["--no-enable-prefix-caching"], _flags("0.1.1")) == [
+        "--no-enable-prefix-caching: no such flag"]
+    assert refused(["--skip-server-warmup", "--no-enable-prefix-caching"], _flags("0.1.0")) == []
+    assert refused(["--disaggregation-mode", "encoder"], flags) == [
+        "--disaggregation-mode encoder: not one of null, prefill, decode, encode"]
+    assert refused(["--port"], flags) == ["--port: no value"]
