@@ -55,6 +55,9 @@ STAGES = {"tokenspeed": ".ts-stage", "tokenspeed-0.1.1": ".ts011-stage", "vllm":
 # TokenSpeed's staged versions: each stage's profile (scripts/stage_profiles/NAME.yaml and .lock)
 # and, where it is not gpu_lane.sh's default, the env file its setup.sh writes on the device.
 PROFILES = {"tokenspeed": "tokenspeed-0.1.0", "tokenspeed-0.1.1": "tokenspeed-0.1.1"}
+# The module whose add_argument calls are the release's flags (scripts/engine_flags.py), read
+# from the wheel; each profile's flags file sits beside it (PROFILE.flags.json).
+FLAG_SOURCE = ("tokenspeed", "tokenspeed/runtime/utils/server_args.py")
 STAGE_ENV = {"tokenspeed-0.1.1": "/root/stage/ts011-env.sh"}
 SMG = "smg==1.13.0"
 PYSPY = "py-spy==0.4.3"
@@ -262,6 +265,21 @@ def _pip_download(spec: str, dest: Path, binary: bool = True) -> Path:
     return (new or sorted(p for p in dest.iterdir() if p.name.lower().startswith(name)))[-1]
 
 
+def check_flags(repo: Path, profile: str, log=print) -> None:
+    """The committed flags file of a profile's release against the release's wheel: the unit
+    tests check every lane argv against that file, so it must be the release's."""
+    dist, source = FLAG_SOURCE
+    version = profile.rsplit("-", 1)[1]
+    wheel = _pip_download(f"{dist}=={version}", Path.home() / ".cache" / "engine-flags" / profile)
+    flags = repo / "scripts" / "stage_profiles" / f"{profile}.flags.json"
+    r = subprocess.run([sys.executable, "scripts/engine_flags.py", str(wheel), source,
+                        "--check", str(flags)], cwd=repo, capture_output=True, text=True,
+                       check=False)
+    if r.returncode:
+        raise SessionError((r.stderr.strip().splitlines() or ["engine_flags.py failed"])[-1])
+    log(f"prepare: {r.stdout.strip()}")
+
+
 def split_file(src: Path, dest: Path, part: int, stem: str) -> list[Path]:
     """src cut into dest/stem.partNN of at most `part` bytes (cat joins them)."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -309,6 +327,7 @@ def prepare(engines: list[str], vlm: bool = False, repo: Path = REPO, log=print)
                            check=False)
         if r.returncode:
             raise SessionError(f"stage_offline.py failed (exit {r.returncode})")
+        check_flags(repo, PROFILES[eng], log)
     if "vllm" in engines:
         d = repo / STAGES["vllm"]
         if part < 48_000_000 + 2 * 2**20:

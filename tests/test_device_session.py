@@ -304,3 +304,28 @@ def test_a_second_tokenspeed_version_runs_on_its_own_staged_site():
         cmd = ds.lane_command(stage, ["pd:e2e-1gpu-pd"], "abc1234")
         assert "E2E_STAGE_ENV" not in cmd and f"gpu_runs.sh {stage} pd:e2e-1gpu-pd" in cmd
     assert ds.STAGES["tokenspeed-0.1.1"] in " ".join(ds.EXCLUDES)
+
+
+def test_check_flags_refuses_a_flags_file_that_is_not_its_releases(tmp_path, monkeypatch):
+    """prepare re-reads each TokenSpeed bundle's wheel (scripts/engine_flags.py --check): the
+    committed flags file must be that release's, or prepare stops with the command that
+    rewrites it."""
+    import zipfile
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "stage_profiles").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "engine_flags.py", repo / "scripts")
+    wheel = tmp_path / "tokenspeed-9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(ds.FLAG_SOURCE[1], "p.add_argument('--port', type=int)\n"
+                                      "p.add_argument('--eager', action='store_true')\n")
+    monkeypatch.setattr(ds, "_pip_download", lambda spec, dest, binary=True: wheel)
+    flags = repo / "scripts" / "stage_profiles" / "tokenspeed-9.9.flags.json"
+    subprocess.run([sys.executable, "scripts/engine_flags.py", str(wheel), ds.FLAG_SOURCE[1],
+                    "--out", str(flags)], cwd=repo, check=True, capture_output=True)
+    said = []
+    ds.check_flags(repo, "tokenspeed-9.9", said.append)
+    assert said == [f"prepare: engine_flags: {flags} matches {wheel.name} (2 flags)"]
+    # negative control: a file with a flag the release lacks
+    flags.write_text(flags.read_text().replace("--eager", "--skip-server-warmup"))
+    with pytest.raises(ds.SessionError, match="is not tokenspeed-9.9-py3-none-any.whl's flags"):
+        ds.check_flags(repo, "tokenspeed-9.9")
