@@ -1,5 +1,7 @@
 """TokenSpeed command builder: exact argv and env per role (no process is started)."""
 
+import importlib.util
+import json
 import os
 import sys
 from dataclasses import replace
@@ -633,22 +635,13 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
 
 # Each staged release's flags, read from its wheel (scripts/engine_flags.py; device_session.py
 # prepare re-reads the wheel and refuses a file that drifted).
-FLAG_FILES = {v["tokenspeed"]: Path(__file__).resolve().parents[1] / "scripts" / "stage_profiles"
-              / f"tokenspeed-{v['tokenspeed']}.flags.json" for v in (V010, V011)}
-
-
-def _flags(version: str) -> dict:
-    import json
-    return json.loads(FLAG_FILES[version].read_text())["flags"]
-
-
-def _engine_flags():
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "scripts" / "engine_flags.py"
-    spec = importlib.util.spec_from_file_location("engine_flags", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_STAGE = Path(__file__).resolve().parents[1] / "scripts"
+_ef_spec = importlib.util.spec_from_file_location("engine_flags", _STAGE / "engine_flags.py")
+engine_flags = importlib.util.module_from_spec(_ef_spec)
+_ef_spec.loader.exec_module(engine_flags)
+FLAGS = {v["tokenspeed"]: json.loads((_STAGE / "stage_profiles" /
+                                      f"tokenspeed-{v['tokenspeed']}.flags.json").read_text())["flags"]
+         for v in (V010, V011)}
 
 
 def _servicer_args(argv: list[str]) -> list[str]:
@@ -684,20 +677,20 @@ def test_every_lane_argv_parses_on_the_staged_release(monkeypatch, versions):
     the worker's start on the device, as 0.1.1 did with --skip-server-warmup and 0.1.0's
     --no-enable-prefix-caching). Every argv the lanes build is checked here against the flags of
     the release it is built for, values against literal choices."""
-    refused = _engine_flags().refused
+    refused = engine_flags.refused
     monkeypatch.setattr(tokenspeed, "installed_versions", lambda: dict(versions))
-    flags = _flags(versions["tokenspeed"])
+    flags = FLAGS[versions["tokenspeed"]]
     seen = 0
     for name, cmd in _lane_commands():
         assert refused(_servicer_args(cmd.argv), flags) == [], name
         seen += 1
     assert seen >= 20
     # negative controls: each flag 0.1.1 refused on an H100, and a choice it does not offer
-    assert refused(["--skip-server-warmup"], _flags("0.1.1")) == [
+    assert refused(["--skip-server-warmup"], FLAGS["0.1.1"]) == [
         "--skip-server-warmup: no such flag"]
-    assert refused(["--no-enable-prefix-caching"], _flags("0.1.1")) == [
+    assert refused(["--no-enable-prefix-caching"], FLAGS["0.1.1"]) == [
         "--no-enable-prefix-caching: no such flag"]
-    assert refused(["--skip-server-warmup", "--no-enable-prefix-caching"], _flags("0.1.0")) == []
+    assert refused(["--skip-server-warmup", "--no-enable-prefix-caching"], FLAGS["0.1.0"]) == []
     assert refused(["--disaggregation-mode", "encoder"], flags) == [
         "--disaggregation-mode encoder: not one of null, prefill, decode, encode"]
     assert refused(["--port"], flags) == ["--port: no value"]
