@@ -27,6 +27,11 @@ PD_LANE = ("test_oracle_negative_control[{eng}-1]",
            "test_pd_kv_recall[{eng}-1p1d]")
 
 
+# The TokenSpeed GPU runs whose records hold test_perturbed.py's two cases (one H100 each).
+PERTURBED_RUNS = ("h100-e2e-1gpu-chat-tokenspeed-tsrouter-807c8c8",
+                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv-896a6a9")
+
+
 def pd_lane(eng: str) -> list[str]:
     return [t.format(eng=eng) for t in PD_LANE]
 ALL = [res for run in RUNS for res in rejudge.rejudge(run)]
@@ -219,7 +224,11 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
       # workers did not start (0.1.1 refused two flags); their `1` negative controls ran
       + [(f"h100-e2e-1gpu-{lane}-tokenspeed-{run}-c0c8ee9",
           "test_oracle_negative_control[tokenspeed-1]")
-         for lane, run in (("chat", "chat011"), ("pd", "pd011"), ("kv-corrupt", "kv011"))])
+         for lane, run in (("chat", "chat011"), ("pd", "pd011"), ("kv-corrupt", "kv011"))]
+      # the same-path rank test's negative control on a GPU (test_perturbed.py), eps 0 and
+      # perturbed, in every TokenSpeed run whose records kept it
+      + [(run, f"test_perturbed_weights_fail_the_same_path_rank_test[tokenspeed-{case}]")
+         for run in PERTURBED_RUNS for case in ("eps0", "perturbed")])
     # what cannot be re-judged says why (recall: its control arm was recorded as a summary
     # only; TokenSpeed: records written before the oracle)
     for r in ALL:
@@ -239,6 +248,21 @@ def test_healthy_pd_passes(res):
 def test_negative_controls_fail_for_the_right_reason(res):
     assert not res["ok"] and res["as_expected"], res["message"]
     assert res["rank_p"] < oracle.ALPHA
+
+
+@pytest.mark.parametrize("res", [r for r in JUDGED if r["expect"] == "shift"],
+                         ids=lambda r: r["run"])
+def test_perturbed_weights_fail_on_the_same_path_rank_test(res):
+    """The perturbed copy of the model (test_perturbed.py) fails by the rank test against the
+    control arm, on each GPU run that recorded it; its eps-0 case is a healthy comparison
+    (test_healthy_pd_passes)."""
+    assert not res["ok"] and res["same_path_p"] < oracle.ALPHA and res["as_expected"], \
+        res["message"]
+
+
+def test_the_same_path_negative_control_is_held_on_a_gpu():
+    """Not a verdict over nothing: the shifts above are those of the runs named here."""
+    assert sorted(r["run"] for r in JUDGED if r["expect"] == "shift") == sorted(PERTURBED_RUNS)
 
 
 def _pd_case(run, name):

@@ -193,6 +193,15 @@ def test_a_kept_folder_rejudges_the_same_from_its_line_and_its_records():
     assert rejudge.rejudge(line) != from_dir
 
 
+def test_the_perturbed_cases_rejudge_the_same_from_a_line_and_from_the_folder():
+    """test_perturbed.py's records travel in the index (oracle_inputs): a line re-judges its
+    two cases as the folder's tests/*.json do."""
+    d = VALIDATION / "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv-896a6a9"
+    from_line = rejudge.rejudge(rejudge.lines()[d.name])
+    assert from_line == rejudge.rejudge(d)
+    assert sorted(r["expect"] for r in from_line if "perturbed" in r["test"]) == ["pass", "shift"]
+
+
 def test_compact_item_keeps_what_judging_reads():
     from e2e_test.infra.verdicts import oracle
     item = {"index": 0, "verdict": "numerics", "position": 0, "tokens": ["a", "b"], "gap": 0.0,

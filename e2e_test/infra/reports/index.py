@@ -225,6 +225,10 @@ def expand_record(r: dict) -> dict:
     if "oracle_dp" in r:
         out["oracle_dp"] = {k: [{"comparison": _expand_cmp(v["comparison"])} for v in vs]
                             for k, vs in r["oracle_dp"].items()}
+    if "oracle_perturbed" in r:
+        pert = r["oracle_perturbed"]
+        out["oracle_perturbed"] = dict(pert, verdict={
+            "comparison": _expand_cmp(pert["verdict"]["comparison"])})
     return out
 
 
@@ -279,6 +283,10 @@ def oracle_inputs(r: dict) -> dict | None:
     if r.get("oracle_dp"):
         out["oracle_dp"] = {k: [{"comparison": _cmp(v.get("comparison"))} for v in vs]
                             for k, vs in r["oracle_dp"].items()}
+    pert = r.get("oracle_perturbed")
+    if isinstance(pert, dict) and isinstance(pert.get("verdict"), dict):
+        out["oracle_perturbed"] = {"eps": pert.get("eps"), "seed": pert.get("seed"), "verdict": {
+            "comparison": _cmp(pert["verdict"].get("comparison"))}}
     if not out:
         return None
     return {"test": r.get("test"), "engine": r.get("engine"), **out}
