@@ -29,7 +29,8 @@ PD_LANE = ("test_oracle_negative_control[{eng}-1]",
 
 # The TokenSpeed GPU runs whose records hold test_perturbed.py's two cases (one H100 each).
 PERTURBED_RUNS = ("h100-e2e-1gpu-chat-tokenspeed-tsrouter-807c8c8",
-                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv-896a6a9")
+                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv-896a6a9",
+                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-ad278e1")
 
 
 def pd_lane(eng: str) -> list[str]:
@@ -225,6 +226,9 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
       + [(f"h100-e2e-1gpu-{lane}-tokenspeed-{run}-c0c8ee9",
           "test_oracle_negative_control[tokenspeed-1]")
          for lane, run in (("chat", "chat011"), ("pd", "pd011"), ("kv-corrupt", "kv011"))]
+      # one H100, TokenSpeed 0.1.0 staged, its KV corruption lane alone
+      + [("h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-ad278e1",
+          "test_oracle_negative_control[tokenspeed-1]")]
       # the same-path rank test's negative control on a GPU (test_perturbed.py), eps 0 and
       # perturbed, in every TokenSpeed run whose records kept it
       + [(run, f"test_perturbed_weights_fail_the_same_path_rank_test[tokenspeed-{case}]")
