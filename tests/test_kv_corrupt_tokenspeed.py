@@ -7,14 +7,18 @@ memory, in both layouts of the decode's KV pool it knows:
   `layer.N.k` at `field_page_byte_offset(field, 0) + p * page_stride_bytes` (here each layer's
   K and V interleaved in one plane: a page stride twice the payload); `prefill(block_manifest)`.
 
-Stand-ins of the two TokenSpeed classes it patches, of the plan and of the manifest (fakes for
-a unit test of the patching and index logic, not an engine: the real decode runs in the lane
-e2e-1gpu-kv-corrupt). The "transfer" writes a pattern into the pages the receiver was given, as
-Mooncake writes the prefill's KV, then reports success the way
-DisaggDecodeExecutor.generate_events does.
+Stand-ins of the two TokenSpeed classes it patches, of the plan and of the manifest, and for
+0.1.1 of its forward thread and its control-plane guard (fakes for a unit test of the patching
+and index logic, not an engine: the real decode runs in the lane e2e-1gpu-kv-corrupt). The
+"transfer" writes a pattern into the pages the receiver was given, as Mooncake writes the
+prefill's KV, then reports success the way DisaggDecodeExecutor.generate_events does: on 0.1.1
+under the guard, which raises on any tensor op of that thread but a view, as TokenSpeed's does.
 """
 
+import queue
+import threading
 import types
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import pytest
@@ -158,6 +162,54 @@ def page(t, p):
     return t[p]
 
 
+class FakeForwardThread:
+    """TokenSpeed 0.1.1's ForwardThread (runtime/execution/forward_thread.py): one thread runs
+    the submitted closures in order; `run` waits for one."""
+
+    def __init__(self, device):
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="fake::forward", daemon=True)
+        self._thread.start()
+        self.ran = 0
+
+    def _run(self):
+        while (item := self._queue.get()) is not None:
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 (relayed to the waiter, as TokenSpeed)
+                future.set_exception(e)
+            self.ran += 1
+
+    def submit(self, fn):
+        future = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def run(self, fn):
+        return self.submit(fn).result()
+
+    def shutdown(self):
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+def control_plane_guard():
+    """TokenSpeed 0.1.1's `_NoDeviceWork` (runtime/execution/device.py) over host tensors: on
+    the thread that enters it, any tensor op whose outputs do not all alias an input raises."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoTensorWork(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            returns = func._schema.returns
+            if not (returns and all(r.alias_info is not None and not r.alias_info.is_write
+                                    for r in returns)):
+                raise RuntimeError(f"control-plane thread ran {func}")
+            return func(*args, **(kwargs or {}))
+
+    return NoTensorWork()
+
+
 def stand_ins(shape="per_buffer"):
     """Modules named as TokenSpeed's with the two classes (and the KVArgs the decode module
     imports), their methods' arguments as in TokenSpeed 0.1.0 (`per_buffer`) or 0.1.1
@@ -181,6 +233,8 @@ def stand_ins(shape="per_buffer"):
                     raise ValueError("Mooncake PD requires a block manifest")
                 self.asked = list(block_manifest.groups[0].block_ids)
         kv_args_cls = ArenaKVArgs
+        fmod = types.ModuleType("forward_thread")
+        fmod.ForwardThread = type("ForwardThread", (FakeForwardThread,), {})
 
     class MooncakeKVManagerDecode:
         def __init__(self, kv_args):
@@ -195,7 +249,10 @@ def stand_ins(shape="per_buffer"):
     dmod = types.ModuleType("decode")
     dmod.MooncakeKVManagerDecode = MooncakeKVManagerDecode
     dmod.KVArgs = kv_args_cls
-    return {kt.PATCHES[0][0]: rmod, kt.PATCHES[1][0]: dmod}
+    mods = {kt.PATCHES[0][0]: rmod, kt.PATCHES[1][0]: dmod}
+    if shape != "per_buffer":
+        mods[kt.FORWARD_THREAD[0]] = fmod
+    return mods
 
 
 POOLS = {"per_buffer": pool, "arena": arena_pool}
@@ -215,7 +272,11 @@ def transfer(mods, mgr, ks, vs, room, pages, value):
         for p in pages:
             page(ks[layer], p).fill_(value + layer)
             page(vs[layer], p).fill_(-(value + layer))
-    assert mgr.pop_prefill_metadata(room) == (-1, None)
+    if isinstance(mgr.kv_args, ArenaKVArgs):        # 0.1.1: popped on the guarded control plane
+        with control_plane_guard():
+            assert mgr.pop_prefill_metadata(room) == (-1, None)
+    else:
+        assert mgr.pop_prefill_metadata(room) == (-1, None)
     assert mgr.popped[-1] == room
 
 
@@ -227,7 +288,13 @@ def decode(request, tmp_path):
     folder = str(tmp_path / "kv-corrupt" / "decode-0")
     state = kt.install("runtime", folder, modules=mods, device="cpu", seed=0)
     assert state.layout.name == request.param
-    return mods, mgr, ks, vs, folder, state
+    ft = None
+    if kt.FORWARD_THREAD[0] in mods:                # the engine builds it after the preload
+        ft = mods[kt.FORWARD_THREAD[0]].ForwardThread("cpu")
+        assert state.forward_thread is ft
+    yield mods, mgr, ks, vs, folder, state
+    if ft is not None:
+        ft.shutdown()
 
 
 @needs_torch
@@ -369,14 +436,56 @@ def test_install_from_env_says_what_it_did(shape, capsys, monkeypatch):
     assert kt.install_from_env({kt.ENV_SETTING: "runtime", kt.ENV_DIR: "/x"}) is None
     assert "NOT installed on TokenSpeed's decode: ModuleNotFoundError" in capsys.readouterr().err
     mods = stand_ins(shape)
-    real = kt.patch_points
+    real, real_ft = kt.patch_points, kt.forward_thread_class
     monkeypatch.setattr(kt, "patch_points", lambda modules=None: real(mods))
+    monkeypatch.setattr(kt, "forward_thread_class", lambda modules=None: real_ft(mods))
     assert kt.install_from_env({kt.ENV_SETTING: "runtime", kt.ENV_DIR: ""}) is not None
     err = capsys.readouterr().err
     assert "installed on TokenSpeed's decode (setting 'runtime'" in err
     assert "MooncakeKVReceiver.prefill, MooncakeKVManagerDecode.pop_prefill_metadata" in err
     arg = {"per_buffer": "kv_indices", "arena": "block_manifest"}[shape]
-    assert f"; layout {shape} (prefill({arg}))" in err
+    where = {"per_buffer": "the calling thread", "arena": "the forward thread (ForwardThread.run)"}
+    assert f"; layout {shape} (prefill({arg})); corrupts on {where[shape]}" in err
+
+
+@needs_torch
+@pytest.mark.parametrize("decode", ["arena"], indirect=True)
+def test_on_0_1_1_the_corruption_runs_on_the_forward_thread(decode):
+    """The control plane that pops the metadata is guarded (no tensor op but a view); the
+    corruption is handed to the forward thread and has run when the pop returns."""
+    mods, mgr, ks, vs, folder, state = decode
+    kc.set_kind(folder, "zero_layer:1")
+    before = state.forward_thread.ran
+    transfer(mods, mgr, ks, vs, 7, [2, 3], 100.0)
+    assert state.forward_thread.ran == before + 1
+    assert (page(ks[1], 2) == 0).all() and (page(ks[0], 2) == 100).all()
+    assert kc.read_counts(folder) == {"zero_layer": {"requests": 1, "blocks": 2}}
+
+
+@needs_torch
+def test_on_0_1_1_a_corruption_on_the_control_plane_is_refused(tmp_path, caplog):
+    """The negative control of the test above: the same corruption run in place, on the
+    guarded thread, is refused by the guard; the pages stay as transferred, nothing is
+    counted, and the log says why. Without a forward thread built after the hook installed,
+    the same, named."""
+    for built in (True, False):
+        mods = stand_ins("arena")
+        ks, vs, args = arena_pool()
+        mgr = mods[kt.PATCHES[1][0]].MooncakeKVManagerDecode(args)
+        folder = str(tmp_path / f"kc-{built}")
+        state = kt.install("runtime", folder, modules=mods, device="cpu", seed=0)
+        if built:
+            ft = mods[kt.FORWARD_THREAD[0]].ForwardThread("cpu")
+            state.forward_thread = state.forward_thread_class = None
+        kc.set_kind(folder, "zero_layer:1")
+        caplog.clear()
+        transfer(mods, mgr, ks, vs, 7, [2, 3], 100.0)
+        assert (page(ks[1], 2) == 101).all() and kc.read_counts(folder) == {}
+        assert "e2e-kv-corrupt: corruption failed" in caplog.text
+        why = "control-plane thread ran" if built else "none was built after the hook installed"
+        assert why in caplog.text
+        if built:
+            ft.shutdown()
 
 
 def test_an_unknown_or_mixed_shape_is_refused_with_its_line(capsys, monkeypatch):
@@ -463,6 +572,14 @@ class MooncakeKVReceiver:
     def prefill(self, block_manifest=None):
         pass
 """}
+FORWARD = """
+class ForwardThread:
+    def __init__(self, device):
+        pass
+
+    def run(self, fn):
+        return fn()
+"""
 DECODE = """
 class MooncakeKVManagerDecode:
     def pop_prefill_metadata(self, bootstrap_room):
@@ -513,6 +630,11 @@ def test_the_launchers_preload_installs_it_in_the_scheduler_only_when_asked(shap
         (d / "__init__.py").write_text("")
     (pkg / "receiver.py").write_text(RECEIVERS[shape])
     (pkg / "decode.py").write_text(DECODE)
+    if shape == "arena":                           # 0.1.1 has a forward thread, 0.1.0 none
+        ex = tmp_path / "tokenspeed" / "runtime" / "execution"
+        ex.mkdir()
+        (ex / "__init__.py").write_text("")
+        (ex / "forward_thread.py").write_text(FORWARD)
     (tmp_path / "stand_in_ts_target.py").write_text(TARGET)
     (tmp_path / "stand_in_ts_entry.py").write_text(ENTRY)
     repo = str(Path(kt.__file__).resolve().parents[3])
@@ -534,3 +656,5 @@ def test_the_launchers_preload_installs_it_in_the_scheduler_only_when_asked(shap
         line = f"e2e-kv-corrupt (pid {out['pid']}): installed on TokenSpeed's decode"
         assert (line in proc.stderr) == asked, proc.stderr
         assert (f"; layout {shape} (" in proc.stderr) == asked, proc.stderr
+        where = {"per_buffer": "calling", "arena": "forward"}[shape]
+        assert (f"; corrupts on the {where} thread" in proc.stderr) == asked, proc.stderr

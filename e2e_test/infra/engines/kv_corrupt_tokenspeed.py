@@ -16,6 +16,16 @@ engines/kv_corrupt.py, or `runtime`: its control file in `HARNESS_KV_CORRUPT_DIR
   `RemotePrefillDoneEvent` reaches the scheduler: the corruption is applied to those pages
   there, and the device synchronised, so the decode's first step already reads it.
 
+Where the corruption's device work runs follows the release. TokenSpeed 0.1.0 calls both
+methods on its scheduler thread, and the corruption runs there. TokenSpeed 0.1.1 runs device
+work on one forward thread per rank (`runtime/execution/forward_thread.py`) and bans it on the
+control-plane thread that calls `pop_prefill_metadata` (`device.py` `_NoDeviceWork`: "device
+work crosses only through DeviceHandle"); there the corruption is handed to that thread with
+`ForwardThread.run`, which TokenSpeed keeps for "the low-rate PD events that must see their
+device write land", and returns once it has run, before the room's event reaches the scheduler.
+`install` records the forward thread by wrapping `ForwardThread.__init__` (the preload runs
+before the engine builds it).
+
 Two layouts of the decode's pool are known (`LAYOUTS`), told apart by the first argument of
 `MooncakeKVReceiver.prefill` and checked against the fields of `KVArgs`:
 
@@ -51,6 +61,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 from collections.abc import Callable
 
 from . import kv_corrupt as kc
@@ -66,6 +77,8 @@ PATCHES = (("tokenspeed.runtime.pd.mooncake.receiver", "MooncakeKVReceiver", "pr
             None),
            ("tokenspeed.runtime.pd.mooncake.decode", "MooncakeKVManagerDecode",
             "pop_prefill_metadata", "bootstrap_room"))
+# TokenSpeed 0.1.1's data plane (absent in 0.1.0): the thread the corruption runs on there.
+FORWARD_THREAD = ("tokenspeed.runtime.execution.forward_thread", "ForwardThread")
 
 
 def byte_view(ptr: int, nbytes: int, device: str = "cuda"):
@@ -281,6 +294,20 @@ class DecodeState(kc._State):
         self.pages: dict[int, list[int]] = {}       # room -> the pages it receives
         self.last_kind: kc.Kind | None = None
         self._corruptors: dict[int, PageCorruptor] = {}     # id(kv_args) -> its corruptor
+        self.forward_thread_class: type | None = None    # TokenSpeed 0.1.1's ForwardThread
+        self.forward_thread = None      # its instance, once the engine builds it
+
+    def on_data_plane(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the forward thread where the engine has one (TokenSpeed 0.1.1), waiting
+        for it; on the calling thread otherwise (0.1.0, or already on the forward thread)."""
+        ft = self.forward_thread
+        if ft is None and self.forward_thread_class is not None:
+            raise RuntimeError("the engine has a ForwardThread class, but none was built after "
+                               "the hook installed: its device work has no thread to run on")
+        if ft is None or threading.current_thread() is getattr(ft, "_thread", None):
+            fn()
+        else:
+            ft.run(fn)
 
     def page_corruptor(self, kv_args) -> PageCorruptor:
         c = self._corruptors.get(id(kv_args))
@@ -387,14 +414,33 @@ def patch_points(modules: dict | None = None) -> tuple[list[tuple[type, str]], L
     return out, choose_layout(getattr(*out[0]), mods[1])
 
 
+def forward_thread_class(modules: dict | None = None) -> type | None:
+    """TokenSpeed 0.1.1's ForwardThread (FORWARD_THREAD), imported (or from `modules`); None
+    where the release has none (0.1.0)."""
+    module, cls_name = FORWARD_THREAD
+    mod = (modules or {}).get(module)
+    if mod is None and modules is None:
+        try:
+            mod = __import__(module, fromlist=[cls_name])
+        except ModuleNotFoundError:
+            return None
+    cls = getattr(mod, cls_name, None)
+    if cls is not None and not callable(getattr(cls, "run", None)):
+        raise ValueError(f"{module}.{cls_name} has no run(fn)")
+    return cls
+
+
 def install(setting: str, folder: str, modules: dict | None = None, device: str = "cuda",
             seed: int | None = None) -> DecodeState:
     """Patch the two methods (see the module's doc) to corrupt as `setting` says; the state
-    (its `layout`: the one the receiver's `prefill` names). Raises ValueError (a bad setting, a
-    patch point gone, an unknown layout) before patching anything."""
+    (its `layout`: the one the receiver's `prefill` names; its `forward_thread`, once the
+    engine builds one). Raises ValueError (a bad setting, a patch point gone, an unknown
+    layout) before patching anything."""
     kc.check_setting(setting)
     ((recv_cls, recv_name), (mgr_cls, mgr_name)), layout = patch_points(modules)
+    ft_cls = forward_thread_class(modules)
     state = DecodeState(setting, folder, device, os.getpid() if seed is None else seed, layout)
+    state.forward_thread_class = ft_cls
     if folder:
         os.makedirs(folder, exist_ok=True)
     prefill, pop = getattr(recv_cls, recv_name), getattr(mgr_cls, mgr_name)
@@ -414,13 +460,22 @@ def install(setting: str, folder: str, modules: dict | None = None, device: str 
     def pop_wrapper(self, bootstrap_room, *args, **kwargs):
         out = pop(self, bootstrap_room, *args, **kwargs)
         try:
-            state.arrived(self.kv_args, bootstrap_room)
+            state.on_data_plane(functools.partial(state.arrived, self.kv_args, bootstrap_room))
         except Exception:  # noqa: BLE001 (as above)
             kc.log.exception("e2e-kv-corrupt: corruption failed")
         return out
 
     setattr(recv_cls, recv_name, prefill_wrapper)
     setattr(mgr_cls, mgr_name, pop_wrapper)
+    if ft_cls is not None:
+        init = ft_cls.__init__
+
+        @functools.wraps(init)
+        def init_wrapper(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            state.forward_thread = self         # one rank, one forward thread per process
+
+        ft_cls.__init__ = init_wrapper
     return state
 
 
@@ -442,7 +497,9 @@ def install_from_env(environ=None) -> DecodeState | None:
     print(f"e2e-kv-corrupt (pid {os.getpid()}): installed on TokenSpeed's decode (setting "
           f"{setting!r}, folder {folder}): "
           + ", ".join(f"{c}.{m}" for _, c, m, _ in PATCHES)
-          + f"; layout {state.layout.name} (prefill({state.layout.prefill_arg}))",
+          + f"; layout {state.layout.name} (prefill({state.layout.prefill_arg}))"
+          + ("; corrupts on the forward thread (ForwardThread.run)"
+             if state.forward_thread_class is not None else "; corrupts on the calling thread"),
           file=sys.stderr, flush=True)
     return state
 
