@@ -61,7 +61,6 @@ import functools
 import inspect
 import os
 import sys
-import threading
 from collections.abc import Callable
 
 from . import kv_corrupt as kc
@@ -286,7 +285,7 @@ class DecodeState(kc._State):
     kind does when its transfer has succeeded (`arrived`)."""
 
     def __init__(self, setting: str, folder: str, device: str = "cuda", seed: int = 0,
-                 layout: Layout = LAYOUTS[0]):
+                 layout: Layout = LAYOUTS[0], forward_thread_class: type | None = None):
         super().__init__(setting, folder)
         self.layout = layout
         self.device = device
@@ -294,17 +293,18 @@ class DecodeState(kc._State):
         self.pages: dict[int, list[int]] = {}       # room -> the pages it receives
         self.last_kind: kc.Kind | None = None
         self._corruptors: dict[int, PageCorruptor] = {}     # id(kv_args) -> its corruptor
-        self.forward_thread_class: type | None = None    # TokenSpeed 0.1.1's ForwardThread
+        self.forward_thread_class = forward_thread_class    # TokenSpeed 0.1.1's ForwardThread
         self.forward_thread = None      # its instance, once the engine builds it
 
     def on_data_plane(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the forward thread where the engine has one (TokenSpeed 0.1.1), waiting
-        for it; on the calling thread otherwise (0.1.0, or already on the forward thread)."""
+        for it; on the calling thread otherwise (0.1.0). Only `pop_prefill_metadata`'s wrapper
+        calls it, on the control plane in both releases."""
         ft = self.forward_thread
         if ft is None and self.forward_thread_class is not None:
             raise RuntimeError("the engine has a ForwardThread class, but none was built after "
                                "the hook installed: its device work has no thread to run on")
-        if ft is None or threading.current_thread() is getattr(ft, "_thread", None):
+        if ft is None:
             fn()
         else:
             ft.run(fn)
@@ -439,8 +439,8 @@ def install(setting: str, folder: str, modules: dict | None = None, device: str 
     kc.check_setting(setting)
     ((recv_cls, recv_name), (mgr_cls, mgr_name)), layout = patch_points(modules)
     ft_cls = forward_thread_class(modules)
-    state = DecodeState(setting, folder, device, os.getpid() if seed is None else seed, layout)
-    state.forward_thread_class = ft_cls
+    state = DecodeState(setting, folder, device, os.getpid() if seed is None else seed, layout,
+                        ft_cls)
     if folder:
         os.makedirs(folder, exist_ok=True)
     prefill, pop = getattr(recv_cls, recv_name), getattr(mgr_cls, mgr_name)
