@@ -196,9 +196,9 @@ def test_a_kept_folder_rejudges_the_same_from_its_line_and_its_records():
 def test_the_perturbed_cases_rejudge_the_same_from_a_line_and_from_the_folder():
     """test_perturbed.py's records travel in the index (oracle_inputs): a line re-judges its
     two cases as the folder's tests/*.json do, in every kept folder that holds them."""
-    dirs = sorted(d.parent.parent for d in VALIDATION.glob("*/tests/*test_perturbed.py*.json"))
+    dirs = sorted({d.parent.parent for d in VALIDATION.glob("*/tests/*test_perturbed.py*.json")})
     assert dirs, "no kept run folder holds test_perturbed.py's records"
-    for d in set(dirs):
+    for d in dirs:
         from_line = rejudge.rejudge(rejudge.lines()[d.name])
         assert from_line == rejudge.rejudge(d), d.name
         assert sorted(r["expect"] for r in from_line
