@@ -285,7 +285,16 @@ def _marker(run: str, pid: int, create: float) -> dict:
 
 
 @pytest.fixture
-def planted():
+def sweeps_held():
+    """This test's preflight is the only one on the machine while it runs: another xdist
+    worker's preflight would sweep the orphans this test plants, or find the ones it plants
+    where this test asserts that nothing is found."""
+    with reaper.PREFLIGHT_LOCK:
+        yield
+
+
+@pytest.fixture
+def planted(sweeps_held):
     made = []
 
     def plant(marker):
@@ -364,7 +373,7 @@ def test_preflight_finds_registered_sessions_whose_environment_it_cannot_read(
 
 
 def test_preflight_takes_the_members_of_a_registered_session_whose_leader_died(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, sweeps_held):
     monkeypatch.setattr(reaper, "RUNS_DIR", tmp_path / "runs")
     (tmp_path / "runs").mkdir()
     env = {k: v for k, v in os.environ.items()
@@ -404,7 +413,7 @@ def test_a_driver_lists_its_sessions_in_runs_dir_and_removes_the_file_at_a_clean
     assert not f.exists()
 
 
-def test_preflight_without_orphans_is_silent():
+def test_preflight_without_orphans_is_silent(sweeps_held):
     lines = []
     assert reaper.preflight(mode="clear", log=lines.append) == {} and lines == []
 
@@ -491,7 +500,7 @@ def test_gpu_check_names_a_pid_it_cannot_see_and_unknown_memory(nvml, monkeypatc
         reaper.preflight(devices=[0], mode="clear")
 
 
-def test_gpu_check_waits_for_a_dying_holder_to_go(nvml, monkeypatch):
+def test_gpu_check_waits_for_a_dying_holder_to_go(nvml, monkeypatch, sweeps_held):
     """A process that just exited (not visible any more) is still listed by NVML for a moment:
     the check waits for it, up to GPU_SETTLE_S."""
     monkeypatch.setattr(reaper, "GPU_SETTLE_S", 5.0)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from filelock import FileLock, Timeout
 
 from ..errors import PreflightError
 from ..specs import settings
@@ -764,15 +765,27 @@ def gpu_holders(devices) -> list[GpuHolder] | None:
     return out
 
 
-_PREFLIGHT_LOCK = threading.Lock()     # threads of one process run it one at a time
+# Preflights run one at a time on this machine, across processes (xdist workers, drivers) and
+# threads: two never stop the same processes, and a test that plants an orphan holds this lock
+# so that no other preflight sweeps it first. Reentrant within a thread.
+PREFLIGHT_LOCK = FileLock(Path(tempfile.gettempdir()) / f"e2e-preflight-{os.getuid()}.lock")
+PREFLIGHT_LOCK_WAIT_S = 120.0
 
 
 def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None = None,
               log=None) -> dict:
     """Before a topology starts: clear (or name) what an earlier run left; on GPUs, fail on
     memory held by processes this run does not own. Returns what it did."""
-    with _PREFLIGHT_LOCK:
+    try:
+        PREFLIGHT_LOCK.acquire(timeout=PREFLIGHT_LOCK_WAIT_S)
+    except Timeout:
+        raise PreflightError(f"preflight: {PREFLIGHT_LOCK.lock_file} stayed locked for "
+                             f"{PREFLIGHT_LOCK_WAIT_S:.0f} s (another preflight on this "
+                             f"machine hangs)") from None
+    try:
         return _preflight(devices, report_dir, mode, log)
+    finally:
+        PREFLIGHT_LOCK.release()
 
 
 def _preflight(devices, report_dir, mode, log) -> dict:
