@@ -36,7 +36,10 @@ PERTURBED_RUNS = ("h100-e2e-1gpu-chat-tokenspeed-tsrouter-807c8c8",
                   "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-1118e83",
                   "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010c-1118e83",
                   "h100-e2e-1gpu-chat-tokenspeed-tsrouter010-1118e83",
-                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-2b704ac")
+                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-2b704ac",
+                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv011-730bd71",
+                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv011b-730bd71",
+                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-730bd71")
 
 
 def pd_lane(eng: str) -> list[str]:
@@ -247,6 +250,14 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
       + [("h100-e2e-1gpu-chat-tokenspeed-tsrouter010-1118e83", t)
          for t in pd_lane("tokenspeed") + ["test_dp_workers_agree[tokenspeed-dp2-gsm8k]",
                                          "test_dp_workers_agree[tokenspeed-dp2-mmlu]"]]
+      # one H100 at one SHA, TokenSpeed 0.1.1 then 0.1.0 staged: 0.1.1's KV corruption (twice),
+      # PD, EPD and chat lanes, then 0.1.0's KV corruption, PD and chat lanes
+      + [(f"h100-e2e-1gpu-{lane}-tokenspeed-{run}-730bd71",
+          "test_oracle_negative_control[tokenspeed-1]")
+         for lane, run in (("chat", "chat011"), ("chat", "chat010"), ("kv-corrupt", "kv011"),
+                           ("kv-corrupt", "kv011b"), ("kv-corrupt", "kv010"))]
+      + [(f"h100-e2e-1gpu-pd-tokenspeed-{run}-730bd71", t)
+         for run in ("pd011", "pd010") for t in pd_lane("tokenspeed")]
       # the same-path rank test's negative control on a GPU (test_perturbed.py), eps 0 and
       # perturbed, in every TokenSpeed run whose records kept it
       + [(run, f"test_perturbed_weights_fail_the_same_path_rank_test[tokenspeed-{case}]")
