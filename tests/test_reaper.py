@@ -418,6 +418,31 @@ def test_preflight_without_orphans_is_silent(sweeps_held):
     assert reaper.preflight(mode="clear", log=lines.append) == {} and lines == []
 
 
+def test_a_preflight_held_off_too_long_fails_in_one_line(monkeypatch):
+    """Another process's preflight holds the lock past its timeout: a one-line error naming
+    the lock, not a wait without end; once the lock is free, the preflight runs."""
+    import threading
+    monkeypatch.setattr(reaper.PREFLIGHT_LOCK, "timeout", 0.3)
+    held, done = threading.Event(), threading.Event()
+
+    def other():                     # another thread: its own file descriptor, as a process
+        with reaper.PREFLIGHT_LOCK:
+            held.set()
+            done.wait(10)
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(PreflightError) as exc:
+            reaper.preflight(mode="off")
+        msg = str(exc.value)
+        assert "\n" not in msg and str(reaper.PREFLIGHT_LOCK.lock_file) in msg, msg
+    finally:
+        done.set()
+        t.join()
+    assert reaper.preflight(mode="off") == {}
+
+
 @pytest.mark.parametrize("value,mode", [("", "clear"), ("clear", "clear"), ("fail", "fail"),
                                         ("off", "off")])
 def test_preflight_mode(monkeypatch, value, mode):

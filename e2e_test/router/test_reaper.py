@@ -156,35 +156,36 @@ def test_preflight_clears_what_a_killed_driver_and_guardian_left(own_cluster, re
     driver, info, _, _, tree = _start_driver(
         tmp_path, request.config.getoption("--model"), engine_name, e2e_backend)
     try:
-        with reaper.PREFLIGHT_LOCK:      # no other worker's preflight sweeps the tree first
-            os.kill(info["guardian"], signal.SIGKILL)
-            while reaper.pid_alive(info["guardian"]):
-                time.sleep(0.05)
-            driver.send_signal(signal.SIGKILL)
-            driver.wait()
-            time.sleep(2.0)
-            left = _alive(tree)
-            assert len(left) == len(tree), "without a guardian the topology should outlive"
-            with pytest.raises(PreflightError) as exc:
-                reaper.preflight(mode="fail")
-            msg = str(exc.value)
-            assert "\n" not in msg and all(f"pid {p.pid}" in msg for p in tree[:6]), msg
-            assert len(_alive(tree)) == len(tree)       # fail mode touches nothing
-            said: list[str] = []
-            t0 = time.monotonic()
-            done = reaper.preflight(mode="clear", log=said.append)
-            cleared_s = time.monotonic() - t0
-            left = _alive(tree)
-            record.update(fault="SIGKILL of guardian and driver, then preflight",
-                          processes_before=len(tree), processes_left=len(left),
-                          fail_message=msg, cleared_s=round(cleared_s, 2),
-                          preflight=done, log=said)
-            print(f"preflight: {said[0] if said else 'said nothing'}; {len(left)} left after "
-                  f"{cleared_s:.2f} s; fail mode said: {msg[:200]}")
-            assert not left, f"preflight left {[p.pid for p in left]}"
-            assert cleared_s <= GONE_WITHIN_S
-            assert len(said) == 1 and info["run"] in said[0]
+        reaper.PREFLIGHT_LOCK.acquire()    # no other worker's preflight sweeps the tree first
+        os.kill(info["guardian"], signal.SIGKILL)
+        while reaper.pid_alive(info["guardian"]):
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        time.sleep(2.0)
+        left = _alive(tree)
+        assert len(left) == len(tree), "without a guardian the topology should outlive"
+        with pytest.raises(PreflightError) as exc:
+            reaper.preflight(mode="fail")
+        msg = str(exc.value)
+        assert "\n" not in msg and all(f"pid {p.pid}" in msg for p in tree[:6]), msg
+        assert len(_alive(tree)) == len(tree)       # fail mode touches nothing
+        said: list[str] = []
+        t0 = time.monotonic()
+        done = reaper.preflight(mode="clear", log=said.append)
+        cleared_s = time.monotonic() - t0
+        left = _alive(tree)
+        record.update(fault="SIGKILL of guardian and driver, then preflight",
+                      processes_before=len(tree), processes_left=len(left),
+                      fail_message=msg, cleared_s=round(cleared_s, 2),
+                      preflight=done, log=said)
+        print(f"preflight: {said[0] if said else 'said nothing'}; {len(left)} left after "
+              f"{cleared_s:.2f} s; fail mode said: {msg[:200]}")
+        assert not left, f"preflight left {[p.pid for p in left]}"
+        assert cleared_s <= GONE_WITHIN_S
+        assert len(said) == 1 and info["run"] in said[0]
         assert {int(x.split()[1]) for x in done["cleared"]["terminated"]
                 + done["cleared"]["killed"]} >= {p.pid for p in tree}
     finally:
+        reaper.PREFLIGHT_LOCK.release()
         _finish(driver, tree)

@@ -768,8 +768,8 @@ def gpu_holders(devices) -> list[GpuHolder] | None:
 # Preflights run one at a time on this machine, across processes (xdist workers, drivers) and
 # threads: two never stop the same processes, and a test that plants an orphan holds this lock
 # so that no other preflight sweeps it first. Reentrant within a thread.
-PREFLIGHT_LOCK = FileLock(Path(tempfile.gettempdir()) / f"e2e-preflight-{os.getuid()}.lock")
-PREFLIGHT_LOCK_WAIT_S = 120.0
+PREFLIGHT_LOCK = FileLock(Path(tempfile.gettempdir()) / f"e2e-preflight-{os.getuid()}.lock",
+                          timeout=120.0)
 
 
 def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None = None,
@@ -777,15 +777,12 @@ def preflight(devices=(), report_dir: Path | str | None = None, mode: str | None
     """Before a topology starts: clear (or name) what an earlier run left; on GPUs, fail on
     memory held by processes this run does not own. Returns what it did."""
     try:
-        PREFLIGHT_LOCK.acquire(timeout=PREFLIGHT_LOCK_WAIT_S)
+        with PREFLIGHT_LOCK:
+            return _preflight(devices, report_dir, mode, log)
     except Timeout:
         raise PreflightError(f"preflight: {PREFLIGHT_LOCK.lock_file} stayed locked for "
-                             f"{PREFLIGHT_LOCK_WAIT_S:.0f} s (another preflight on this "
+                             f"{PREFLIGHT_LOCK.timeout:.0f} s (another preflight on this "
                              f"machine hangs)") from None
-    try:
-        return _preflight(devices, report_dir, mode, log)
-    finally:
-        PREFLIGHT_LOCK.release()
 
 
 def _preflight(devices, report_dir, mode, log) -> dict:
