@@ -426,7 +426,7 @@ def test_a_preflight_held_off_too_long_fails_in_one_line(monkeypatch):
     held, done = threading.Event(), threading.Event()
 
     def other():                     # another thread: its own file descriptor, as a process
-        with reaper.PREFLIGHT_LOCK:
+        with reaper.PREFLIGHT_LOCK.acquire(timeout=60):   # other xdist workers' tests may hold it
             held.set()
             done.wait(10)
     t = threading.Thread(target=other)
@@ -440,6 +440,7 @@ def test_a_preflight_held_off_too_long_fails_in_one_line(monkeypatch):
     finally:
         done.set()
         t.join()
+    monkeypatch.undo()
     assert reaper.preflight(mode="off") == {}
 
 
