@@ -60,13 +60,15 @@ def installed_0_1_0(monkeypatch):
 
 def test_workarounds_by_version():
     """0.1.0's bundle needs every workaround; 0.1.1's not the EPD gateway's poll (servicer
-    0.9.1 answers an encode worker's GetLoads) nor the host pool's ratio (no host pool with
-    --disable-kvstore); each by its own distribution's version, an unknown one needing all."""
+    0.9.1 answers an encode worker's GetLoads), nor the host pool's ratio (no host pool with
+    --disable-kvstore), nor going without a flush (its FlushCache clears); each by its own
+    distribution's version, an unknown one needing all."""
     every = frozenset(tokenspeed.WORKAROUND_NAMES)
     assert tokenspeed.workarounds(**V010) == every
     assert tokenspeed.workarounds(None, None) == every
     assert tokenspeed.workarounds(**V011) == every - {"epd-gateway-no-load-poll",
-                                                       "host-pool-ratio", "hybrid-boots-alone"}
+                                                       "host-pool-ratio", "hybrid-boots-alone",
+                                                       "kv-corrupt-no-flush"}
     # negative controls: each fix counts only in the distribution that carries it
     assert "epd-gateway-no-load-poll" in tokenspeed.workarounds("0.1.1", "0.7.0.post20260720")
     assert "epd-gateway-no-load-poll" in tokenspeed.workarounds("0.1.1", None)
@@ -74,7 +76,8 @@ def test_workarounds_by_version():
         "epd-gateway-no-load-poll"}
     assert "host-pool-ratio" in tokenspeed.workarounds("0.0.9", "0.9.1")
     assert "host-pool-ratio" not in tokenspeed.workarounds("0.2.0", None)
-    # still needed on 0.1.1: top-k refused, FlushCache not relied on, triton samplers refused
+    # still needed on 0.1.1: top-k refused, the decode's match at admission off, triton
+    # samplers refused
     assert {"no-top-logprobs", "kv-corrupt-decode-uncached",
             "triton-sampler-graphs-refused"} <= tokenspeed.workarounds("9.9.9", "9.9.9")
 
@@ -101,13 +104,15 @@ def test_the_workers_log_names_its_version_and_workarounds(monkeypatch):
     assert cmd.log_note == (
         "e2e: TokenSpeed 0.1.0 (servicer 0.7.0.post20260720): workarounds applied: "
         "epd-gateway-no-load-poll, host-pool-ratio, hybrid-boots-alone, no-top-logprobs, "
-        "kv-corrupt-decode-uncached, triton-sampler-graphs-refused; not needed: none")
+        "kv-corrupt-decode-uncached, kv-corrupt-no-flush, triton-sampler-graphs-refused; "
+        "not needed: none")
     monkeypatch.setattr(tokenspeed, "installed_versions", lambda: dict(V011))
     cmd = tokenspeed.build(SPEC, t, e["worker"], ports, "/models/q", CUDA)
     assert cmd.log_note == (
         "e2e: TokenSpeed 0.1.1 (servicer 0.9.1.post20260920): workarounds applied: "
         "no-top-logprobs, kv-corrupt-decode-uncached, triton-sampler-graphs-refused; "
-        "not needed: epd-gateway-no-load-poll, host-pool-ratio, hybrid-boots-alone")
+        "not needed: epd-gateway-no-load-poll, host-pool-ratio, hybrid-boots-alone, "
+        "kv-corrupt-no-flush")
     assert "\n" not in cmd.log_note
 
 
@@ -597,8 +602,8 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
     dec = tokenspeed.build(SPEC, t, e["decode"], ports, "/m", opts)
     ns, rest, _ = e2e_warm_spawn.parse(dec.argv[3:])
     assert ns.preload == ["tokenspeed.runtime.engine.event_loop", kt.MODULE]
-    # it caches nothing it receives (TokenSpeed cannot be asked to flush): prefix caching is on
-    # by default in TokenSpeed's ServerArgs, so it is turned off by name; the prefill caches
+    # it matches no prefix at admission (it asks for every page): prefix caching is on by
+    # default in TokenSpeed's ServerArgs, so it is turned off by name; the prefill caches
     assert "--enable-prefix-caching" not in rest and "--no-enable-prefix-caching" in rest
     assert dec.env[kt.ENV_SETTING] == "runtime"
     assert dec.env[kt.ENV_DIR] == "/s/kv-corrupt/decode-0"
@@ -631,6 +636,88 @@ def test_kv_corrupt_patches_the_decodes_scheduler_through_the_warm_spawn():
     with pytest.raises(ConfigError, match="needs a state folder"):
         tokenspeed.build(SPEC, t, e["decode"], ports, "/m",
                          EngineOptions(backend="cuda", engine_opts={"kv_corrupt": "runtime"}))
+
+
+def _kv_cluster(decode_argv):
+    from types import SimpleNamespace
+    t, e = entries("1p1d")
+    ports = Ports(api=1, aux={"bootstrap": 3, "dist_init": 2})
+    pre = tokenspeed.build(SPEC, t, e["prefill"], ports, "/m", CUDA)
+    return SimpleNamespace(name="ts-1p1d", workers=[
+        SimpleNamespace(name="prefill-0", entry=e["prefill"], command=pre,
+                        ports=Ports(api=31000)),
+        SimpleNamespace(name="decode-0", entry=e["decode"], ports=Ports(api=31002),
+                        command=SimpleNamespace(argv=decode_argv))])
+
+
+@pytest.mark.parametrize("versions,flushed", [(V011, ["prefill-0", "decode-0"]),
+                                              (V010, []), ({"tokenspeed": None,
+                                                           "servicer": None}, [])])
+def test_kv_cases_flush_every_worker_where_flushcache_clears(monkeypatch, versions, flushed):
+    """From 0.1.1 (FlushCache clears; its decode points a request at pages an earlier one
+    received for the same tokens) forget_received_kv flushes every worker by its own port;
+    0.1.0 and an unknown release flush none. A decode that would match a prefix at admission
+    is refused first, on every release."""
+    calls = []
+    monkeypatch.setattr(tokenspeed, "installed_versions", lambda: dict(versions))
+    monkeypatch.setattr(tokenspeed, "flush_cache",
+                        lambda host, port, who: calls.append((host, port, who)))
+    tokenspeed.ENGINE.forget_received_kv(_kv_cluster(["--disable-prefix-caching"]))
+    assert [c[2] for c in calls] == [f"ts-1p1d: {n}" for n in flushed]
+    assert [c[1] for c in calls] == [{"prefill-0": 31000, "decode-0": 31002}[n]
+                                     for n in flushed]
+    assert all(c[0] == "127.0.0.1" for c in calls)
+    calls.clear()
+    with pytest.raises(HarnessError, match="decode-0 caches the KV it receives"):
+        tokenspeed.ENGINE.forget_received_kv(_kv_cluster(["--enable-prefix-caching"]))
+    assert calls == []
+
+
+def _fake_flush_stubs(monkeypatch, answers):
+    """smg_grpc_proto's two modules that flush_cache imports, their stub answering
+    FlushCache from `answers` ((success, message), in turn); returns the calls."""
+    import types
+    calls = []
+
+    class Stub:
+        def __init__(self, channel):
+            pass
+
+        def FlushCache(self, request, timeout):
+            calls.append(timeout)
+            ok, msg = answers[min(len(calls), len(answers)) - 1]
+            return types.SimpleNamespace(success=ok, message=msg)
+
+    common = types.ModuleType("common_pb2")
+    common.FlushCacheRequest = lambda: object()
+    grpc_mod = types.ModuleType("tokenspeed_scheduler_pb2_grpc")
+    grpc_mod.TokenSpeedSchedulerStub = Stub
+    gen = types.ModuleType("smg_grpc_proto.generated")
+    gen.common_pb2, gen.tokenspeed_scheduler_pb2_grpc = common, grpc_mod
+    top = types.ModuleType("smg_grpc_proto")
+    top.generated = gen
+    for name, mod in (("smg_grpc_proto", top), ("smg_grpc_proto.generated", gen),
+                      ("smg_grpc_proto.generated.common_pb2", common),
+                      ("smg_grpc_proto.generated.tokenspeed_scheduler_pb2_grpc", grpc_mod)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(tokenspeed, "FLUSH_WAIT_S", 0.0)
+    return calls
+
+
+def test_flush_cache_waits_out_a_busy_worker_and_fails_in_one_line(monkeypatch):
+    """FlushCache refuses while requests run: flush_cache asks again until it succeeds, and
+    after FLUSH_TRIES refusals raises one line with the worker and its last answer."""
+    pytest.importorskip("grpc")
+    busy = (False, "Cache flush failed")
+    calls = _fake_flush_stubs(monkeypatch, [busy, busy, (True, "Cache flushed successfully")])
+    tokenspeed.flush_cache("127.0.0.1", 1, "ts-1p1d: decode-0")
+    assert len(calls) == 3
+    calls = _fake_flush_stubs(monkeypatch, [busy])
+    with pytest.raises(HarnessError) as e:
+        tokenspeed.flush_cache("127.0.0.1", 1, "ts-1p1d: decode-0")
+    assert len(calls) == tokenspeed.FLUSH_TRIES
+    assert str(e.value).startswith("ts-1p1d: decode-0: FlushCache answered no success")
+    assert "'Cache flush failed'" in str(e.value) and "\n" not in str(e.value)
 
 
 # Each staged release's flags, read from its wheel (scripts/engine_flags.py; device_session.py

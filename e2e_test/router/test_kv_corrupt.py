@@ -21,10 +21,12 @@ judged exactly as test_pd.py judges `1p1d`: against `1`'s passes and control arm
   CAUGHT_BY_PATH, a shift too small for any item's bound, the GSM8K comparison through the rank
   test against `1`'s path arm, where that arm decides (PathArm.decides), recorded elsewhere.
 
-No KV a decode received outlives its case (a corrupted block stays cached and would poison
-the next case: Engine.forget_received_kv; vLLM resets the prefix caches around each case,
-TokenSpeed's corrupting decode caches nothing). What each kind did to each verdict is in the
-record (`kv_corrupt`) and docs/accuracy.md ("KV corruption negative controls").
+No KV a decode received outlives its case: a corrupted block left cached would poison the next
+case, and a clean one would stand in for this case's (Engine.forget_received_kv). vLLM resets
+the prefix caches around each case. TokenSpeed's corrupting decode matches no prefix, and from
+0.1.1, whose decode reads a prompt's full pages from those an earlier request received for the
+same tokens, every worker is flushed. What each kind did to each verdict is in the record
+(`kv_corrupt`) and docs/accuracy.md ("KV corruption negative controls").
 """
 
 import pytest

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import sys
+import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 
@@ -191,10 +192,16 @@ WORKAROUNDS = (
     ("hybrid-boots-alone", ("tokenspeed", (0, 1, 1))),
     # top_logprobs = 0: 0.1.1 refuses top-k too (runtime/engine/input_processor.py).
     ("no-top-logprobs", None),
-    # the kv_corrupt decode without prefix caching (build, forget_received_kv): 0.1.1's
-    # FlushCache clears through the compiled scheduler's clear_cache, not read here, and fails
-    # while requests are in flight (runtime/engine/request_handler.py).
+    # the kv_corrupt decode without prefix caching (build, forget_received_kv): the flag
+    # gates the decode's prefix match at admission, so it asks the prefill for every page.
     ("kv-corrupt-decode-uncached", None),
+    # forget_received_kv flushes no worker: 0.1.0's FlushCache acknowledges without flushing
+    # (runtime/engine/request_handler.py). 0.1.1's clears (the compiled scheduler's
+    # clear_cache) and answers success only then; 0.1.1 needs it: its decode publishes every
+    # full received page into its prefix index with prefix caching off, and points the
+    # request at the page already there for the same tokens (docs/upstream.md), so a page
+    # corrupted in one kv_corrupt case is not read where an earlier case left that prefix.
+    ("kv-corrupt-no-flush", ("tokenspeed", (0, 1, 1))),
     # GRAPH_STALL_SAMPLERS: 0.1.1 still captures the generic Gumbel route
     # (sampling/backends/triton.py prepare_capture); tokenspeed-kernel 0.1.4's kernel unread.
     ("triton-sampler-graphs-refused", None),
@@ -370,13 +377,13 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         argv += ["--data-parallel-size", str(entry.dp)]
     eager = False
     bootstrap = None
-    # A decode of the kv_corrupt profile caches nothing it receives: TokenSpeed 0.1.0's
-    # FlushCache acknowledges without flushing (runtime/engine/request_handler.py: "acknowledge
-    # the control request here"), so a page corrupted in one case would be reused, unreceived
-    # and uncounted, by the next case's identical prompts (forget_received_kv). Prefix caching
-    # is on by default (runtime/utils/server_args.py: enable_prefix_caching = True), so it is
-    # turned off by name; leaving out --enable-prefix-caching leaves it on. Every release read
-    # ("kv-corrupt-decode-uncached", WORKAROUNDS).
+    # A decode of the kv_corrupt profile matches no prefix at admission, so it asks the prefill
+    # for every page of every prompt: otherwise a page corrupted in one case would be reused,
+    # unreceived and uncounted, by the next case's identical prompts. Prefix caching is on by
+    # default (runtime/utils/server_args.py: enable_prefix_caching = True), so it is turned
+    # off by name; leaving out --enable-prefix-caching leaves it on. Every release read
+    # ("kv-corrupt-decode-uncached", WORKAROUNDS); what else a case needs between cases:
+    # forget_received_kv.
     corrupt = options.opt("kv_corrupt", "")
     corrupting = bool(corrupt) and entry.role == "decode"
     if disagg:
@@ -860,6 +867,38 @@ def server_info(port: int, timeout: float = 5.0) -> dict:
     return MessageToDict(resp, preserving_proto_field_name=True)
 
 
+# FlushCache refuses while requests run (0.1.1 runtime/engine/request_handler.py
+# `_try_clear_replica_cache`): a worker still finishing the last requests gets this many
+# tries, FLUSH_WAIT_S apart.
+FLUSH_TRIES = 20
+FLUSH_WAIT_S = 0.5
+
+
+def flush_cache(host: str, port: int, who: str, timeout: float = 30.0) -> None:
+    """TokenSpeed's FlushCache over gRPC (smg_grpc_proto's stubs), retried while the worker
+    answers no success; a HarnessError naming `who` and its last answer otherwise."""
+    import grpc
+    from smg_grpc_proto.generated import common_pb2
+    from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as pb_grpc
+    last = ""
+    with grpc.insecure_channel(f"{host}:{port}") as ch:
+        stub = pb_grpc.TokenSpeedSchedulerStub(ch)
+        for i in range(FLUSH_TRIES):
+            try:
+                resp = stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=timeout)
+            except grpc.RpcError as e:
+                raise HarnessError(f"{who}: FlushCache failed: {e.code().name} "
+                                   f"{e.details()}") from None
+            if resp.success:
+                return
+            last = resp.message
+            if i + 1 < FLUSH_TRIES:
+                time.sleep(FLUSH_WAIT_S)
+    raise HarnessError(f"{who}: FlushCache answered no success {FLUSH_TRIES} times, "
+                       f"{FLUSH_WAIT_S:g} s apart ({last!r}): its cache still holds what it "
+                       "received")
+
+
 def running_window(worker_url: str, timeout: float = 5.0) -> dict:
     """The worker's resolved running window from gRPC GetServerInfo's scheduler_info;
     {"error": why} when it cannot be read (stubs missing, worker gone)."""
@@ -1005,17 +1044,21 @@ class TokenSpeedEngine(Engine):
         return EPD_GATEWAY_ARGS if topology.kind == "epd" and needed else ()
 
     def forget_received_kv(self, cluster) -> None:
-        """Nothing to drop: the decode of the kv_corrupt profile runs without prefix
-        caching (build), because TokenSpeed 0.1.0 cannot be asked to flush (its FlushCache,
-        and smg's POST /flush_cache with it, reports success and flushes nothing:
-        runtime/engine/request_handler.py). Checked here from each decode's command; a prefill
-        caches only what it computed itself."""
+        """Each decode matches no prefix at admission (its command turns prefix caching off:
+        build), checked here; and where FlushCache clears (kv-corrupt-no-flush, WORKAROUNDS),
+        every worker is flushed (flush_cache), which 0.1.1's decode needs: it points a request
+        at pages an earlier request received for the same tokens. 0.1.0 cannot be flushed
+        and never does that."""
         cached = [w.name for w in cluster.workers if w.entry.role == "decode"
                   and not set(NO_PREFIX_CACHE_FLAGS) & set(w.command.argv)]
         if cached:
             raise HarnessError(f"{cluster.name}: {', '.join(cached)} caches the KV it receives "
                                "and TokenSpeed 0.1.0 cannot flush it (FlushCache is a no-op): "
                                "a corrupted page would be reused by the next request")
+        if "kv-corrupt-no-flush" in workarounds(**installed_versions()):
+            return
+        for w in cluster.workers:
+            flush_cache(w.entry.host, w.ports.api, f"{cluster.name}: {w.name}")
 
     def pd_proof(self, cluster, roles=None):
         return pd_transfer_tokenspeed(cluster, roles=roles)
