@@ -148,6 +148,22 @@ def test_streaming_with_usage_chunk(fake_openai_server, make):
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
+def test_streaming_is_signalled_at_the_first_chunk_and_never_without_one(fake_openai_server):
+    """`streaming` (what a fault aimed mid-burst waits for, test_faults.py) is set once a
+    streamed chunk arrives; a run that streams nothing (not streamed, or refused) leaves it
+    unset."""
+    import threading
+    _, url = fake_openai_server
+    ev = threading.Event()
+    run(url, [chat()], stream=True, streaming=ev)
+    assert ev.is_set()
+    for stream in (False, True):
+        ev = threading.Event()
+        reqs = [chat()] if not stream else [chat("full")]
+        run(url, reqs, stream=stream, streaming=ev)
+        assert not ev.is_set()
+
+
 def test_streaming_without_usage_is_an_error(fake_openai_server):
     _, url = fake_openai_server
     (r,) = run(url, [chat("nousage")], stream=True).results

@@ -7,6 +7,7 @@ HTTP (burst, effective_window, read_windows, preflight) against a server in this
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 
 import pytest
@@ -426,10 +427,12 @@ def test_burst_runs_every_request_at_once_with_its_options(monkeypatch):
     with serve(_gateway(9)) as srv:
         r = bursts.burst(srv.url, "m", 3, watchdog=dog)
         assert seen == {"concurrency": 3, "stream": False, "timeout": 300.0, "watchdog": dog,
-                        "n": 3, "max_tokens": {32}}
+                        "n": 3, "max_tokens": {32}, "streaming": None}
         assert r.expected_tokens == 32
-        bursts.burst(srv.url, "m", 2, stream=True, timeout=9.0)
+        ev = threading.Event()
+        bursts.burst(srv.url, "m", 2, stream=True, timeout=9.0, streaming=ev)
         assert (seen["stream"], seen["timeout"], seen["concurrency"]) == (True, 9.0, 2)
+        assert seen["streaming"] is ev
 
 
 def test_burst_request_bodies_exactly():

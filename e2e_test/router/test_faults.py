@@ -24,9 +24,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.fault, pytest.mark.engines("vllm")]
 STALL_WINDOW_S = settings.get("E2E_FAULT_STALL_WINDOW_S")
 
 
-def _kill_later(proc_tree_pids, sig, delay, stamp):
+# How long a fault waits for its burst's first streamed chunk before it gives up (the burst
+# then ends unfaulted, and the test fails on the error it did not raise).
+STREAM_WAIT_S = 120.0
+
+
+def _fault_mid_burst(proc_tree_pids, sig, streaming: threading.Event, stamp):
+    """Send `sig` to the processes once the burst streams (its first chunk: `streaming`),
+    whatever the hardware's pace: a fixed delay after the start can land after the burst's
+    end (an H200 decodes it in under 3 s)."""
     def go():
-        time.sleep(delay)
+        if not streaming.wait(STREAM_WAIT_S):
+            return
         stamp["t"] = time.monotonic()
         for pid in proc_tree_pids():
             try:
@@ -47,10 +56,11 @@ def test_worker_killed_mid_burst(disposable_cluster, record):
     stamp = {}
     # kill -9 the API server process only: its engine children become orphans that
     # teardown must still find and stop.
-    _kill_later(lambda: [w.process.pid], signal.SIGKILL, 3.0, stamp)
+    streaming = threading.Event()
+    _fault_mid_burst(lambda: [w.process.pid], signal.SIGKILL, streaming, stamp)
     with pytest.raises(WorkerDied) as exc:
         bursts.burst(c.gateway_url, c.model_name, n=16, max_tokens=256, stream=True,
-                     name="kill-9", watchdog=c.watchdog("burst"))
+                     name="kill-9", watchdog=c.watchdog("burst"), streaming=streaming)
     detected_s = time.monotonic() - stamp["t"]
     msg = str(exc.value)
     assert "worker-0" in msg and "signal 9" in msg, msg
@@ -70,10 +80,11 @@ def test_decode_stalled(disposable_cluster, record):
     c = disposable_cluster
     d = c.role("decode")[0]
     stamp = {}
-    _kill_later(lambda: [p.pid for p in d.process.tree()], signal.SIGSTOP, 3.0, stamp)
+    streaming = threading.Event()
+    _fault_mid_burst(lambda: [p.pid for p in d.process.tree()], signal.SIGSTOP, streaming, stamp)
     with pytest.raises(StallError) as exc:
         bursts.burst(c.gateway_url, c.model_name, n=8, max_tokens=256, stream=True,
-                     name="sigstop-decode",
+                     name="sigstop-decode", streaming=streaming,
                      watchdog=c.watchdog("burst", window_s=STALL_WINDOW_S))
     detected_s = time.monotonic() - stamp["t"]
     msg = str(exc.value)

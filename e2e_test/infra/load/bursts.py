@@ -63,10 +63,12 @@ class BurstResult:
 
 def burst(base_url: str, model: str, n: int, max_tokens: int = 32, stream: bool = False,
           name: str = "burst", metrics_url: str | None = None, watchdog=None,
-          timeout: float = 300.0) -> BurstResult:
+          timeout: float = 300.0, streaming=None) -> BurstResult:
+    """`n` requests at once (burst_requests); `streaming`, a threading.Event, is set at the
+    first streamed chunk (load.run)."""
     before = metrics.scrape(metrics_url) if metrics_url else None
     rep = load.run(base_url, burst_requests(model, n, max_tokens), concurrency=n,
-                   stream=stream, timeout=timeout, watchdog=watchdog)
+                   stream=stream, timeout=timeout, watchdog=watchdog, streaming=streaming)
     res = BurstResult(name, rep, max_tokens, requested=n)
     if metrics_url:
         res.rejected_metric_delta = metrics.delta(before, metrics.scrape(metrics_url), REJECTED)

@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -71,12 +72,21 @@ class RequestResult:
 
 
 class Progress:
-    def __init__(self):
+    """When a run last moved; `streaming` (where given) is set at its first streamed chunk."""
+
+    def __init__(self, streaming: threading.Event | None = None):
         self.inflight = 0
         self.last = time.monotonic()
+        self.streaming = streaming
 
     def tick(self) -> None:
         self.last = time.monotonic()
+
+    def chunk(self) -> None:
+        """A streamed chunk arrived."""
+        self.tick()
+        if self.streaming is not None:
+            self.streaming.set()
 
 
 @dataclass
@@ -214,7 +224,7 @@ async def _one(client: httpx.AsyncClient, i: int, req: Request, stream: bool, t_
                         res.error_code = _error_code(data)
                         res.error_read_s = time.monotonic() - t0
                         return res
-                    progress.tick()
+                    progress.chunk()
                     for ch in chunk.get("choices") or []:
                         if ch.get("logprobs"):
                             lp_parts.append(ch["logprobs"])
@@ -298,15 +308,18 @@ async def _watch_loop(stalls: list, t_run: float) -> None:
 async def run_async(base_url: str, requests: list[Request], concurrency: int = 16,
                     stream: bool = False, timeout: float = 600.0,
                     watchdog: Watchdog | None = None, rate: float = math.inf,
-                    seed: int = 0, label: str | None = None) -> RunReport:
+                    seed: int = 0, label: str | None = None,
+                    streaming: threading.Event | None = None) -> RunReport:
     """`rate` requests/s with Poisson arrivals (inf: all at once), at most `concurrency` in
     flight. Progress lines (n/N done) are labelled `label`, else the watchdog's `what`. The
-    report's `loop_stalls` are this event loop's own (_watch_loop), from the first request."""
+    report's `loop_stalls` are this event loop's own (_watch_loop), from the first request.
+    `streaming` is set when the first streamed chunk arrives (a fault aimed mid-run waits for
+    it: test_faults.py)."""
     stalls: list = []
     lag = asyncio.ensure_future(_watch_loop(stalls, time.monotonic()))
     try:
         rep = await _run_async(base_url, requests, concurrency, stream, timeout, watchdog, rate,
-                               seed, label)
+                               seed, label, streaming)
     finally:
         lag.cancel()
     rep.loop_stalls = stalls
@@ -315,9 +328,10 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
 
 async def _run_async(base_url: str, requests: list[Request], concurrency: int,
                      stream: bool, timeout: float, watchdog: Watchdog | None, rate: float,
-                     seed: int, label: str | None) -> RunReport:
+                     seed: int, label: str | None,
+                     streaming: threading.Event | None = None) -> RunReport:
     """run_async's run: the requests, the watchdog's checks, the report."""
-    progress = Progress()
+    progress = Progress(streaming)
     sem = asyncio.Semaphore(max(1, concurrency))
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     cpu0 = time.process_time()
@@ -434,6 +448,7 @@ def _arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 def run(base_url: str, requests: list[Request], concurrency: int = 16, stream: bool = False,
         timeout: float = 600.0, watchdog: Watchdog | None = None, rate: float = math.inf,
-        seed: int = 0, label: str | None = None) -> RunReport:
+        seed: int = 0, label: str | None = None,
+        streaming: threading.Event | None = None) -> RunReport:
     return asyncio.run(run_async(base_url, requests, concurrency, stream, timeout, watchdog,
-                                 rate, seed, label))
+                                 rate, seed, label, streaming))
