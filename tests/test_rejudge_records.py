@@ -28,7 +28,7 @@ PD_LANE = ("test_oracle_negative_control[{eng}-1]",
            "test_pd_kv_recall[{eng}-1p1d]")
 
 
-# The TokenSpeed GPU runs whose records hold test_perturbed.py's two cases (one H100 each).
+# The TokenSpeed GPU runs whose records hold test_perturbed.py's two cases (one GPU each).
 PERTURBED_RUNS = ("h100-e2e-1gpu-chat-tokenspeed-tsrouter-807c8c8",
                   "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv-896a6a9",
                   "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-ad278e1",
@@ -39,7 +39,10 @@ PERTURBED_RUNS = ("h100-e2e-1gpu-chat-tokenspeed-tsrouter-807c8c8",
                   "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-2b704ac",
                   "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv011-730bd71",
                   "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv011b-730bd71",
-                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-730bd71")
+                  "h100-e2e-1gpu-kv-corrupt-tokenspeed-kv010-730bd71",
+                  "h200-e2e-1gpu-kv-corrupt-tokenspeed-kv011-fac0131",
+                  "h200-e2e-1gpu-kv-corrupt-tokenspeed-kv010-fac0131",
+                  "h200-e2e-1gpu-chat-tokenspeed-tsrouter010-fac0131")
 
 
 def pd_lane(eng: str) -> list[str]:
@@ -258,6 +261,25 @@ def test_the_recorded_runs_that_can_be_rejudged_are():
                            ("kv-corrupt", "kv011b"), ("kv-corrupt", "kv010"))]
       + [(f"h100-e2e-1gpu-pd-tokenspeed-{run}-730bd71", t)
          for run in ("pd011", "pd010") for t in pd_lane("tokenspeed")]
+      # one H200 at one SHA: TokenSpeed 0.1.1's and 0.1.0's KV corruption, PD and chat lanes,
+      # 0.1.0's default topologies (run tsrouter010), vLLM's PD, PD sweep and chat lanes
+      + [(f"h200-e2e-1gpu-{lane}-tokenspeed-{run}-fac0131",
+          "test_oracle_negative_control[tokenspeed-1]")
+         for lane, run in (("chat", "chat011"), ("chat", "chat010"), ("kv-corrupt", "kv011"),
+                           ("kv-corrupt", "kv010"))]
+      + [(f"h200-e2e-1gpu-{lane}-tokenspeed-{run}-fac0131", t)
+         for lane, run in (("pd", "pd011"), ("pd", "pd010"), ("chat", "tsrouter010"))
+         for t in pd_lane("tokenspeed")]
+      + [("h200-e2e-1gpu-chat-tokenspeed-tsrouter010-fac0131",
+          f"test_dp_workers_agree[tokenspeed-dp2-{e}]") for e in ("gsm8k", "mmlu")]
+      + [("h200-e2e-1gpu-pd-vllm-vpd-fac0131", t) for t in pd_lane("vllm")]
+      + [(f"h200-e2e-1gpu-{lane}-vllm-{run}-fac0131", "test_oracle_negative_control[vllm-1]")
+         for lane, run in (("chat", "vchat"), ("pd-sweep", "vsweep"))]
+      + [("h200-e2e-1gpu-pd-sweep-vllm-vsweep-fac0131", t.format(shape=shape))
+         for shape in ("1p2d", "2p1d", "2p2d")
+         for t in ["test_pd_answers_match_regular[vllm-{shape}-gsm8k]",
+                   "test_pd_answers_match_regular[vllm-{shape}-mmlu]",
+                   "test_pd_kv_recall[vllm-{shape}]"]]
       # the same-path rank test's negative control on a GPU (test_perturbed.py), eps 0 and
       # perturbed, in every TokenSpeed run whose records kept it
       + [(run, f"test_perturbed_weights_fail_the_same_path_rank_test[tokenspeed-{case}]")
