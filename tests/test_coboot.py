@@ -70,11 +70,29 @@ def test_too_few_cores_keep_boots_apart():
     assert coboot.assign(pd_lane(0.05), "cuda", {0: 1.0}, cores=8).workers == 2
 
 
-def test_a_topology_that_does_not_fit_twice_runs_alone():
-    keyed = [(ONE, with_fraction(placed("1"), 0.05)), (PD, with_fraction(placed("1p1d"), 0.3))]
-    assert coboot.assign(keyed, "cuda", {0: 1.0}, cores=16).workers == 1
-    keyed = [(ONE, with_fraction(placed("1"), 0.05)), (PD, with_fraction(placed("1p1d"), 0.6))]
-    assert coboot.assign(keyed, "cuda", {0: 1.0}, cores=16).workers == 1
+def test_a_topology_that_does_not_fit_twice_runs_beside_smaller_ones_that_fit_with_it():
+    """Two copies of 1p1d at 0.3 a worker (0.6) exceed 0.9, but 1p1d and `1` (0.05) take
+    0.65 together: two workers, sharing 0.65. Negative controls: with 1p1d at 0.44 a worker
+    the two take 0.93, and at 0.6 1p1d alone takes 1.2: one at a time; a third topology as
+    large as 1p1d leaves two workers only where the two largest fit together."""
+    small = (ONE, with_fraction(placed("1"), 0.05))
+    a = coboot.assign([small, (PD, with_fraction(placed("1p1d"), 0.3))], "cuda", {0: 1.0},
+                      cores=16)
+    assert (a.workers, a.shares) == (2, {0: 0.65})
+    assert a.reason.startswith("2 topologies at once: the 2 largest take GPU 0 0.65 together")
+    for frac in (0.44, 0.6):
+        keyed = [small, (PD, with_fraction(placed("1p1d"), frac))]
+        a = coboot.assign(keyed, "cuda", {0: 1.0}, cores=16)
+        assert (a.workers, a.shares) == (1, {}) and a.reason.startswith("one topology")
+    three = [small, (PD, with_fraction(placed("1p1d"), 0.3)),
+             (WINDOW, with_fraction(placed("1p1d"), 0.3))]
+    assert coboot.assign(three, "cuda", {0: 1.0}, cores=16).workers == 1
+    three[2] = (WINDOW, with_fraction(placed("1p1d"), 0.1))
+    a = coboot.assign(three, "cuda", {0: 1.0}, cores=16)
+    assert (a.workers, a.shares) == (3, {0: 0.85})
+    # too few cores for two booting at once: one, whatever the memory
+    assert coboot.assign([small, (PD, with_fraction(placed("1p1d"), 0.3))], "cuda",
+                         {0: 1.0}, cores=4).workers == 1
 
 
 @pytest.mark.parametrize("keyed, free, why", [
@@ -166,3 +184,26 @@ def test_tokenspeed_serving_a_hybrid_model_boots_alone_on_0_1_0(monkeypatch):
     monkeypatch.setattr(tokenspeed, "installed_versions",
                         lambda: {"tokenspeed": "0.1.1", "servicer": "0.9.1"})
     assert TS.alone_reason(vlm) is None
+
+
+def test_the_epd_lane_on_tokenspeed_0_1_1_boots_its_two_topologies_together(monkeypatch):
+    """The EPD lane on an H200 (NVML reports a little under the whole device free):
+    `1e1p1d` holds 0.45 (packed_schedule's cumulative 0.15, 0.30, 0.45) and `1` 0.15; two
+    copies of 0.45 exceed 0.995 less the headroom, the two together (0.60) do not. TokenSpeed's
+    workers then run at that total (beside)."""
+    from e2e_test.infra.engines import tokenspeed
+    TS = tokenspeed.ENGINE
+    monkeypatch.setattr(tokenspeed, "installed_versions",
+                        lambda: {"tokenspeed": "0.1.1", "servicer": "0.9.1"})
+    vlm = get_spec("tiny-random/Qwen3.5-VL")
+
+    def vplaced(name):
+        topo = topologies.parse(name)
+        return planner.place(topo, vlm, "cuda", (0,), for_topology("tokenspeed", topo))
+    lane = [(("tokenspeed", "1"), vplaced("1")), (("tokenspeed", "1e1p1d"), vplaced("1e1p1d"))]
+    held = {k: TS.held_share(p) for k, p in lane}
+    assert held == {("tokenspeed", "1"): {0: 0.15}, ("tokenspeed", "1e1p1d"): {0: 0.45}}
+    a = coboot.assign(lane, "cuda", {0: 0.995}, cores=16,
+                      alone={k: TS.alone_reason(vlm) for k, _ in lane}, held=held)
+    assert (a.workers, a.shares) == (2, {0: 0.6})
+    assert {e.mem_fraction for e in TS.beside(lane[1][1], a.shares).entries} == {0.6}

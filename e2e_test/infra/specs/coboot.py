@@ -23,6 +23,12 @@ Rules:
   tokenizer, weights, compilation). Any topologies of the session then fit together.
   `shares` is what they may hold together on each device (Engine.beside: TokenSpeed's
   utilization is that total).
+- where not even two copies of the largest fit, as many workers as the largest topologies
+  of the session fit together: on every device the sum of that many of the largest shares
+  (the most any of them may hold at once), within the same bounds. The EPD lane: `1e1p1d`
+  takes 0.45 of the GPU and `1` 0.15; two copies of 0.45 exceed what NVML reports free less
+  HEADROOM, the two together (0.60) do not (docs/gpu.md, "Every lane at one SHA on one
+  H200").
 
 The reason, in one line, goes into the session's time report (time_report `assignment`).
 """
@@ -103,6 +109,14 @@ def assign(keyed_plans, backend: str, free_share: dict[int, float] | None, cores
     by_cores = cores // (cores_per_worker * most)
     n = max(1, min(by_memory, by_cores))
     frees = ", ".join(f"GPU {d} {s:.2f} free" for d, s in sorted(free_share.items()))
+    if n == 1 and by_cores > 1 and len(keyed_plans) > 1:
+        together = _together(keyed_plans, held, free_share, headroom, by_cores)
+        if together is not None:
+            k, sums = together
+            taken = ", ".join(f"GPU {d} {s:.2f}" for d, s in sorted(sums.items()))
+            return Assignment(k, f"{k} topologies at once: the {k} largest take {taken} "
+                                 f"together ({frees}; headroom {headroom:g}; two copies of "
+                                 f"the largest would not fit)", sums)
     largest = ", ".join(f"GPU {d} {s:.2f}" for d, s in sorted(big.items()))
     why = (f"{n} topologies at once: the largest takes {largest} ({frees}; headroom "
            f"{headroom:g}) and boots {most} worker(s) ({cores} cores, {cores_per_worker} a "
@@ -111,3 +125,22 @@ def assign(keyed_plans, backend: str, free_share: dict[int, float] | None, cores
         return Assignment(1, why.replace("1 topologies at once", "one topology at a time"))
     return Assignment(n, why, {d: round(min(n * s, free_share.get(d, 0.0) - headroom), 4)
                                for d, s in big.items()})
+
+
+def _together(keyed_plans, held: dict, free_share: dict[int, float], headroom: float,
+              most: int) -> tuple[int, dict[int, float]] | None:
+    """(k, what the k largest topologies hold together on each device) for the largest k of
+    at least 2 and at most `most` (and the topologies there are) where, on every device, the
+    sum of the k largest shares stays within its free share less `headroom`; None where not
+    even two fit. Pure."""
+    per_device: dict[int, list[float]] = {}
+    for key, plan in keyed_plans:
+        for d, s in (held.get(key) or device_share(plan)).items():
+            per_device.setdefault(d, []).append(s)
+    best = None
+    for k in range(2, min(most, len(keyed_plans)) + 1):
+        sums = {d: round(sum(sorted(v, reverse=True)[:k]), 4) for d, v in per_device.items()}
+        if any(s > free_share.get(d, 0.0) - headroom + 1e-9 for d, s in sums.items()):
+            break
+        best = (k, sums)
+    return best
