@@ -329,7 +329,7 @@ async def run_async(base_url: str, requests: list[Request], concurrency: int = 1
 async def _run_async(base_url: str, requests: list[Request], concurrency: int,
                      stream: bool, timeout: float, watchdog: Watchdog | None, rate: float,
                      seed: int, label: str | None,
-                     streaming: threading.Event | None = None) -> RunReport:
+                     streaming: threading.Event | None) -> RunReport:
     """run_async's run: the requests, the watchdog's checks, the report."""
     progress = Progress(streaming)
     sem = asyncio.Semaphore(max(1, concurrency))

@@ -99,10 +99,11 @@ def assign(keyed_plans, backend: str, free_share: dict[int, float] | None, cores
     if alone:
         return Assignment(1, "; ".join(sorted({f"{key_name(k).split('/')[0]} boots alone: {w}"
                                               for k, w in alone.items()})))
-    big: dict[int, float] = {}
+    per_device: dict[int, list[float]] = {}      # device -> each topology's share there
     for key, plan in keyed_plans:
         for d, s in (held.get(key) or device_share(plan)).items():
-            big[d] = max(big.get(d, 0.0), s)
+            per_device.setdefault(d, []).append(s)
+    big = {d: max(v) for d, v in per_device.items()}
     by_memory = min((math.floor((free_share.get(d, 0.0) - headroom) / s + 1e-9)
                      for d, s in big.items() if s > 0), default=len(keyed_plans))
     most = max(len(p.entries) for _, p in keyed_plans)
@@ -110,7 +111,8 @@ def assign(keyed_plans, backend: str, free_share: dict[int, float] | None, cores
     n = max(1, min(by_memory, by_cores))
     frees = ", ".join(f"GPU {d} {s:.2f} free" for d, s in sorted(free_share.items()))
     if n == 1 and by_cores > 1 and len(keyed_plans) > 1:
-        together = _together(keyed_plans, held, free_share, headroom, by_cores)
+        together = _together(per_device, free_share, headroom,
+                             min(by_cores, len(keyed_plans)))
         if together is not None:
             k, sums = together
             taken = ", ".join(f"GPU {d} {s:.2f}" for d, s in sorted(sums.items()))
@@ -127,18 +129,14 @@ def assign(keyed_plans, backend: str, free_share: dict[int, float] | None, cores
                                for d, s in big.items()})
 
 
-def _together(keyed_plans, held: dict, free_share: dict[int, float], headroom: float,
-              most: int) -> tuple[int, dict[int, float]] | None:
-    """(k, what the k largest topologies hold together on each device) for the largest k of
-    at least 2 and at most `most` (and the topologies there are) where, on every device, the
-    sum of the k largest shares stays within its free share less `headroom`; None where not
-    even two fit. Pure."""
-    per_device: dict[int, list[float]] = {}
-    for key, plan in keyed_plans:
-        for d, s in (held.get(key) or device_share(plan)).items():
-            per_device.setdefault(d, []).append(s)
+def _together(per_device: dict[int, list[float]], free_share: dict[int, float],
+              headroom: float, limit: int) -> tuple[int, dict[int, float]] | None:
+    """(k, what the k largest topologies hold together on each device) for the largest k
+    from 2 to `limit` where, on every device, the sum of the k largest of its topologies'
+    shares (`per_device`) stays within its free share less `headroom`; None where not even
+    two fit. Pure."""
     best = None
-    for k in range(2, min(most, len(keyed_plans)) + 1):
+    for k in range(2, limit + 1):
         sums = {d: round(sum(sorted(v, reverse=True)[:k]), 4) for d, v in per_device.items()}
         if any(s > free_share.get(d, 0.0) - headroom + 1e-9 for d, s in sums.items()):
             break
