@@ -263,6 +263,23 @@ def test_a_prefill_still_short_at_the_whole_context_queues_prompts_ahead():
     assert sf.queue_ahead_count(0.0) == sf.QUEUE_AHEAD_MAX     # never unbounded
 
 
+def test_prompts_that_fill_too_little_are_grown_in_proportion():
+    """TokenSpeed `1` on an H200: 32 prompts of 1234-1444 words queued ahead left windows of
+    0.049-0.119 s past a short prompt's first token, one of them under a tick (the case could
+    not be timed): the engine prefills them together. The count grows by the shortfall."""
+    assert sf.queue_ahead_grow(32, 0.049) == sf.QUEUE_AHEAD_MAX == 128    # 131 asked
+    assert 128 * 0.049 / 32 >= 3.9 * sf.TICK_S
+    assert sf.queue_ahead_grow(32, 0.110) == 59                # 32 x 0.2 / 0.110
+    assert 59 * 0.110 / 32 >= sf.PREFILL_GROW_BELOW_S
+    # negative controls: a window that fills the target, or no queue at all, is kept
+    assert sf.queue_ahead_grow(32, sf.PREFILL_GROW_BELOW_S) == 32
+    assert sf.queue_ahead_grow(6, 0.32) == 6                   # TokenSpeed 1p1d, H200
+    assert sf.queue_ahead_grow(0, 0.01) == 0
+    # a first token no later than a short prompt's grows by the most, never unbounded
+    assert sf.queue_ahead_grow(8, -0.002) == sf.QUEUE_AHEAD_MAX
+    assert sf.queue_ahead_grow(sf.QUEUE_AHEAD_MAX, 0.1) == sf.QUEUE_AHEAD_MAX
+
+
 def _sse_server(fail_tokens: int = 0, headers_after_s: float = 0.0):
     """A stand-in gateway (a real HTTP server on 127.0.0.1) that streams a chunk a 50 ms
     from 0.3 s on, max_tokens of them (40 at most), and records the order in which requests arrived; a request
@@ -301,7 +318,10 @@ def _sse_server(fail_tokens: int = 0, headers_after_s: float = 0.0):
             except OSError:
                 pass        # the client left
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256        # a hundred prompts queued ahead connect at once
+
+    srv = Server(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, seen
 
@@ -373,6 +393,35 @@ def test_prompts_queued_ahead_release_the_case_before_their_headers(monkeypatch)
         waited, case = asyncio.run(go())
         assert waited < 0.4 and case.queued_ahead == 3 and case.ahead_done_before == 0
         assert seen == [1, 1, 1]
+    finally:
+        srv.shutdown()
+
+
+def test_more_prompts_ahead_than_httpx_pools_by_default_all_go_out_first(monkeypatch):
+    """110 prompts queued ahead, headers with the first token (smg over gRPC): every one is
+    sent before the case's request, none has ended by then. httpx pools 100 connections by
+    default; the case's client has no cap."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(sf, "read_loads", lambda _cluster: {})
+    srv, seen = _sse_server(headers_after_s=0.5)
+    cluster = SimpleNamespace(gateway_url=f"http://127.0.0.1:{srv.server_address[1]}",
+                              model_name="m", topology=SimpleNamespace(name="1"))
+
+    async def capped():
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=cluster.gateway_url, limits=limits) as client:
+            case = sf.CancelCase("first token", "1", 999, 20)
+            await asyncio.gather(*await sf.queue_ahead(client, cluster, 110, case))
+            return case
+    try:
+        case = sf.CancelCase("first token", "1", 999, 20)
+        asyncio.run(sf._stream_then_drop(cluster, "prompt", 999, lambda n, t: n > 0, case,
+                                         10.0, ahead=110))
+        assert case.queued_ahead == 110 and case.ahead_done_before == 0
+        assert sorted(seen) == [1] * 110 + [999]
+        # negative control: a client of httpx's default pool holds 10 back until earlier
+        # prompts end, so some had ended before the last was sent
+        assert asyncio.run(capped()).ahead_done_before > 0
     finally:
         srv.shutdown()
 
