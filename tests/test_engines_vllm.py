@@ -58,6 +58,7 @@ def test_regular_cpu_worker():
     assert cmd.bootstrap_port is None
     assert (cmd.readiness, cmd.start_stage, cmd.metrics_dir, cmd.unset_env) == (
         HttpGet(20100, "/health"), 0, None, ())
+    assert cmd.tmp_env == "VLLM_RPC_BASE_PATH"     # its IPC sockets in a folder of its own
 
 
 def test_a_worker_held_for_its_restart_runs_its_module_after_go(monkeypatch):

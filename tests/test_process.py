@@ -219,6 +219,35 @@ def test_exit_code_and_log(tmp_path):
     assert p.log_tail(1) == "hello from child"
 
 
+def test_a_tmp_folder_of_its_own_is_removed_at_stop(tmp_path):
+    """WorkerCommand.tmp_env: the child finds a short folder of its own in that variable,
+    leaves a Unix socket in it (as vLLM's ZMQ IPC does under VLLM_RPC_BASE_PATH), and the
+    folder is gone after its stop; each process gets another."""
+    code = ("import os, socket, time; d = os.environ['E2E_T_DIR']; "
+            "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(d, 'x' * 36)); "
+            "print(d, flush=True); time.sleep(60)")
+    a = ManagedProcess("a", py(code), {}, tmp_path / "a.log", tmp_env="E2E_T_DIR").start()
+    b = ManagedProcess("b", py(code), {}, tmp_path / "b.log", tmp_env="E2E_T_DIR").start()
+    try:
+        wait_for(lambda: len(a.log_text().splitlines()) > 1 and len(b.log_text().splitlines()) > 1)
+        folder = a.log_text().splitlines()[1]
+        assert folder == a.tmp_dir != b.tmp_dir and os.path.isdir(b.tmp_dir)
+        assert os.listdir(folder) == ["x" * 36] and len(folder) < 40
+        assert a.stop(grace=1).survivors == []
+        assert not os.path.exists(folder) and a.tmp_dir is None
+        assert os.listdir(b.tmp_dir)                   # the other's is its own
+    finally:
+        a.stop(grace=0.5)
+        b.stop(grace=0.5)
+    assert b.tmp_dir is None
+    # negative control: without tmp_env the variable is not set, and nothing is made
+    c = ManagedProcess("c", py("import os; print(os.environ.get('E2E_T_DIR'))"), {},
+                       tmp_path / "c.log").start()
+    wait_for(lambda: not c.alive())
+    c.stop(grace=1)
+    assert c.log_text().splitlines()[1:] == ["None"] and c.tmp_dir is None
+
+
 def test_a_note_is_the_logs_second_line_before_the_childs_output(tmp_path):
     """The harness's own line (WorkerCommand.log_note) follows the command's, in one line
     whatever it holds; without one the child's output follows the command at once."""

@@ -331,9 +331,12 @@ def build(spec: ModelSpec, topology: Topology, entry: PlanEntry, ports: Ports,
         kv_bytes = kv_cache_bytes(spec, model_path, argv)
         if kv_bytes:
             argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    # vLLM's ZMQ IPC sockets go under VLLM_RPC_BASE_PATH (the temp folder by default), and a
+    # stopped worker leaves them there: a folder of the worker's own, removed at its stop.
     return WorkerCommand(argv=argv, env=env,
                          readiness=HttpGet(ports.api, "/health", host=entry.host),
-                         worker_type=worker_type, kv_connector=kv_connector)
+                         worker_type=worker_type, kv_connector=kv_connector,
+                         tmp_env="VLLM_RPC_BASE_PATH")
 
 
 # -- the PD proof: the KV moved ---------------------------------------------------------------

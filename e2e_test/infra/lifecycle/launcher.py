@@ -42,6 +42,10 @@ class WorkerCommand:
     owned_ports: tuple[int, ...] = ()  # ports it binds beyond Ports (checked at teardown)
     stop_grace_s: float | None = None  # SIGTERM -> SIGKILL at stop; None: the cluster's
     log_note: str = ""                 # one line the harness writes into its log at the start
+    # A variable that points the worker at a folder of its own process's, made at its start
+    # and removed at its stop (ManagedProcess.tmp_env): where an engine leaves files, such as
+    # IPC sockets, that a stopped worker does not remove.
+    tmp_env: str = ""
 
     @property
     def health_path(self) -> str | None:
@@ -161,7 +165,8 @@ class LocalLauncher:
             Path(command.metrics_dir).mkdir(parents=True)
         return ManagedProcess(name, command.argv, command.env, log_path,
                               unset_env=command.unset_env, cpu_affinity=cores,
-                              held=held, note=command.log_note).start()
+                              held=held, note=command.log_note,
+                              tmp_env=command.tmp_env).start()
 
     def verify(self, stops: list[StopReport], ports: set[int],
                baseline: Baseline) -> teardown.TeardownReport:

@@ -15,8 +15,10 @@ import ctypes
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -166,7 +168,7 @@ class ManagedProcess:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
                  cwd: str | None = None, unset_env: tuple[str, ...] | list[str] = (),
                  cpu_affinity: tuple[int, ...] | list[int] = (), held: bool = False,
-                 note: str = ""):
+                 note: str = "", tmp_env: str = ""):
         self.name = name
         self.argv = [str(a) for a in argv]
         self.env_overrides = dict(env)
@@ -180,6 +182,10 @@ class ManagedProcess:
         # release() sends `go`; until then it waits, and it exits when the pipe closes unsent.
         self.held = held
         self.note = note        # a line of the harness's own, after the command's (one line)
+        # A variable pointed at a short folder of this process's own, made at start and
+        # removed at stop once none of its processes is left (WorkerCommand.tmp_env).
+        self.tmp_env = tmp_env
+        self.tmp_dir: str | None = None
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
         self.known: dict[int, float] = {}   # pid -> reaper.started, descendants seen alive
@@ -200,6 +206,9 @@ class ManagedProcess:
         # This process's own tag: stop() finds a descendant that left the session by it.
         self.tag = f"{self.name}-{uuid.uuid4().hex[:12]}"
         env[reaper.PROC_TAG_ENV] = self.tag
+        if self.tmp_env:
+            self.tmp_dir = tempfile.mkdtemp(prefix="e2e-tmp-")
+            env[self.tmp_env] = self.tmp_dir
         cores = set(self.cpu_affinity)
         pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         stdin = subprocess.PIPE if self.held else subprocess.DEVNULL
@@ -334,6 +343,9 @@ class ManagedProcess:
         survivors = [_describe(p) for p in self.tree()]
         if not survivors:      # survivors stay with the guardian, which stops them at exit
             reaper.forget(self.pid)
+            if self.tmp_dir:
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self.tmp_dir = None
         if self._log:
             self._log.close()
             self._log = None

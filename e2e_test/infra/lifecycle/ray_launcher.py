@@ -128,7 +128,7 @@ class RoleActor:
     """One worker's process on this node."""
 
     def __init__(self, name: str, argv: list[str], env: dict, unset_env: tuple, log_path: str,
-                 cores: tuple, metrics_dir: str | None, address: str):
+                 cores: tuple, metrics_dir: str | None, address: str, tmp_env: str = ""):
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
             Path(metrics_dir).mkdir(parents=True)
@@ -139,7 +139,7 @@ class RoleActor:
                 env["UCX_NET_DEVICES"] = iface
         unset = tuple(unset_env) + tuple(v for v in RAY_WORKER_ENV if v not in env)
         self.proc = ManagedProcess(name, argv, env, Path(log_path), unset_env=unset,
-                                   cpu_affinity=cores)
+                                   cpu_affinity=cores, tmp_env=tmp_env)
 
     def start(self) -> dict:
         self.proc.start()
@@ -441,7 +441,7 @@ class RayLauncher:
         log_path = Path(log_path).resolve()     # the actor's working folder is Ray's
         actor = ray.remote(RoleActor).options(**self._options(node)).remote(
             f"{name} on {nd.label}", command.argv, command.env, tuple(command.unset_env),
-            str(log_path), tuple(cores), command.metrics_dir, nd.address)
+            str(log_path), tuple(cores), command.metrics_dir, nd.address, command.tmp_env)
         h = RayHandle(name, list(command.argv), Path(log_path), nd, actor,
                       node_dead=functools.partial(node_dead, self._nodes[node][1]))
         try:
