@@ -51,7 +51,7 @@ DRIVER = textwrap.dedent("""
     box = {}
     def start():
         box["p"] = ManagedProcess("child", [sys.executable, child, mode], {},
-                                  logdir / "child.log").start()
+                                  logdir / "child.log", tmp_env="E2E_T_DIR").start()
     if mode == "thread":
         t = threading.Thread(target=start); t.start(); t.join()
     else:
@@ -66,7 +66,8 @@ DRIVER = textwrap.dedent("""
         time.sleep(0.05)
         p.remember_descendants()
     print(json.dumps({"run": reaper.run_id(), "guardian": reaper.guardian_pid(),
-                      "pids": sorted(p.known), "plain": plain and plain.pid}), flush=True)
+                      "pids": sorted(p.known), "plain": plain and plain.pid,
+                      "tmp": p.tmp_dir}), flush=True)
     for line in sys.stdin:
         if line.strip() == "stop":
             r = p.stop(grace=5)
@@ -178,6 +179,9 @@ def test_sigkill_of_the_driver_stops_its_whole_tree(driver, mode):
     stopped = rep["terminated"] + rep["killed"]
     assert {int(s.split()[1]) for s in stopped} == set(info["pids"]), rep
     assert rep["survivors"] == [] and rep["killed"] == []
+    # the worker's own temp folder (tmp_env), which its stop never removed, went with the run
+    assert Path(info["tmp"]).parent == reaper.RUNS_DIR / f"{info['run']}.tmp"
+    assert not Path(info["tmp"]).parent.exists()
 
 
 def test_the_guardian_leaves_alone_what_the_harness_did_not_start(driver):
@@ -407,10 +411,34 @@ def test_a_driver_lists_its_sessions_in_runs_dir_and_removes_the_file_at_a_clean
     f = reaper.RUNS_DIR / f"{info['run']}.procs"
     text = f.read_text()
     assert text.startswith("driver ") and any(f"add {x} " in text for x in info["pids"])
-    d.stdin.write("stop\nexit\n")
+    assert os.path.isdir(info["tmp"])
+    d.stdin.write("stop\n")
+    d.stdin.flush()
+    assert json.loads(d.stdout.readline()) == {"stopped": True}
+    assert not os.path.exists(info["tmp"])       # the process's stop removed its own
+    assert (reaper.RUNS_DIR / f"{info['run']}.tmp").is_dir()
+    d.stdin.write("exit\n")
     d.stdin.flush()
     assert d.wait(timeout=10) == 0
-    assert not f.exists()
+    assert not f.exists() and not (reaper.RUNS_DIR / f"{info['run']}.tmp").exists()
+
+
+def test_a_dead_runs_temp_folders_go_with_its_file_and_a_live_runs_stay(tmp_path, monkeypatch):
+    """A run whose driver and guardian both died leaves its processes' temp folders
+    (tmp_root); the next preflight's forget_dead_runs removes them with the run's file. A
+    run whose driver lives keeps both."""
+    monkeypatch.setattr(reaper, "RUNS_DIR", tmp_path / "runs")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    create = reaper.started(gone.pid)
+    gone.wait()
+    runs = {"dead-1": f"driver {gone.pid} {create!r}",
+            "live-1": f"driver {os.getpid()} {reaper.started(os.getpid())!r}"}
+    for rid, head in runs.items():
+        (tmp_path / "runs" / f"{rid}.tmp" / "tmpabc").mkdir(parents=True)
+        (tmp_path / "runs" / f"{rid}.procs").write_text(head + "\n")
+    reaper.forget_dead_runs()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["live-1.procs",
+                                                                     "live-1.tmp"]
 
 
 def test_preflight_without_orphans_is_silent(sweeps_held):

@@ -207,7 +207,7 @@ class ManagedProcess:
         self.tag = f"{self.name}-{uuid.uuid4().hex[:12]}"
         env[reaper.PROC_TAG_ENV] = self.tag
         if self.tmp_env:
-            self.tmp_dir = tempfile.mkdtemp(prefix="e2e-tmp-")
+            self.tmp_dir = tempfile.mkdtemp(dir=reaper.tmp_root())
             env[self.tmp_env] = self.tmp_dir
         cores = set(self.cpu_affinity)
         pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None

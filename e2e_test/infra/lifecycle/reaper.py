@@ -18,6 +18,8 @@ nothing. It writes reaper-<run id>.json into the results folder when it stopped 
 exits. PR_SET_PDEATHSIG only wakes it up: it fires when the parent *thread* exits, so the pipe
 and the driver's pid decide.
 
+Each run's processes' own temp folders (tmp_root) go with its RUNS_DIR file (forget_run).
+
 Preflight (Cluster.start, before any process starts): processes marked by an earlier run whose
 driver is gone are stopped and named in a log line (E2E_PREFLIGHT=clear, the default), or named
 in a one-line PreflightError (E2E_PREFLIGHT=fail); E2E_PREFLIGHT=off skips the checks. On CUDA,
@@ -33,6 +35,7 @@ import ctypes
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -271,13 +274,27 @@ def orphans() -> list[tuple[psutil.Process, Marker]]:
 
 
 def forget_dead_runs() -> None:
-    """Remove RUNS_DIR files of runs whose driver is gone and whose sessions are all gone."""
+    """Forget runs whose driver is gone and whose sessions are all gone (forget_run)."""
     for rid, (m, groups) in _read_runs().items():
         if rid != run_id() and not m.driver_alive() and not session_members(groups):
-            try:
-                (RUNS_DIR / f"{rid}.procs").unlink()
-            except OSError:
-                pass
+            forget_run(rid)
+
+
+def tmp_root() -> Path:
+    """This run's folder of its processes' own temp folders (ManagedProcess.tmp_env). Each
+    process's stop removes its own; forget_run removes what a run whose driver died left."""
+    root = RUNS_DIR / f"{run_id()}.tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def forget_run(rid: str) -> None:
+    """Remove a run's RUNS_DIR file and its processes' temp folders (tmp_root)."""
+    try:
+        (RUNS_DIR / f"{rid}.procs").unlink()
+    except OSError:
+        pass
+    shutil.rmtree(RUNS_DIR / f"{rid}.tmp", ignore_errors=True)
 
 
 # -- stopping -----------------------------------------------------------------------------------
@@ -478,10 +495,7 @@ def guard(fd: int, run: str, driver_pid: int, driver_create: float, report_dir: 
 
     first = targets()
     if not first:
-        try:
-            (RUNS_DIR / f"{run}.procs").unlink()
-        except OSError:
-            pass
+        forget_run(run)
         return 0
     result = stop_processes(first, grace=grace, more=targets)
     report = {"run_id": run, "driver_pid": driver_pid, "why": why, "goodbye": goodbye,
@@ -499,10 +513,7 @@ def guard(fd: int, run: str, driver_pid: int, driver_create: float, report_dir: 
           f"({len(result['killed'])} needed SIGKILL, {len(result['survivors'])} survived)"
           + (f"; report {path}" if path else ""))
     if not result["survivors"]:
-        try:
-            (RUNS_DIR / f"{run}.procs").unlink()
-        except OSError:
-            pass
+        forget_run(run)
     return 1 if result["survivors"] else 0
 
 
@@ -635,10 +646,7 @@ def _goodbye() -> None:
                 pass
             # the pipe closes with the process; the guardian exits at once when nothing is left
         if not g.groups:
-            try:
-                g.runs_file.unlink()
-            except OSError:
-                pass
+            forget_run(_identity()["run_id"])
 
 
 def _after_fork_in_child() -> None:
