@@ -29,10 +29,12 @@ STALL_WINDOW_S = settings.get("E2E_FAULT_STALL_WINDOW_S")
 STREAM_WAIT_S = 120.0
 
 
-def _fault_mid_burst(proc_tree_pids, sig, streaming: threading.Event, stamp):
-    """Send `sig` to the processes once the burst streams (its first chunk: `streaming`),
-    whatever the hardware's pace: a fixed delay after the start can land after the burst's
-    end (an H200 decodes it in under 3 s)."""
+def _fault_mid_burst(proc_tree_pids, sig, stamp) -> threading.Event:
+    """Send `sig` to the processes once the burst streams: returns the event to hand to the
+    burst (`streaming`, set at its first chunk). Whatever the hardware's pace: a fixed delay
+    after the start can land after the burst's end (an H200 decodes it in under 3 s)."""
+    streaming = threading.Event()
+
     def go():
         if not streaming.wait(STREAM_WAIT_S):
             return
@@ -42,9 +44,8 @@ def _fault_mid_burst(proc_tree_pids, sig, streaming: threading.Event, stamp):
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t
+    threading.Thread(target=go, daemon=True).start()
+    return streaming
 
 
 @pytest.mark.topology_kinds("regular")
@@ -56,8 +57,7 @@ def test_worker_killed_mid_burst(disposable_cluster, record):
     stamp = {}
     # kill -9 the API server process only: its engine children become orphans that
     # teardown must still find and stop.
-    streaming = threading.Event()
-    _fault_mid_burst(lambda: [w.process.pid], signal.SIGKILL, streaming, stamp)
+    streaming = _fault_mid_burst(lambda: [w.process.pid], signal.SIGKILL, stamp)
     with pytest.raises(WorkerDied) as exc:
         bursts.burst(c.gateway_url, c.model_name, n=16, max_tokens=256, stream=True,
                      name="kill-9", watchdog=c.watchdog("burst"), streaming=streaming)
@@ -80,8 +80,8 @@ def test_decode_stalled(disposable_cluster, record):
     c = disposable_cluster
     d = c.role("decode")[0]
     stamp = {}
-    streaming = threading.Event()
-    _fault_mid_burst(lambda: [p.pid for p in d.process.tree()], signal.SIGSTOP, streaming, stamp)
+    streaming = _fault_mid_burst(lambda: [p.pid for p in d.process.tree()], signal.SIGSTOP,
+                                 stamp)
     with pytest.raises(StallError) as exc:
         bursts.burst(c.gateway_url, c.model_name, n=8, max_tokens=256, stream=True,
                      name="sigstop-decode", streaming=streaming,

@@ -459,9 +459,9 @@ def queue_ahead_count(prefill_s: float) -> int:
 def queue_ahead_grow(ahead: int, window_s: float) -> int:
     """How many prompts go ahead once `ahead` of them left the request's first token
     `window_s` past a short prompt's: `ahead` where that fills PREFILL_GROW_BELOW_S, else more
-    in proportion to the shortfall, at most QUEUE_AHEAD_MAX. An engine that prefills queued
-    prompts together in one step fills less time per prompt than one prefill measured alone
-    (queue_ahead_count's estimate). Pure."""
+    in proportion to the shortfall, at most QUEUE_AHEAD_MAX. queue_ahead_count's estimate,
+    from one prefill measured alone, can fill less than asked (docs/lifecycle.md, "Cancel
+    during prefill"). Pure."""
     if ahead < 1 or window_s >= PREFILL_GROW_BELOW_S:
         return ahead
     return min(QUEUE_AHEAD_MAX,
